@@ -1,0 +1,128 @@
+"""Argument validation shared by `reference` and `fast`.
+
+Every public function checks its inputs here before doing any work, so both
+packages reject the same bad inputs with the same messages, and no kernel ever
+sees an input that was not checked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class QKVShape:
+    """Sizes of a checked `q: [B, Hq, N, D]`, `k, v: [B, Hkv, N, D]` triple."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seqlen: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.q_heads // self.kv_heads
+
+
+def check_tensor(name: str, x: object, *, rank: int) -> torch.Tensor:
+    """Raise TypeError/ValueError unless `x` is a tensor of the given rank."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_qk(
+    q: object,
+    k: object,
+    *,
+    dtypes: tuple[torch.dtype, ...] = REFERENCE_DTYPES,
+) -> QKVShape:
+    """Check `q: [B, Hq, N, D]` against `k: [B, Hkv, N, D]` and return the sizes.
+
+    Raises:
+        TypeError: not tensors, or a dtype outside `dtypes`, or q and k differ in dtype.
+        ValueError: wrong rank, mismatched sizes, Hq not a multiple of Hkv, empty
+            tensors, or q and k on different devices.
+    """
+    q = check_tensor("q", q, rank=4)
+    k = check_tensor("k", k, rank=4)
+    if q.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"q must have dtype in ({names}), got {q.dtype}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have the dtype of q ({q.dtype}), got {k.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"k must be on the device of q ({q.device}), got {k.device}")
+    b, hq, n, d = q.shape
+    if 0 in q.shape:
+        raise ValueError(f"q must not be empty, got shape {tuple(q.shape)}")
+    if k.shape[0] != b or k.shape[2] != n or k.shape[3] != d:
+        raise ValueError(
+            f"k must have shape [B={b}, Hkv, N={n}, D={d}] to match q, got {tuple(k.shape)}"
+        )
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"the number of query heads ({hq}) must be a multiple of the number of "
+            f"KV heads in k ({hkv})"
+        )
+    return QKVShape(batch=b, q_heads=hq, kv_heads=hkv, seqlen=n, head_dim=d)
+
+
+def check_qkv(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    dtypes: tuple[torch.dtype, ...] = REFERENCE_DTYPES,
+) -> QKVShape:
+    """Check a `q, k, v` triple (see `check_qk`); `v` must match `k` exactly."""
+    shape = check_qk(q, k, dtypes=dtypes)
+    assert isinstance(k, torch.Tensor)
+    v = check_tensor("v", v, rank=4)
+    if v.dtype != k.dtype:
+        raise TypeError(f"v must have the dtype of q and k ({k.dtype}), got {v.dtype}")
+    if v.device != k.device:
+        raise ValueError(f"v must be on the device of q and k ({k.device}), got {v.device}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    return shape
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """Return the softmax scale, `1/sqrt(D)` by default; it must be finite and > 0."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    return float(scale)
+
+
+def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
+    """Return `value` if it is an int >= `minimum`, else raise TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_fraction(name: str, value: object, *, low: float = 0.0, high: float = 1.0) -> float:
+    """Return `value` as float if it lies in `[low, high]`, else raise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not (low <= value <= high):
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {value}")
+    return float(value)

@@ -1,0 +1,336 @@
+"""The one sparse plan format: key blocks plus key columns per query block.
+
+A `BlockColumnPlan` says, for every batch row `b`, query head `h` and query block
+`i` (the rows `[i * block_m, (i + 1) * block_m)`), which keys those rows attend to:
+
+* a list of key blocks, each the keys `[j * block_n, (j + 1) * block_n)`;
+* a list of single key columns, none of them inside a listed key block;
+
+always intersected with causality (query row `r` never sees key `c > r`) and with
+the sequence (`c < N`). This generalises MInference's vertical-slash index
+(block_count / block_offset / column_count / column_index) to every method in
+this project: A-shape and StreamingLLM, block-sparse top-k, vertical-slash,
+SampleAttention, XAttention / DPXA tiles and AnchorAttention stripes all produce
+it, and one kernel family in `fast` consumes it.
+
+Invariants (checked by `validate`):
+
+1. `block_count`, `column_count`: int32 `[B, Hq, Qb]` with `Qb = ceil(N / block_m)`;
+   `block_index`: int32 `[B, Hq, Qb, max_blocks]`; `column_index`: int32
+   `[B, Hq, Qb, max_columns]`; all on one device.
+2. `0 <= block_count <= max_blocks` and `0 <= column_count <= max_columns`.
+3. The first `block_count` entries of a block list are strictly increasing (so
+   sorted and unique), in `[0, Kb)` with `Kb = ceil(N / block_n)`, and causal: the
+   block's first key is not after the query block's last row.
+4. The first `column_count` entries of a column list are strictly increasing, in
+   `[0, N)`, causal in the same sense, and never inside a listed key block of the
+   same query block (blocks and columns are disjoint).
+5. Entries past the counts are padding: their values mean nothing. Compare plans
+   with `equal`, never with `torch.equal` on the raw index tensors.
+
+Index tensors may be expanded views (stride 0 over batch, heads or query
+blocks): a dense or streaming plan shared by every head costs O(N) memory, not
+O(B * H * N^2 / (block_m * block_n)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_positive_int
+
+_INDEX_FIELDS = ("block_count", "block_index", "column_count", "column_index")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockColumnPlan:
+    """Which key blocks and key columns every query block attends to (see module doc).
+
+    Attributes:
+        seqlen: N, the number of queries and keys.
+        block_m: rows per query block.
+        block_n: keys per key block.
+        block_count: int32 `[B, Hq, Qb]`, listed key blocks per query block.
+        block_index: int32 `[B, Hq, Qb, max_blocks]`, sorted key-block indices.
+        column_count: int32 `[B, Hq, Qb]`, listed key columns per query block.
+        column_index: int32 `[B, Hq, Qb, max_columns]`, sorted key indices.
+    """
+
+    seqlen: int
+    block_m: int
+    block_n: int
+    block_count: torch.Tensor
+    block_index: torch.Tensor
+    column_count: torch.Tensor
+    column_index: torch.Tensor
+
+    # -- sizes ---------------------------------------------------------------
+
+    @property
+    def batch(self) -> int:
+        return int(self.block_count.shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.block_count.shape[1])
+
+    @property
+    def num_query_blocks(self) -> int:
+        return cdiv(self.seqlen, self.block_m)
+
+    @property
+    def num_key_blocks(self) -> int:
+        return cdiv(self.seqlen, self.block_n)
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_count.device
+
+    def nbytes(self) -> int:
+        """Bytes of index storage actually allocated (expanded views count once)."""
+        total = 0
+        for name in _INDEX_FIELDS:
+            t: torch.Tensor = getattr(self, name)
+            total += t.untyped_storage().nbytes()
+        return total
+
+    # -- checks --------------------------------------------------------------
+
+    def validate(self) -> BlockColumnPlan:
+        """Check every invariant of the module doc; return self.
+
+        Raises:
+            TypeError: an index tensor is not an int32 tensor.
+            ValueError: a shape, range, order, causality or disjointness invariant
+                fails; the message names the field and the first offending entry.
+        """
+        n = check_positive_int("plan.seqlen", self.seqlen)
+        bm = check_positive_int("plan.block_m", self.block_m)
+        bn = check_positive_int("plan.block_n", self.block_n)
+        for name in _INDEX_FIELDS:
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"plan.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != torch.int32:
+                raise TypeError(f"plan.{name} must have dtype int32, got {t.dtype}")
+            if t.device != self.block_count.device:
+                raise ValueError(
+                    f"plan.{name} is on {t.device}, plan.block_count on {self.block_count.device}"
+                )
+        qb = cdiv(n, bm)
+        kb = cdiv(n, bn)
+        if self.block_count.dim() != 3 or self.block_count.shape[2] != qb:
+            raise ValueError(
+                f"plan.block_count must have shape [B, Hq, Qb={qb}] for N={n}, "
+                f"block_m={bm}; got {tuple(self.block_count.shape)}"
+            )
+        lead = tuple(self.block_count.shape)
+        for name in ("block_index", "column_index"):
+            t = getattr(self, name)
+            if t.dim() != 4 or tuple(t.shape[:3]) != lead:
+                raise ValueError(
+                    f"plan.{name} must have shape [{lead[0]}, {lead[1]}, {lead[2]}, width], "
+                    f"got {tuple(t.shape)}"
+                )
+        if tuple(self.column_count.shape) != lead:
+            raise ValueError(
+                f"plan.column_count must have shape {lead}, got {tuple(self.column_count.shape)}"
+            )
+        # Last query row of every query block: the causal horizon of the block.
+        last_row = (torch.arange(qb, device=self.device, dtype=torch.int64) + 1) * bm - 1
+        last_row = last_row.clamp(max=n - 1).view(1, 1, qb, 1)
+
+        blocks_valid = _check_list(
+            "block", self.block_count, self.block_index, upper=kb,
+        )
+        starts = self.block_index.to(torch.int64) * bn
+        bad = blocks_valid & (starts > last_row)
+        _raise_first(bad, "plan.block_index lists a key block that starts after the last row "
+                          "of its query block (not causal)")
+
+        cols_valid = _check_list("column", self.column_count, self.column_index, upper=n)
+        cols = self.column_index.to(torch.int64)
+        bad = cols_valid & (cols > last_row)
+        _raise_first(bad, "plan.column_index lists a key column after the last row of its "
+                          "query block (not causal)")
+        if self.column_index.shape[3] > 0 and self.block_index.shape[3] > 0:
+            # Disjointness: the block of every column must not be listed. Sorted lists
+            # make this a searchsorted per query block.
+            col_block = torch.where(cols_valid, cols // bn, -1)
+            listed = torch.where(blocks_valid, self.block_index.to(torch.int64), -2)
+            pos = torch.searchsorted(listed.contiguous(), col_block.contiguous())
+            pos = pos.clamp(max=listed.shape[3] - 1)
+            hit = torch.gather(listed, 3, pos) == col_block
+            _raise_first(cols_valid & hit, "plan.column_index lists a key column inside a "
+                                           "listed key block (blocks and columns must be disjoint)")
+        return self
+
+    # -- conversions ---------------------------------------------------------
+
+    def block_mask(self) -> torch.Tensor:
+        """Return the listed key blocks as bool `[B, Hq, Qb, Kb]`."""
+        b, h, qb = self.block_count.shape
+        out = torch.zeros(b, h, qb, self.num_key_blocks + 1, dtype=torch.bool, device=self.device)
+        width = self.block_index.shape[3]
+        valid = torch.arange(width, device=self.device) < self.block_count.unsqueeze(-1)
+        idx = torch.where(valid, self.block_index.to(torch.int64), self.num_key_blocks)
+        out.scatter_(3, idx, True)
+        return out[..., : self.num_key_blocks]
+
+    def column_mask(self) -> torch.Tensor:
+        """Return the listed key columns as bool `[B, Hq, Qb, N]`."""
+        b, h, qb = self.column_count.shape
+        out = torch.zeros(b, h, qb, self.seqlen + 1, dtype=torch.bool, device=self.device)
+        width = self.column_index.shape[3]
+        valid = torch.arange(width, device=self.device) < self.column_count.unsqueeze(-1)
+        idx = torch.where(valid, self.column_index.to(torch.int64), self.seqlen)
+        out.scatter_(3, idx, True)
+        return out[..., : self.seqlen]
+
+    def to_dense_mask(self) -> torch.Tensor:
+        """Return the exact keys every query attends to, as bool `[B, Hq, N, N]`.
+
+        Row `r`, column `c` is True iff `c <= r` and `c` lies in a listed key block or
+        is a listed column of the query block holding `r`.
+        """
+        n, bm, bn = self.seqlen, self.block_m, self.block_n
+        keys = self.block_mask().repeat_interleave(bn, dim=3)[..., :n]
+        keys = keys | self.column_mask()
+        rows = keys.repeat_interleave(bm, dim=2)[:, :, :n]
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+        return rows & causal
+
+    def to(self, device: torch.device | str) -> BlockColumnPlan:
+        """Return the same plan with its index tensors on `device`."""
+        return BlockColumnPlan(
+            seqlen=self.seqlen,
+            block_m=self.block_m,
+            block_n=self.block_n,
+            block_count=self.block_count.to(device),
+            block_index=self.block_index.to(device),
+            column_count=self.column_count.to(device),
+            column_index=self.column_index.to(device),
+        )
+
+    def equal(self, other: BlockColumnPlan) -> bool:
+        """True iff both plans list the same blocks and columns everywhere (padding ignored)."""
+        if (self.seqlen, self.block_m, self.block_n) != (other.seqlen, other.block_m, other.block_n):
+            return False
+        if self.block_count.shape != other.block_count.shape:
+            return False
+        other = other.to(self.device)
+        if not torch.equal(self.block_count, other.block_count):
+            return False
+        if not torch.equal(self.column_count, other.column_count):
+            return False
+        return _lists_equal(self.block_count, self.block_index, other.block_index) and (
+            _lists_equal(self.column_count, self.column_index, other.column_index)
+        )
+
+    @staticmethod
+    def from_masks(
+        block_mask: torch.Tensor,
+        column_mask: torch.Tensor | None,
+        *,
+        seqlen: int,
+        block_m: int,
+        block_n: int,
+    ) -> BlockColumnPlan:
+        """Build a plan from dense selections; the reference estimators use this.
+
+        Non-causal blocks and columns are dropped, and so are columns inside a selected
+        block, so any selection yields a valid plan.
+
+        Args:
+            block_mask: bool `[B, Hq, Qb, Kb]`, key blocks to keep.
+            column_mask: bool `[B, Hq, Qb, N]`, key columns to keep, or None.
+            seqlen, block_m, block_n: as the plan's attributes.
+
+        Returns:
+            The validated plan, lists as narrow as the fullest query block needs.
+        """
+        n = check_positive_int("seqlen", seqlen)
+        bm = check_positive_int("block_m", block_m)
+        bn = check_positive_int("block_n", block_n)
+        qb, kb = cdiv(n, bm), cdiv(n, bn)
+        if block_mask.dim() != 4 or tuple(block_mask.shape[2:]) != (qb, kb):
+            raise ValueError(
+                f"block_mask must have shape [B, Hq, {qb}, {kb}], got {tuple(block_mask.shape)}"
+            )
+        device = block_mask.device
+        last_row = ((torch.arange(qb, device=device) + 1) * bm - 1).clamp(max=n - 1)
+        causal_blocks = torch.arange(kb, device=device) * bn <= last_row[:, None]
+        blocks = block_mask.bool() & causal_blocks
+        if column_mask is None:
+            columns = torch.zeros(*blocks.shape[:3], n, dtype=torch.bool, device=device)
+        else:
+            if tuple(column_mask.shape) != (*blocks.shape[:3], n):
+                raise ValueError(
+                    f"column_mask must have shape {(*blocks.shape[:3], n)}, "
+                    f"got {tuple(column_mask.shape)}"
+                )
+            columns = column_mask.bool()
+        causal_cols = torch.arange(n, device=device) <= last_row[:, None]
+        in_block = blocks.repeat_interleave(bn, dim=3)[..., :n]
+        columns = columns & causal_cols & ~in_block
+        block_count, block_index = _mask_to_list(blocks)
+        column_count, column_index = _mask_to_list(columns)
+        return BlockColumnPlan(
+            seqlen=n,
+            block_m=bm,
+            block_n=bn,
+            block_count=block_count,
+            block_index=block_index,
+            column_count=column_count,
+            column_index=column_index,
+        ).validate()
+
+
+def _mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn bool `[..., L]` into (count int32 `[...]`, sorted indices int32 `[..., width]`)."""
+    count = mask.sum(dim=-1)
+    width = int(count.max().item()) if count.numel() else 0
+    # A stable sort of the negated mask puts the selected positions first, in order.
+    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+    valid = torch.arange(width, device=mask.device) < count.unsqueeze(-1)
+    index = torch.where(valid, order, 0)
+    return count.to(torch.int32), index.to(torch.int32)
+
+
+def _check_list(kind: str, count: torch.Tensor, index: torch.Tensor, *, upper: int) -> torch.Tensor:
+    """Check counts, range and strict order of one list; return the valid-entry mask."""
+    width = index.shape[3]
+    bad = (count < 0) | (count > width)
+    _raise_first(bad, f"plan.{kind}_count must lie in [0, {width}] (the width of "
+                      f"plan.{kind}_index)")
+    valid = torch.arange(width, device=index.device) < count.unsqueeze(-1)
+    bad = valid & ((index < 0) | (index >= upper))
+    _raise_first(bad, f"plan.{kind}_index has an entry outside [0, {upper})")
+    if width > 1:
+        step_valid = valid[..., 1:]
+        bad = step_valid & (index[..., 1:] <= index[..., :-1])
+        _raise_first(bad, f"plan.{kind}_index is not strictly increasing (sorted, unique)")
+    return valid
+
+
+def _raise_first(bad: torch.Tensor, message: str) -> None:
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ValueError(f"{message}; first at index {where}")
+
+
+def _lists_equal(count: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    width = int(count.max().item()) if count.numel() else 0
+    if width == 0:
+        return True
+    if a.shape[3] < width or b.shape[3] < width:
+        return False
+    valid = torch.arange(width, device=count.device) < count.unsqueeze(-1)
+    return bool(torch.equal(torch.where(valid, a[..., :width], 0), torch.where(valid, b[..., :width], 0)))
