@@ -1,0 +1,5 @@
+"""Triton kernel families; one file each, ordered kernel -> launcher."""
+
+from .block_column import block_column_attention, check_kernel_device, interpreter_active
+
+__all__ = ["block_column_attention", "check_kernel_device", "interpreter_active"]

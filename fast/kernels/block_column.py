@@ -1,0 +1,311 @@
+"""Triton kernel family for `BlockColumnPlan`: key blocks, then gathered key columns.
+
+One program computes one tile of `BLOCK_M` query rows of one (batch, query head)
+(MInference Alg. 5, generalised): it loads the query tile once, loops over the
+listed key blocks in `BLOCK_N`-key tiles, then over the listed key columns gathered
+`BLOCK_N` at a time, keeping the online-softmax state `(m_i, l_i, acc)` in fp32.
+Because block lists are sorted and causal, only the last few listed blocks can
+cross the diagonal or the end of the sequence: the kernel runs the block list in
+two loops, an unmasked one and a masked one, and masks only the latter and the
+columns. Grouped-query attention maps query head `h` to KV head `h // G`; K and V
+are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
+
+Layout: kernel -> launcher (`block_column_attention`), which checks everything
+the kernel assumes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...reference._checks import HALF_DTYPES, check_qkv, resolve_scale
+from ...reference.attention import check_mask, check_plan
+from ...reference.plan import BlockColumnPlan
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    # Triton's CPU interpreter multiplies bfloat16 tiles wrongly (seen with triton 3.9):
+    # there, upcast the operands first; the products of 16-bit floats are exact in fp32.
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _tile_step(
+    acc, l_i, m_i, b_q, p_k, p_v, start_n,
+    o_m, o_n, seqlen,
+    stride_kn, stride_vn,
+    b_mask_ptr, stride_mask_m, stride_mask_n,
+    qk_scale,
+    MASKED: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_F32: tl.constexpr, m_d,
+):
+    """One key tile `[start_n, start_n + BLOCK_N)`: update `(acc, l_i, m_i)`."""
+    o_key = start_n + o_n
+    p_k_tile = p_k + o_key.to(tl.int64)[None, :] * stride_kn
+    p_v_tile = p_v + o_key.to(tl.int64)[:, None] * stride_vn
+    if MASKED:
+        m_key = o_key < seqlen
+        if EVEN_D:
+            b_k = tl.load(p_k_tile, mask=m_key[None, :], other=0.0)
+            b_v = tl.load(p_v_tile, mask=m_key[:, None], other=0.0)
+        else:
+            b_k = tl.load(p_k_tile, mask=m_key[None, :] & m_d[:, None], other=0.0)
+            b_v = tl.load(p_v_tile, mask=m_key[:, None] & m_d[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            b_k = tl.load(p_k_tile)
+            b_v = tl.load(p_v_tile)
+        else:
+            b_k = tl.load(p_k_tile, mask=m_d[:, None], other=0.0)
+            b_v = tl.load(p_v_tile, mask=m_d[None, :], other=0.0)
+    b_s = _dot(b_q, b_k, DOT_F32) * qk_scale
+    if MASKED or HAS_MASK:
+        m_keep = o_key[None, :] <= o_m[:, None]
+        if HAS_MASK:
+            p_mask = b_mask_ptr + o_m.to(tl.int64)[:, None] * stride_mask_m \
+                + o_key.to(tl.int64)[None, :] * stride_mask_n
+            m_user = tl.load(p_mask, mask=(o_m[:, None] < seqlen) & (o_key[None, :] < seqlen),
+                             other=0)
+            m_keep = m_keep & (m_user != 0)
+        b_s = tl.where(m_keep, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # A row with nothing kept so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        m_shift = m_new
+    b_p = tl.math.exp2(b_s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    acc = acc * alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, DOT_F32)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _block_column_fwd(
+    Q, K, V, O, LSE, MASK,
+    BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX,
+    qk_scale, seqlen, head_dim, num_heads, group,
+    plan_block_m, plan_block_n,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_bcb, stride_bch, stride_bcm,
+    stride_bib, stride_bih, stride_bim, stride_bik,
+    stride_ccb, stride_cch, stride_ccm,
+    stride_cib, stride_cih, stride_cim, stride_cik,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
+    HAS_MASK: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # Longest rows first: later query tiles list more blocks.
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // num_heads
+    i_h = i_bh % num_heads
+    i_hkv = i_h // group
+    row0 = i_m * BLOCK_M
+    i_qb = row0 // plan_block_m
+
+    o_m = row0 + tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, HEAD_DIM)
+    m_d = o_d < head_dim
+    m_row = o_m < seqlen
+
+    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh \
+        + o_m.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh + o_d[:, None] * stride_kd
+    p_v = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh + o_d[None, :] * stride_vd
+    b_mask_ptr = MASK + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    p_bcount = BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm
+    p_bindex = BLOCK_INDEX + i_b.to(tl.int64) * stride_bib + i_h.to(tl.int64) * stride_bih \
+        + i_qb.to(tl.int64) * stride_bim
+    count = tl.load(p_bcount)
+    # Sorted causal lists put every block that reaches past row0 (the diagonal, or the
+    # end of the sequence) among the last DIAG entries: count them, mask only those.
+    o_tail = count - DIAG + tl.arange(0, DIAG)
+    tail = tl.load(p_bindex + o_tail * stride_bik, mask=o_tail >= 0, other=-1)
+    n_masked = tl.sum(((tail * plan_block_n + plan_block_n - 1 > row0) & (o_tail >= 0)).to(tl.int32), 0)
+    n_full = (count - n_masked) * SUB_N
+    for t in range(0, n_full):
+        kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
+        start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
+        acc, l_i, m_i = _tile_step(
+            acc, l_i, m_i, b_q, p_k, p_v, start_n, o_m, o_n, seqlen,
+            stride_kn, stride_vn, b_mask_ptr, stride_mm, stride_mn, qk_scale,
+            False, HAS_MASK, EVEN_D, DOT_F32, m_d,
+        )
+    for t in range(n_full, count * SUB_N):
+        kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
+        start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
+        acc, l_i, m_i = _tile_step(
+            acc, l_i, m_i, b_q, p_k, p_v, start_n, o_m, o_n, seqlen,
+            stride_kn, stride_vn, b_mask_ptr, stride_mm, stride_mn, qk_scale,
+            True, HAS_MASK, EVEN_D, DOT_F32, m_d,
+        )
+
+    if HAS_COLUMNS:
+        ccount = tl.load(COLUMN_COUNT + i_b * stride_ccb + i_h * stride_cch + i_qb * stride_ccm)
+        p_cindex = COLUMN_INDEX + i_b.to(tl.int64) * stride_cib + i_h.to(tl.int64) * stride_cih \
+            + i_qb.to(tl.int64) * stride_cim
+        for c0 in range(0, ccount, BLOCK_N):
+            o_c = c0 + o_n
+            m_c = o_c < ccount
+            i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
+            p_k_cols = p_k + i_col.to(tl.int64)[None, :] * stride_kn
+            p_v_cols = p_v + i_col.to(tl.int64)[:, None] * stride_vn
+            b_k = tl.load(p_k_cols, mask=m_c[None, :] & m_d[:, None], other=0.0)
+            b_v = tl.load(p_v_cols, mask=m_c[:, None] & m_d[None, :], other=0.0)
+            b_s = _dot(b_q, b_k, DOT_F32) * qk_scale
+            m_keep = m_c[None, :] & (i_col[None, :] <= o_m[:, None])
+            b_s = tl.where(m_keep, b_s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            b_p = tl.math.exp2(b_s - m_shift[:, None])
+            alpha = tl.math.exp2(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(b_p, 1)
+            acc = acc * alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, DOT_F32)
+            m_i = m_new
+
+    # Rows with no kept key: output 0 and lse -inf.
+    has_any = l_i > 0
+    l_safe = tl.where(has_any, l_i, 1.0)
+    b_o = acc / l_safe[:, None]
+    p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh \
+        + o_m.to(tl.int64)[:, None] * stride_on + o_d[None, :]
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
+    if RETURN_LSE:
+        lse = tl.where(has_any, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        p_lse = LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + o_m
+        tl.store(p_lse, lse, mask=m_row)
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_kernel_device(q: torch.Tensor) -> None:
+    """Raise unless the kernels can run on q's device (CUDA, or CPU under the interpreter)."""
+    if q.device.type == "cuda":
+        return
+    if q.device.type == "cpu" and interpreter_active():
+        return
+    raise ValueError(
+        f"q is on {q.device}: sparseprefill.fast runs on CUDA tensors, or on CPU tensors "
+        "with TRITON_INTERPRET=1 set before triton is imported; use sparseprefill.reference "
+        "otherwise"
+    )
+
+
+def _tile_config(plan_block_m: int, plan_block_n: int, head_dim: int) -> tuple[int, int, int, int]:
+    """Return (BLOCK_M, BLOCK_N, num_warps, num_stages) for a plan's block sizes.
+
+    Kernel tiles must divide the plan's blocks. On Hopper a 128x64 tile with 8 warps and
+    3 stages is the fastest plain-Triton FlashAttention-2 shape for d=128 (ANCHORS.md).
+    """
+    block_m = math.gcd(plan_block_m, 128)
+    block_n = math.gcd(plan_block_n, 64 if head_dim <= 128 else 32)
+    if head_dim > 128:
+        block_m = math.gcd(plan_block_m, 64)
+    num_warps = 8 if block_m >= 128 else 4
+    num_stages = 3 if head_dim <= 128 else 2
+    if interpreter_active():
+        num_stages = 1
+    return block_m, block_n, num_warps, num_stages
+
+
+def block_column_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    validate_plan: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the kernel for `plan` (optionally also applying a dense bool `mask`).
+
+    Args:
+        q: `[B, Hq, N, D]` fp16/bf16 (any strides); k, v: `[B, Hkv, N, D]`.
+        plan: a `BlockColumnPlan` for `[B, Hq, N]` whose block sizes are multiples of 16.
+        mask: optional bool, broadcastable to `[B, Hq, N, N]`, intersected with the plan.
+        scale: softmax scale, `1/sqrt(D)` if None.
+        return_lse: also return the natural-log lse, float32 `[B, Hq, N]`.
+        validate_plan: check every plan invariant first (skip only for plans this
+            package built itself).
+
+    Returns:
+        (out `[B, Hq, N, D]` in q's dtype, lse or None).
+
+    Raises:
+        TypeError, ValueError: any input the kernel does not support.
+    """
+    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_kernel_device(q)
+    if shape.head_dim > 256:
+        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    if validate_plan:
+        check_plan(plan, shape.batch, shape.q_heads, shape.seqlen, q.device)
+    elif not isinstance(plan, BlockColumnPlan):
+        raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
+    for name, size in (("plan.block_m", plan.block_m), ("plan.block_n", plan.block_n)):
+        if size % 16 != 0:
+            raise ValueError(f"{name} must be a multiple of 16 for the fast kernels, got {size}")
+    b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
+    dense_mask = None if mask is None else check_mask(mask, b, hq, n, q.device)
+
+    block_m, block_n, num_warps, num_stages = _tile_config(plan.block_m, plan.block_n, d)
+    head_dim = max(16, triton.next_power_of_2(d))
+    # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
+    diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
+
+    out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out
+    if dense_mask is None:
+        mask_arg, mstrides = out, (0, 0, 0, 0)
+    else:
+        mask_arg = dense_mask.view(torch.uint8) if dense_mask.is_contiguous() else dense_mask.to(torch.uint8)
+        mstrides = tuple(s if sz > 1 else 0 for s, sz in zip(mask_arg.stride(), mask_arg.shape))
+    has_columns = plan.column_index.shape[3] > 0
+    grid = (triton.cdiv(n, block_m), b * hq)
+    _block_column_fwd[grid](
+        q, k, v, out, lse, mask_arg,
+        plan.block_count, plan.block_index, plan.column_count, plan.column_index,
+        sm_scale * LOG2E, n, d, hq, shape.group,
+        plan.block_m, plan.block_n,
+        *q.stride(), *k.stride(), *v.stride(),
+        out.stride(0), out.stride(1), out.stride(2),
+        *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
+        *mstrides,
+        *plan.block_count.stride(), *plan.block_index.stride(),
+        *plan.column_count.stride(), *plan.column_index.stride(),
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n, DIAG=diag,
+        EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns, HAS_MASK=dense_mask is not None,
+        RETURN_LSE=return_lse, DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, (lse if return_lse else None)

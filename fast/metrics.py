@@ -1,0 +1,89 @@
+"""Recall, density and output error without O(N^2) memory (see `reference.metrics`).
+
+Recall uses the identity: the full causal softmax mass that the kept keys of a row
+carry is `exp(lse_kept - lse_causal)`. Both log-sum-exps come from the kernel, so a
+plan's recall costs two sparse passes and O(N) memory. Density of a plan is counted
+in closed form from its block and column lists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference._checks import HALF_DTYPES, check_qk, check_tensor
+from ..reference.attention import check_plan
+from ..reference.metrics import relative_error
+from ..reference.plan import BlockColumnPlan
+from .dense import dense_plan
+from .kernels import block_column_attention
+
+__all__ = ["density", "recall", "relative_error"]
+
+
+def recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | BlockColumnPlan,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention recall of a mask or plan, per query row (see `reference.recall`).
+
+    Returns:
+        float32 `[B, Hq, N]` in `[0, 1]`.
+    """
+    check_qk(q, k, dtypes=HALF_DTYPES)
+    full = dense_plan(q, k)
+    # K stands in for V: only the log-sum-exps are used.
+    _, lse_full = block_column_attention(q, k, k, full, scale=scale, return_lse=True,
+                                         validate_plan=False)
+    if isinstance(mask, BlockColumnPlan):
+        _, lse_kept = block_column_attention(q, k, k, mask, scale=scale, return_lse=True)
+    else:
+        _, lse_kept = block_column_attention(q, k, k, full, mask=mask, scale=scale,
+                                             return_lse=True, validate_plan=False)
+    assert lse_full is not None and lse_kept is not None
+    return torch.exp(lse_kept - lse_full).clamp_(max=1.0)
+
+
+def _causal_pairs(r0: torch.Tensor, r1: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
+    """Number of (row, key) pairs with `r0 <= row < r1`, `k0 <= key < k1`, `key <= row`."""
+    # Rows in [k0, k1) see a growing prefix of the keys; rows >= k1 see all k1 - k0.
+    a = torch.maximum(r0, k0)
+    b = torch.minimum(r1, k1)
+    ramp_rows = torch.clamp(b - a, min=0)
+    # sum_{row=a}^{b-1} (row + 1 - k0)
+    ramp = ramp_rows * (a + 1 - k0) + ramp_rows * (ramp_rows - 1) // 2
+    flat_rows = torch.clamp(r1 - torch.maximum(r0, k1), min=0)
+    return ramp + flat_rows * (k1 - k0)
+
+
+def density(mask: torch.Tensor | BlockColumnPlan) -> torch.Tensor:
+    """Kept share of the causal area, per (batch, head) (see `reference.density`).
+
+    Returns:
+        float64 `[B, Hq]`.
+    """
+    if not isinstance(mask, BlockColumnPlan):
+        dense = check_tensor("mask", mask, rank=4)
+        if dense.dtype != torch.bool:
+            raise TypeError(f"mask must have dtype torch.bool, got {dense.dtype}")
+        if dense.shape[2] != dense.shape[3] or dense.shape[2] == 0:
+            raise ValueError(f"mask must have shape [B, Hq, N, N] with N >= 1, got {tuple(dense.shape)}")
+        n = dense.shape[-1]
+        kept = dense.tril().sum(dim=(-1, -2)).to(torch.float64)
+        return kept / (n * (n + 1) / 2)
+    plan = check_plan(mask, mask.batch, mask.num_heads, mask.seqlen, mask.device)
+    n, bm, bn = plan.seqlen, plan.block_m, plan.block_n
+    dev = plan.device
+    qb = plan.num_query_blocks
+    r0 = (torch.arange(qb, device=dev, dtype=torch.int64) * bm).view(1, 1, qb, 1)
+    r1 = torch.clamp(r0 + bm, max=n)
+    bvalid = torch.arange(plan.block_index.shape[3], device=dev) < plan.block_count.unsqueeze(-1)
+    k0 = plan.block_index.to(torch.int64) * bn
+    k1 = torch.clamp(k0 + bn, max=n)
+    kept = torch.where(bvalid, _causal_pairs(r0, r1, k0, k1), 0).sum(dim=(-1, -2))
+    cvalid = torch.arange(plan.column_index.shape[3], device=dev) < plan.column_count.unsqueeze(-1)
+    c = plan.column_index.to(torch.int64)
+    kept = kept + torch.where(cvalid, _causal_pairs(r0, r1, c, c + 1), 0).sum(dim=(-1, -2))
+    return kept.to(torch.float64) / (n * (n + 1) / 2)

@@ -1,0 +1,75 @@
+"""StreamingLLM / A-shape plan built arithmetically (see `reference.streaming`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference._checks import check_positive_int, check_qk
+from ..reference.plan import BlockColumnPlan, cdiv
+from .dense import empty_columns
+from .kernels import block_column_attention
+
+
+def streaming_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    sink: int = 1024,
+    window: int = 4096,
+    block_m: int = 128,
+    block_n: int = 64,
+) -> BlockColumnPlan:
+    """Plan of sink blocks plus local-window blocks (see `reference.streaming_plan`).
+
+    Query block `i` lists key blocks `[0, sink_blocks)` then `[window_first, last]`;
+    both ranges are computed per query block with integer arithmetic, and one
+    `[Qb, width]` index is shared (expanded) by every batch row and head.
+    """
+    shape = check_qk(q, k)
+    sink = check_positive_int("sink", sink, minimum=0)
+    window = check_positive_int("window", window)
+    bm = check_positive_int("block_m", block_m)
+    bn = check_positive_int("block_n", block_n)
+    n, b, h = shape.seqlen, shape.batch, shape.q_heads
+    qb = cdiv(n, bm)
+    dev = q.device
+    first_row = torch.arange(qb, device=dev, dtype=torch.int64) * bm
+    last_row = (first_row + bm - 1).clamp(max=n - 1)
+    causal = last_row // bn + 1
+    sink_blocks = torch.clamp(torch.full_like(causal, cdiv(sink, bn)), max=causal)
+    # First key block whose last key lies after first_row - window.
+    window_first = torch.clamp((first_row - window - bn + 1) // bn + 1, min=0)
+    window_first = torch.maximum(window_first, sink_blocks)
+    window_count = torch.clamp(causal - window_first, min=0)
+    count = sink_blocks + window_count
+    width = int(count.max().item())
+    j = torch.arange(width, device=dev, dtype=torch.int64)[None, :]
+    index = torch.where(j < sink_blocks[:, None], j, window_first[:, None] + j - sink_blocks[:, None])
+    index = torch.where(j < count[:, None], index, 0)
+    col_count, col_index = empty_columns(b, h, qb, dev)
+    return BlockColumnPlan(
+        seqlen=n,
+        block_m=bm,
+        block_n=bn,
+        block_count=count.to(torch.int32).expand(b, h, qb),
+        block_index=index.to(torch.int32).expand(b, h, qb, width),
+        column_count=col_count,
+        column_index=col_index,
+    )
+
+
+def streaming(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    sink: int = 1024,
+    window: int = 4096,
+    block_m: int = 128,
+    block_n: int = 64,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Sink + local-window attention (see `reference.streaming`)."""
+    plan = streaming_plan(q, k, sink=sink, window=window, block_m=block_m, block_n=block_n)
+    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
+    return out
