@@ -107,8 +107,8 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
         raise ValueError(f"out has shape {tuple(out.shape)}, ref {tuple(ref.shape)}; they must match")
     o = out.detach().to(torch.float64).cpu()
     r = ref.detach().to(torch.float64).cpu()
-    num = torch.linalg.vector_norm(o - r).item()
-    den = torch.linalg.vector_norm(r).item()
+    num = float(torch.linalg.vector_norm(o - r).item())
+    den = float(torch.linalg.vector_norm(r).item())
     if not math.isfinite(num):
         return math.nan
     return num / den if den > 0 else num

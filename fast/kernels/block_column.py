@@ -285,8 +285,9 @@ def block_column_attention(
 
     out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out
+    mstrides: tuple[int, ...] = (0, 0, 0, 0)
     if dense_mask is None:
-        mask_arg, mstrides = out, (0, 0, 0, 0)
+        mask_arg = out
     else:
         mask_arg = dense_mask.view(torch.uint8) if dense_mask.is_contiguous() else dense_mask.to(torch.uint8)
         mstrides = tuple(s if sz > 1 else 0 for s, sz in zip(mask_arg.stride(), mask_arg.shape))
