@@ -1,0 +1,107 @@
+"""The registry of shipped methods: one entry per method, read by the conformance
+properties, the GPU conformance runner, the demo and the benchmarks.
+
+Adding a method to every one of those is one `register(MethodSpec(...))` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import fast, reference
+from ..reference.plan import BlockColumnPlan
+
+PlanFn = Callable[..., BlockColumnPlan]
+RunFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """How to call one method in both packages, and with which parameters.
+
+    Attributes:
+        name: the method's public name (`fast.<name>`, `reference.<name>`).
+        reference_plan, fast_plan: the estimators `(q, k, **params) -> BlockColumnPlan`.
+        reference_run, fast_run: the end-to-end functions `(q, k, v, **params, scale=)`.
+        params: draws keyword parameters valid for a sequence length `N`, for
+            Hypothesis: a callable `(draw, seqlen) -> dict` (`draw` is Hypothesis's).
+        demo_params: parameters for the demo and benchmarks, given `N`.
+        exact_plans: True when the fast plan must equal the reference plan bit for bit
+            on any input; False when a top-k tie may legitimately decide differently
+            (then the property compares plans modulo exactly tied scores).
+    """
+
+    name: str
+    reference_plan: PlanFn
+    fast_plan: PlanFn
+    reference_run: RunFn
+    fast_run: RunFn
+    params: Callable[[Callable[[Any], Any], int], dict[str, Any]]
+    demo_params: Callable[[int], dict[str, Any]]
+    exact_plans: bool = True
+    notes: str = field(default="")
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    """Add `spec` to `METHODS`; names are unique."""
+    if spec.name in METHODS:
+        raise ValueError(f"method {spec.name!r} is already registered")
+    METHODS[spec.name] = spec
+    return spec
+
+
+def methods() -> Mapping[str, MethodSpec]:
+    """The registered methods, in registration order."""
+    return METHODS
+
+
+def _block_sizes(draw: Callable[[Any], Any]) -> dict[str, int]:
+    from hypothesis import strategies as st
+
+    return {
+        "block_m": draw(st.sampled_from([16, 32, 64, 128])),
+        "block_n": draw(st.sampled_from([16, 32, 64])),
+    }
+
+
+def _dense_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    return _block_sizes(draw)
+
+
+def _streaming_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _block_sizes(draw)
+    params["sink"] = draw(st.integers(0, max(1, seqlen)))
+    params["window"] = draw(st.integers(1, max(1, seqlen + 8)))
+    return params
+
+
+register(MethodSpec(
+    name="dense",
+    reference_plan=reference.dense_plan,
+    fast_plan=fast.dense_plan,
+    reference_run=reference.dense,
+    fast_run=fast.dense,
+    params=_dense_params,
+    demo_params=lambda n: {},
+    notes="full causal attention (baseline)",
+))
+
+register(MethodSpec(
+    name="streaming",
+    reference_plan=reference.streaming_plan,
+    fast_plan=fast.streaming_plan,
+    reference_run=reference.streaming,
+    fast_run=fast.streaming,
+    params=_streaming_params,
+    demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": max(128, n // 8)},
+    notes="StreamingLLM / A-shape: sink + local window (baseline)",
+))
