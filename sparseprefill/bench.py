@@ -1,0 +1,281 @@
+"""GPU benchmark: our kernels against cuDNN SDPA, flash SDPA and FlexAttention.
+
+Every row is measured in the same run on the same inputs (random normal q, k, v,
+never zeros): the median of `triton.testing.do_bench` after warm-up. Speedups are
+quoted against cuDNN SDPA (causal), the fastest dense kernel on Hopper. TFLOP/s
+counts `4 * D` flops per kept (query, key) pair of the causal area, so a sparse
+row's rate is comparable to dense attention's rate on the area it computes.
+
+Run `sparseprefill bench --help`; `pytest benches/` runs the same cases under
+pytest-benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .reference.plan import BlockColumnPlan, cdiv
+
+
+@dataclass
+class Row:
+    """One benchmark result."""
+
+    method: str
+    impl: str
+    seqlen: int
+    density: float
+    recall_mean: float | None
+    recall_min: float | None
+    ms: float
+    estimate_ms: float | None
+    tflops: float
+    speedup_vs_cudnn: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def random_block_plan(
+    batch: int, heads: int, seqlen: int, *, density: float, block_m: int, block_n: int,
+    device: torch.device, seed: int = 0,
+) -> BlockColumnPlan:
+    """A plan keeping each causal key block with probability ~`density` (diagonal kept).
+
+    Blocks are drawn independently per (batch, head, query block); the diagonal block
+    is always kept so that no row is empty. No columns.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    qb, kb = cdiv(seqlen, block_m), cdiv(seqlen, block_n)
+    last_row = ((torch.arange(qb) + 1) * block_m - 1).clamp(max=seqlen - 1)
+    causal_count = last_row // block_n + 1
+    keys = torch.rand(batch, heads, qb, kb, generator=gen) < density
+    diag = torch.arange(kb)[None, :] == (last_row // block_n)[:, None]
+    keys = (keys | diag) & (torch.arange(kb)[None, :] < causal_count[:, None])
+    count = keys.sum(-1)
+    width = int(count.max())
+    order = torch.sort((~keys).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+    zero_cols = torch.zeros(batch, heads, qb, dtype=torch.int32)
+    return BlockColumnPlan(
+        seqlen=seqlen, block_m=block_m, block_n=block_n,
+        block_count=count.to(torch.int32).to(device),
+        block_index=order.to(torch.int32).to(device),
+        column_count=zero_cols.to(device),
+        column_index=torch.zeros(batch, heads, qb, 0, dtype=torch.int32, device=device),
+    )
+
+
+def flex_block_mask(plan: BlockColumnPlan, kv_heads: int | None = None) -> Any:
+    """The same plan as a FlexAttention `BlockMask` (blocks only; columns unsupported).
+
+    Blocks entirely below the diagonal go in the "full" lists (no mask_mod call),
+    the rest in the partial lists with a causal mask_mod, as a careful Flex user would.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if plan.column_index.shape[3] > 0:
+        raise ValueError("FlexAttention comparison supports block-only plans")
+    bm, bn, n = plan.block_m, plan.block_n, plan.seqlen
+    qb, kb = plan.num_query_blocks, plan.num_key_blocks
+    dev = plan.device
+    keep = plan.block_mask()
+    first_row = (torch.arange(qb, device=dev) * bm).view(qb, 1)
+    key_last = (torch.arange(kb, device=dev) + 1) * bn - 1
+    below = (key_last[None, :] <= first_row) & (key_last[None, :] < n)
+    is_full = keep & below
+    is_part = keep & ~below
+
+    def compact(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # As create_block_mask does: every row a permutation of the key blocks, kept first.
+        order = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices
+        return sel.sum(-1).to(torch.int32), order.to(torch.int32).contiguous()
+
+    pc, pi = compact(is_part)
+    fc, fi = compact(is_full)
+
+    def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx >= kv_idx
+
+    return BlockMask.from_kv_blocks(pc, pi, fc, fi, BLOCK_SIZE=(bm, bn), mask_mod=causal,
+                                    seq_lengths=(n, n))
+
+
+def _bench_ms(fn: Callable[[], Any]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def run_suite(
+    seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16, flex: bool = True, with_recall: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[Row]:
+    """Run the kernel benchmark for each N; return the rows."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    from . import fast
+
+    dev = torch.device("cuda")
+    rows: list[Row] = []
+    flex_fn = None
+    if flex:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            flex_fn = torch.compile(flex_attention, dynamic=False)
+        except Exception as exc:  # pragma: no cover - depends on the torch build
+            log(f"FlexAttention unavailable: {exc}")
+    for n in seqlens:
+        torch.manual_seed(n)
+        q = torch.randn(batch, q_heads, n, head_dim, device=dev, dtype=dtype)
+        k = torch.randn(batch, kv_heads, n, head_dim, device=dev, dtype=dtype)
+        v = torch.randn(batch, kv_heads, n, head_dim, device=dev, dtype=dtype)
+        causal_pairs = batch * q_heads * n * (n + 1) / 2
+        dense_flops = 4 * head_dim * causal_pairs
+        # SDPA baselines see K/V expanded to the query heads (outside the timed region).
+        g = q_heads // kv_heads
+        ke = k.repeat_interleave(g, 1)
+        ve = v.repeat_interleave(g, 1)
+
+        def sdpa(backend: SDPBackend) -> Callable[[], Any]:
+            def f() -> Any:
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+            return f
+
+        cudnn_ms = _bench_ms(sdpa(SDPBackend.CUDNN_ATTENTION))
+        ref_out = sdpa(SDPBackend.CUDNN_ATTENTION)()
+        rows.append(Row("dense", "cuDNN SDPA", n, 1.0, 1.0, 1.0, cudnn_ms, None,
+                        dense_flops / cudnn_ms / 1e9, 1.0))
+        try:
+            flash_ms = _bench_ms(sdpa(SDPBackend.FLASH_ATTENTION))
+            rows.append(Row("dense", "flash SDPA", n, 1.0, 1.0, 1.0, flash_ms, None,
+                            dense_flops / flash_ms / 1e9, cudnn_ms / flash_ms))
+        except RuntimeError as exc:
+            log(f"flash SDPA failed at N={n}: {exc}")
+        log(f"N={n}: cuDNN {cudnn_ms:.2f} ms")
+
+        cases: list[tuple[str, Callable[[], BlockColumnPlan]]] = [
+            ("dense", lambda: fast.dense_plan(q, k)),
+            ("streaming 1K+8K", lambda: fast.streaming_plan(q, k, sink=1024, window=8192)),
+            ("random blocks 5%", lambda: random_block_plan(
+                batch, q_heads, n, density=0.05, block_m=128, block_n=128, device=dev, seed=1)),
+            ("random blocks 20%", lambda: random_block_plan(
+                batch, q_heads, n, density=0.20, block_m=128, block_n=128, device=dev, seed=2)),
+        ]
+        for name, make_plan in cases:
+            plan = make_plan()
+            est_ms = _bench_ms(make_plan) if not name.startswith("random") else None
+            dens = float(fast.density(plan).mean())
+            pairs = dens * causal_pairs
+            flops = 4 * head_dim * pairs
+            out = fast.sparse_attention(q, k, v, plan)
+            err = None
+            if name == "dense":
+                err = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
+            ms = _bench_ms(lambda: fast.sparse_attention(q, k, v, plan))
+            rec_mean = rec_min = None
+            if with_recall:
+                rec = fast.recall(q, k, plan)
+                rec_mean, rec_min = float(rec.mean()), float(rec.min())
+            rows.append(Row(name, "sparseprefill", n, dens, rec_mean, rec_min, ms, est_ms,
+                            flops / ms / 1e9, cudnn_ms / ms,
+                            {"rel_err_vs_cudnn": err} if err is not None else {}))
+            log(f"N={n}: {name} ours {ms:.2f} ms density {dens:.4f}")
+            if flex_fn is not None:
+                try:
+                    bmask = flex_block_mask(plan)
+                    fout = flex_fn(q, k, v, block_mask=bmask, enable_gqa=True)
+                    # Same plan, so the outputs must agree: report how closely.
+                    ferr = float((fout.float() - out.float()).norm() / out.float().norm())
+                    fms = _bench_ms(lambda: flex_fn(q, k, v, block_mask=bmask, enable_gqa=True))
+                    rows.append(Row(name, "FlexAttention", n, dens, rec_mean, rec_min, fms, None,
+                                    flops / fms / 1e9, cudnn_ms / fms,
+                                    {"rel_diff_vs_ours": ferr}))
+                    log(f"N={n}: {name} flex {fms:.2f} ms")
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    log(f"FlexAttention failed for {name} at N={n}: {type(exc).__name__}: {exc}")
+            del plan
+        del q, k, v, ke, ve, ref_out
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    """A fixed-width table of the rows."""
+    head = (f"{'method':<18} {'impl':<14} {'N':>7} {'density':>8} {'recall':>13} "
+            f"{'ms':>9} {'est ms':>7} {'TFLOP/s':>8} {'vs cuDNN':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        rec = "-" if r.recall_mean is None else f"{r.recall_mean:.3f}/{r.recall_min:.3f}"
+        est = "-" if r.estimate_ms is None else f"{r.estimate_ms:.2f}"
+        sp = "-" if r.speedup_vs_cudnn is None else f"{r.speedup_vs_cudnn:.2f}x"
+        lines.append(f"{r.method:<18} {r.impl:<14} {r.seqlen:>7} {r.density:>8.4f} {rec:>13} "
+                     f"{r.ms:>9.2f} {est:>7} {r.tflops:>8.0f} {sp:>8}")
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import triton
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    return info
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `sparseprefill bench`."""
+    parser.add_argument("--seqlens", default="8192,32768,131072",
+                        help="comma-separated sequence lengths (default: 8K,32K,128K)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    parser.add_argument("--no-recall", action="store_true", help="skip recall columns")
+    parser.add_argument("--json", default=None, help="write rows and environment as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `sparseprefill bench`."""
+    if not torch.cuda.is_available():
+        print("sparseprefill bench needs a CUDA GPU (it times kernels against cuDNN SDPA).",
+              file=sys.stderr)
+        return 2
+    seqlens = [int(s) for s in str(args.seqlens).split(",") if s]
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    rows = run_suite(seqlens, batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                     head_dim=args.head_dim, dtype=dtype, flex=not args.no_flex,
+                     with_recall=not args.no_recall,
+                     log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"environment": environment(), "rows": [asdict(r) for r in rows]}, fh,
+                      indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else o)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparseprefill bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
