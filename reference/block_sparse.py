@@ -1,0 +1,115 @@
+"""MInference Block-Sparse heads (Alg. 3), as the specification.
+
+Queries and keys are mean-pooled over blocks of `block_size` tokens (the last,
+partial block pools its real tokens only). The pooled scores
+`Q_hat K_hat^T` of query block `i` against the causal key blocks `j <= i` rank
+the key blocks; query block `i` keeps its diagonal block `i` and the
+`top_k - 1` best other causal blocks (fewer when it has fewer), so every query
+block keeps `min(top_k, i + 1)` key blocks: the diagonal counts inside `top_k`.
+
+Alg. 3 applies a softmax to the pooled scores before `argtopk`. A softmax is
+monotone within a row, so ranking the scores themselves selects the same blocks
+and keeps apart scores that a softmax would round to the same value; the softmax
+scale does not matter either. Ties: the lower key-block index wins.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_positive_int, check_qk
+from .attention import sparse_attention
+from .plan import BlockColumnPlan, cdiv
+
+
+def mean_pooling(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Alg. 3 lines 2-3, `MeanPooling(x, block_size)`: float64 `[B, H, ceil(N / bs), D]`.
+
+    The last block averages only the tokens it really holds.
+    """
+    b, h, n, d = x.shape
+    nb = cdiv(n, block_size)
+    padded = torch.zeros(b, h, nb * block_size, d, dtype=torch.float64, device=x.device)
+    padded[:, :, :n] = x.to(torch.float64)
+    sums = padded.reshape(b, h, nb, block_size, d).sum(dim=3)
+    sizes = (n - torch.arange(nb, device=x.device) * block_size).clamp(max=block_size)
+    return sums / sizes.to(torch.float64)[:, None]
+
+
+def block_scores(q_pooled: torch.Tensor, k_pooled: torch.Tensor) -> torch.Tensor:
+    """Alg. 3 line 4 before the softmax: float64 `[B, Hq, Qb, Kb]`, non-causal blocks -inf.
+
+    Args:
+        q_pooled: `[B, Hq, Qb, D]`; k_pooled: `[B, Hkv, Kb, D]` with `Qb == Kb`.
+    """
+    b, hq, nb, d = q_pooled.shape
+    hkv = k_pooled.shape[1]
+    g = hq // hkv
+    scores = torch.matmul(q_pooled.reshape(b, hkv, g, nb, d), k_pooled.unsqueeze(2).transpose(-1, -2))
+    causal = torch.ones(nb, nb, dtype=torch.bool, device=scores.device).tril_()
+    return scores.masked_fill(~causal, -math.inf).reshape(b, hq, nb, nb)
+
+
+def argtopk_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Alg. 3 line 6, `argtopk(A_hat, k_b)` with the diagonal forced: bool `[B, H, Qb, Kb]`.
+
+    Each query block keeps its diagonal block and the `top_k - 1` best other causal
+    key blocks; a stable descending sort makes the lower index win ties.
+    """
+    nb = scores.shape[-1]
+    ranked = scores.clone()
+    ranked.diagonal(dim1=-2, dim2=-1).fill_(math.inf)
+    count = min(top_k, nb)
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :count]
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
+    # Non-causal blocks fill the budget of early query blocks; they are not kept.
+    return keep & (scores > -math.inf)
+
+
+def block_sparse_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    top_k: int,
+    block_size: int = 64,
+) -> BlockColumnPlan:
+    """MInference Block-Sparse plan (Alg. 3); see the module doc.
+
+    Args:
+        q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
+        top_k: key blocks kept per query block, the diagonal block included (>= 1).
+        block_size: tokens per block, for pooling and for the plan's `block_m` and
+            `block_n`.
+
+    Returns:
+        A `BlockColumnPlan` without columns, per batch row and query head.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    shape = check_qk(q, k)
+    check_positive_int("top_k", top_k)
+    bs = check_positive_int("block_size", block_size)
+    scores = block_scores(mean_pooling(q, bs), mean_pooling(k, bs))
+    blocks = argtopk_blocks(scores, top_k)
+    return BlockColumnPlan.from_masks(blocks, None, seqlen=shape.seqlen, block_m=bs, block_n=bs)
+
+
+def block_sparse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    top_k: int,
+    block_size: int = 64,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Block-Sparse attention through `block_sparse_plan` (Alg. 3).
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+    """
+    plan = block_sparse_plan(q, k, top_k=top_k, block_size=block_size)
+    return sparse_attention(q, k, v, plan, scale=scale)
