@@ -33,6 +33,9 @@ class MethodSpec:
         exact_plans: True when the fast plan must equal the reference plan bit for bit
             on any input; False when a top-k tie may legitimately decide differently
             (then the property compares plans modulo exactly tied scores).
+        tie_check: for `exact_plans=False`: `(q, k, params, reference_plan, fast_plan)
+            -> None`, called only when the two plans differ; it raises AssertionError
+            unless every difference is decided by an exactly tied score.
     """
 
     name: str
@@ -44,6 +47,7 @@ class MethodSpec:
     demo_params: Callable[[int], dict[str, Any]]
     exact_plans: bool = True
     notes: str = field(default="")
+    tie_check: Callable[..., None] | None = None
 
 
 METHODS: dict[str, MethodSpec] = {}
