@@ -41,7 +41,7 @@ def dense_plan(
         block_index=index.expand(b, h, qb, kb),
         column_count=col_count,
         column_index=col_index,
-    )
+    ).mark_valid()
 
 
 def dense(

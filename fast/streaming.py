@@ -55,7 +55,7 @@ def streaming_plan(
         block_index=index.to(torch.int32).expand(b, h, qb, width),
         column_count=col_count,
         column_index=col_index,
-    )
+    ).mark_valid()
 
 
 def streaming(

@@ -216,4 +216,4 @@ def check_plan(
         )
     if plan.device != device:
         raise ValueError(f"plan must be on the device of q ({device}), got {plan.device}")
-    return plan.validate()
+    return plan.ensure_valid()

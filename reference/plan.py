@@ -35,7 +35,7 @@ O(B * H * N^2 / (block_m * block_n)).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,6 +70,9 @@ class BlockColumnPlan:
     block_index: torch.Tensor
     column_count: torch.Tensor
     column_index: torch.Tensor
+    # Set once `validate` has passed (or by an estimator that builds valid plans by
+    # construction), so launching the same plan again skips the O(plan) check.
+    _checked: bool = field(default=False, repr=False, compare=False)
 
     # -- sizes ---------------------------------------------------------------
 
@@ -170,6 +173,20 @@ class BlockColumnPlan:
             hit = torch.gather(listed, 3, pos) == col_block
             _raise_first(cols_valid & hit, "plan.column_index lists a key column inside a "
                                            "listed key block (blocks and columns must be disjoint)")
+        object.__setattr__(self, "_checked", True)
+        return self
+
+    def ensure_valid(self) -> BlockColumnPlan:
+        """`validate` unless this plan object already passed it; return self.
+
+        Index tensors changed in place after a successful check are not re-checked:
+        call `validate` again after such edits.
+        """
+        return self if self._checked else self.validate()
+
+    def mark_valid(self) -> BlockColumnPlan:
+        """Record that this plan is valid by construction (estimators only); return self."""
+        object.__setattr__(self, "_checked", True)
         return self
 
     # -- conversions ---------------------------------------------------------

@@ -40,44 +40,44 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _tile_step(
-    acc, l_i, m_i, b_q, p_k, p_v, start_n,
-    o_m, o_n, seqlen,
-    stride_kn, stride_vn,
-    b_mask_ptr, stride_mask_m, stride_mask_n,
-    qk_scale,
-    MASKED: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_F32: tl.constexpr, m_d,
+def _load_kv(
+    K, V, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen, stride_kn, stride_vn, m_d,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """One key tile `[start_n, start_n + BLOCK_N)`: update `(acc, l_i, m_i)`."""
-    o_key = start_n + o_n
-    p_k_tile = p_k + o_key.to(tl.int64)[None, :] * stride_kn
-    p_v_tile = p_v + o_key.to(tl.int64)[:, None] * stride_vn
-    if MASKED:
-        m_key = o_key < seqlen
-        if EVEN_D:
-            b_k = tl.load(p_k_tile, mask=m_key[None, :], other=0.0)
-            b_v = tl.load(p_v_tile, mask=m_key[:, None], other=0.0)
-        else:
-            b_k = tl.load(p_k_tile, mask=m_key[None, :] & m_d[:, None], other=0.0)
-            b_v = tl.load(p_v_tile, mask=m_key[:, None] & m_d[None, :], other=0.0)
+    """Load the key tile transposed `[HEAD_DIM, BLOCK_N]` and the value tile `[BLOCK_N, HEAD_DIM]`."""
+    if USE_TMA:
+        # Hopper bulk tensor copies; rows past N arrive as zeros.
+        b_k = tl.trans(K.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
+        b_v = V.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     else:
-        if EVEN_D:
-            b_k = tl.load(p_k_tile)
-            b_v = tl.load(p_v_tile)
+        off_k = start_n.to(tl.int64) * stride_kn
+        off_v = start_n.to(tl.int64) * stride_vn
+        if MASKED:
+            m_key = (start_n + o_n) < seqlen
+            if EVEN_D:
+                b_k = tl.load(p_k + off_k, mask=m_key[None, :], other=0.0)
+                b_v = tl.load(p_v + off_v, mask=m_key[:, None], other=0.0)
+            else:
+                b_k = tl.load(p_k + off_k, mask=m_key[None, :] & m_d[:, None], other=0.0)
+                b_v = tl.load(p_v + off_v, mask=m_key[:, None] & m_d[None, :], other=0.0)
         else:
-            b_k = tl.load(p_k_tile, mask=m_d[:, None], other=0.0)
-            b_v = tl.load(p_v_tile, mask=m_d[None, :], other=0.0)
+            if EVEN_D:
+                b_k = tl.load(p_k + off_k)
+                b_v = tl.load(p_v + off_v)
+            else:
+                b_k = tl.load(p_k + off_k, mask=m_d[:, None], other=0.0)
+                b_v = tl.load(p_v + off_v, mask=m_d[None, :], other=0.0)
+    return b_k, b_v
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
+                  MASKED: tl.constexpr, DOT_F32: tl.constexpr):
+    """One online-softmax update of `(acc, l_i, m_i)` with a key tile (keep-mask if MASKED)."""
     b_s = _dot(b_q, b_k, DOT_F32) * qk_scale
-    if MASKED or HAS_MASK:
-        m_keep = o_key[None, :] <= o_m[:, None]
-        if HAS_MASK:
-            p_mask = b_mask_ptr + o_m.to(tl.int64)[:, None] * stride_mask_m \
-                + o_key.to(tl.int64)[None, :] * stride_mask_n
-            m_user = tl.load(p_mask, mask=(o_m[:, None] < seqlen) & (o_key[None, :] < seqlen),
-                             other=0)
-            m_keep = m_keep & (m_user != 0)
-        b_s = tl.where(m_keep, b_s, float("-inf"))
+    if MASKED:
+        b_s = tl.where(b_keep, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         # A row with nothing kept so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -107,9 +107,11 @@ def _block_column_fwd(
     stride_bib, stride_bih, stride_bim, stride_bik,
     stride_ccb, stride_cch, stride_ccm,
     stride_cib, stride_cih, stride_cim, stride_cik,
+    K_DESC, V_DESC,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     HAS_MASK: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # Longest rows first: later query tiles list more blocks.
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -129,18 +131,21 @@ def _block_column_fwd(
     p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh \
         + o_m.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
-    p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh + o_d[:, None] * stride_kd
-    p_v = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh + o_d[None, :] * stride_vd
-    b_mask_ptr = MASK + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh
+    # Key/value tile pointers at key 0; each step adds start_n * stride.
+    p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh \
+        + o_d[:, None] * stride_kd + o_n[None, :] * stride_kn
+    p_v = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh \
+        + o_d[None, :] * stride_vd + o_n[:, None] * stride_vn
+    p_mask = MASK + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh \
+        + o_m.to(tl.int64)[:, None] * stride_mm
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    p_bcount = BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm
     p_bindex = BLOCK_INDEX + i_b.to(tl.int64) * stride_bib + i_h.to(tl.int64) * stride_bih \
         + i_qb.to(tl.int64) * stride_bim
-    count = tl.load(p_bcount)
+    count = tl.load(BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm)
     # Sorted causal lists put every block that reaches past row0 (the diagonal, or the
     # end of the sequence) among the last DIAG entries: count them, mask only those.
     o_tail = count - DIAG + tl.arange(0, DIAG)
@@ -150,42 +155,54 @@ def _block_column_fwd(
     for t in range(0, n_full):
         kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
-        acc, l_i, m_i = _tile_step(
-            acc, l_i, m_i, b_q, p_k, p_v, start_n, o_m, o_n, seqlen,
-            stride_kn, stride_vn, b_mask_ptr, stride_mm, stride_mn, qk_scale,
-            False, HAS_MASK, EVEN_D, DOT_F32, m_d,
-        )
+        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen,
+                            stride_kn, stride_vn, m_d, False, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
+        if HAS_MASK:
+            o_key = start_n + o_n
+            b_keep = tl.load(p_mask + o_key.to(tl.int64)[None, :] * stride_mn,
+                             mask=m_row[:, None], other=0) != 0
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
+                                          True, DOT_F32)
+        else:
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_q, qk_scale,
+                                          False, DOT_F32)
     for t in range(n_full, count * SUB_N):
         kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
-        acc, l_i, m_i = _tile_step(
-            acc, l_i, m_i, b_q, p_k, p_v, start_n, o_m, o_n, seqlen,
-            stride_kn, stride_vn, b_mask_ptr, stride_mm, stride_mn, qk_scale,
-            True, HAS_MASK, EVEN_D, DOT_F32, m_d,
-        )
+        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen,
+                            stride_kn, stride_vn, m_d, True, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
+        o_key = start_n + o_n
+        b_keep = o_key[None, :] <= o_m[:, None]
+        if HAS_MASK:
+            m_user = tl.load(p_mask + o_key.to(tl.int64)[None, :] * stride_mn,
+                             mask=m_row[:, None] & (o_key[None, :] < seqlen), other=0)
+            b_keep = b_keep & (m_user != 0)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
+                                      True, DOT_F32)
 
     if HAS_COLUMNS:
         ccount = tl.load(COLUMN_COUNT + i_b * stride_ccb + i_h * stride_cch + i_qb * stride_ccm)
         p_cindex = COLUMN_INDEX + i_b.to(tl.int64) * stride_cib + i_h.to(tl.int64) * stride_cih \
             + i_qb.to(tl.int64) * stride_cim
+        p_k_cols = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh \
+            + o_d[:, None] * stride_kd
+        p_v_cols = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh \
+            + o_d[None, :] * stride_vd
         for c0 in range(0, ccount, BLOCK_N):
             o_c = c0 + o_n
             m_c = o_c < ccount
             i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
-            p_k_cols = p_k + i_col.to(tl.int64)[None, :] * stride_kn
-            p_v_cols = p_v + i_col.to(tl.int64)[:, None] * stride_vn
-            b_k = tl.load(p_k_cols, mask=m_c[None, :] & m_d[:, None], other=0.0)
-            b_v = tl.load(p_v_cols, mask=m_c[:, None] & m_d[None, :], other=0.0)
-            b_s = _dot(b_q, b_k, DOT_F32) * qk_scale
-            m_keep = m_c[None, :] & (i_col[None, :] <= o_m[:, None])
-            b_s = tl.where(m_keep, b_s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(b_s, 1))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            b_p = tl.math.exp2(b_s - m_shift[:, None])
-            alpha = tl.math.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(b_p, 1)
-            acc = acc * alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, DOT_F32)
-            m_i = m_new
+            b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn,
+                          mask=m_c[None, :] & m_d[:, None], other=0.0)
+            b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
+                          mask=m_c[:, None] & m_d[None, :], other=0.0)
+            b_keep = m_c[None, :] & (i_col[None, :] <= o_m[:, None])
+            if HAS_MASK:
+                m_user = tl.load(p_mask + i_col.to(tl.int64)[None, :] * stride_mn,
+                                 mask=m_row[:, None] & m_c[None, :], other=0)
+                b_keep = b_keep & (m_user != 0)
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
+                                          True, DOT_F32)
 
     # Rows with no kept key: output 0 and lse -inf.
     has_any = l_i > 0
@@ -292,6 +309,14 @@ def block_column_attention(
         mask_arg = dense_mask.view(torch.uint8) if dense_mask.is_contiguous() else dense_mask.to(torch.uint8)
         mstrides = tuple(s if sz > 1 else 0 for s, sz in zip(mask_arg.stride(), mask_arg.shape))
     has_columns = plan.column_index.shape[3] > 0
+    use_tma = head_dim == d and _tma_ok(q, k, v)
+    k_desc: object = k
+    v_desc: object = v
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
+        v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
     grid = (triton.cdiv(n, block_m), b * hq)
     _block_column_fwd[grid](
         q, k, v, out, lse, mask_arg,
@@ -304,9 +329,35 @@ def block_column_attention(
         *mstrides,
         *plan.block_count.stride(), *plan.block_index.stride(),
         *plan.column_count.stride(), *plan.column_index.stride(),
+        k_desc, v_desc,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n, DIAG=diag,
         EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns, HAS_MASK=dense_mask is not None,
         RETURN_LSE=return_lse, DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages,
     )
     return out, (lse if return_lse else None)
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """True if Hopper tensor descriptors can load these tensors' tiles.
+
+    Needs a CUDA device of compute capability >= 9, a contiguous last dimension,
+    16-byte aligned base pointers and strides. `SPARSEPREFILL_TMA=0` turns it off
+    (to compare the two load paths); nothing turns it on where it cannot work.
+    """
+    if os.environ.get("SPARSEPREFILL_TMA", "1") == "0" or interpreter_active():
+        return False
+    t0 = tensors[0]
+    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
+            return False
+        if any((st * size) % 16 != 0 for st in t.stride()[:-1]):
+            return False
+    return True
