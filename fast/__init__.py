@@ -6,14 +6,21 @@ Inputs are float16/bfloat16 CUDA tensors (or CPU tensors under
 """
 
 from ..reference.plan import BlockColumnPlan
+from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
+from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
 from .metrics import density, recall, relative_error
 from .streaming import streaming, streaming_plan
+from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
     "BlockColumnPlan",
+    "a_shape",
+    "a_shape_plan",
     "attention",
+    "block_sparse",
+    "block_sparse_plan",
     "dense",
     "dense_plan",
     "density",
@@ -22,4 +29,6 @@ __all__ = [
     "sparse_attention",
     "streaming",
     "streaming_plan",
+    "vertical_slash",
+    "vertical_slash_plan",
 ]

@@ -3,15 +3,22 @@
 `fast` exports the same names with the same signatures; see `docs/`.
 """
 
+from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
+from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
 from .metrics import density, recall, relative_error
 from .plan import BlockColumnPlan
 from .streaming import streaming, streaming_plan
+from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
     "BlockColumnPlan",
+    "a_shape",
+    "a_shape_plan",
     "attention",
+    "block_sparse",
+    "block_sparse_plan",
     "dense",
     "dense_plan",
     "density",
@@ -20,4 +27,6 @@ __all__ = [
     "sparse_attention",
     "streaming",
     "streaming_plan",
+    "vertical_slash",
+    "vertical_slash_plan",
 ]

@@ -1,0 +1,53 @@
+"""MInference A-shape heads on the fast streaming path (see `reference.a_shape`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference.plan import BlockColumnPlan
+from .streaming import streaming, streaming_plan
+
+
+def a_shape_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    sink: int = 1024,
+    window: int = 4096,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> BlockColumnPlan:
+    """A-shape plan: `fast.streaming_plan` with MInference's defaults.
+
+    Args:
+        q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]` (only their shapes are used).
+        sink: initial tokens every query sees (>= 0).
+        window: most recent tokens every query sees, itself included (>= 1).
+        block_m, block_n: query rows and keys per block.
+
+    Returns:
+        The same `BlockColumnPlan` for every batch row and head, without columns.
+
+    Raises:
+        TypeError, ValueError: bad inputs.
+    """
+    return streaming_plan(q, k, sink=sink, window=window, block_m=block_m, block_n=block_n)
+
+
+def a_shape(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    sink: int = 1024,
+    window: int = 4096,
+    block_m: int = 64,
+    block_n: int = 64,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """A-shape attention: `streaming` with MInference's defaults.
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+    """
+    return streaming(q, k, v, sink=sink, window=window, block_m=block_m, block_n=block_n, scale=scale)
