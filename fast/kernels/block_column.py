@@ -74,17 +74,20 @@ def _load_kv(
 @triton.jit
 def _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
                   MASKED: tl.constexpr, DOT_F32: tl.constexpr):
-    """One online-softmax update of `(acc, l_i, m_i)` with a key tile (keep-mask if MASKED)."""
-    b_s = _dot(b_q, b_k, DOT_F32) * qk_scale
+    """One online-softmax update of `(acc, l_i, m_i)` with a key tile (keep-mask if MASKED).
+
+    Scores stay unscaled until `s * qk_scale - m`, which compiles to one FMA per element.
+    """
+    b_s = _dot(b_q, b_k, DOT_F32)
     if MASKED:
         b_s = tl.where(b_keep, b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
         # A row with nothing kept so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
         m_shift = m_new
-    b_p = tl.math.exp2(b_s - m_shift[:, None])
+    b_p = tl.math.exp2(b_s * qk_scale - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(b_p, 1)
     acc = acc * alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, DOT_F32)
@@ -111,7 +114,7 @@ def _block_column_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     HAS_MASK: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # Longest rows first: later query tiles list more blocks.
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -152,8 +155,14 @@ def _block_column_fwd(
     tail = tl.load(p_bindex + o_tail * stride_bik, mask=o_tail >= 0, other=-1)
     n_masked = tl.sum(((tail * plan_block_n + plan_block_n - 1 > row0) & (o_tail >= 0)).to(tl.int32), 0)
     n_full = (count - n_masked) * SUB_N
+    # The next block index is loaded one step ahead so the tile loads never wait on it.
+    kb_next = tl.load(p_bindex, mask=n_full > 0, other=0)
     for t in range(0, n_full):
-        kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
+        if PREFETCH:
+            kb = kb_next
+            kb_next = tl.load(p_bindex + ((t + 1) // SUB_N) * stride_bik, mask=t + 1 < n_full, other=0)
+        else:
+            kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
         b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen,
                             stride_kn, stride_vn, m_d, False, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
@@ -249,7 +258,15 @@ def _tile_config(plan_block_m: int, plan_block_n: int, head_dim: int) -> tuple[i
     num_stages = 3 if head_dim <= 128 else 2
     if interpreter_active():
         num_stages = 1
+    tune = os.environ.get("SPARSEPREFILL_TILE")  # "BM,BN,warps,stages": tuning runs only
+    if tune:
+        bm_t, bn_t, w_t, s_t = (int(x) for x in tune.split(","))
+        if plan_block_m % bm_t == 0 and plan_block_n % bn_t == 0:
+            block_m, block_n, num_warps, num_stages = bm_t, bn_t, w_t, s_t
     return block_m, block_n, num_warps, num_stages
+
+
+_PREFETCH = os.environ.get("SPARSEPREFILL_PREFETCH", "1") == "1"
 
 
 def block_column_attention(
@@ -333,7 +350,7 @@ def block_column_attention(
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n, DIAG=diag,
         EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns, HAS_MASK=dense_mask is not None,
         RETURN_LSE=return_lse, DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
-        USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages,
+        USE_TMA=use_tma, PREFETCH=_PREFETCH, num_warps=num_warps, num_stages=num_stages,
     )
     return out, (lse if return_lse else None)
 
