@@ -14,6 +14,7 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
+from .ties import block_sparse_tie_check, vertical_slash_tie_check
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
@@ -108,4 +109,86 @@ register(MethodSpec(
     params=_streaming_params,
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": max(128, n // 8)},
     notes="StreamingLLM / A-shape: sink + local window (baseline)",
+))
+
+
+def _minference_blocks(draw: Callable[[Any], Any]) -> dict[str, int]:
+    from hypothesis import strategies as st
+
+    sizes = st.sampled_from([16, 32, 48, 64, 128])
+    return {"block_m": draw(sizes), "block_n": draw(sizes)}
+
+
+def _vertical_slash_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _minference_blocks(draw)
+    params["vertical_size"] = draw(st.integers(1, seqlen + 8))
+    params["slash_size"] = draw(st.integers(1, seqlen + 8))
+    # last_q > N means every query; 64 is MInference's value.
+    params["last_q"] = draw(st.sampled_from([1, 16, 64, seqlen, seqlen + 7]))
+    params["init_columns"] = draw(st.sampled_from([0, 1, 5, 30]))
+    params["local_diagonals"] = draw(st.sampled_from([0, 1, 7, 100]))
+    return params
+
+
+def _vertical_slash_demo(n: int) -> dict[str, Any]:
+    # MInference's LLaMA-3 setting from 32K on; scaled down below so it stays sparse.
+    if n >= 32768:
+        return {"vertical_size": 1000, "slash_size": 6096}
+    return {"vertical_size": max(30, n // 32), "slash_size": max(100, n // 8)}
+
+
+def _block_sparse_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    block_size = draw(st.sampled_from([16, 32, 48, 64, 128]))
+    blocks = -(-seqlen // block_size)
+    return {"block_size": block_size, "top_k": draw(st.integers(1, blocks + 2))}
+
+
+def _a_shape_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _minference_blocks(draw)
+    params["sink"] = draw(st.integers(0, max(1, seqlen)))
+    params["window"] = draw(st.integers(1, max(1, seqlen + 8)))
+    return params
+
+
+register(MethodSpec(
+    name="vertical_slash",
+    reference_plan=reference.vertical_slash_plan,
+    fast_plan=fast.vertical_slash_plan,
+    reference_run=reference.vertical_slash,
+    fast_run=fast.vertical_slash,
+    params=_vertical_slash_params,
+    demo_params=_vertical_slash_demo,
+    exact_plans=False,
+    tie_check=vertical_slash_tie_check,
+    notes="MInference vertical-slash: last_q estimate, top-k columns and diagonals, Alg. 4 index",
+))
+
+register(MethodSpec(
+    name="block_sparse",
+    reference_plan=reference.block_sparse_plan,
+    fast_plan=fast.block_sparse_plan,
+    reference_run=reference.block_sparse,
+    fast_run=fast.block_sparse,
+    params=_block_sparse_params,
+    demo_params=lambda n: {"top_k": 100 if n >= 32768 else max(2, n // 512)},
+    exact_plans=False,
+    tie_check=block_sparse_tie_check,
+    notes="MInference block-sparse: mean-pooled block scores, top-k key blocks per query block",
+))
+
+register(MethodSpec(
+    name="a_shape",
+    reference_plan=reference.a_shape_plan,
+    fast_plan=fast.a_shape_plan,
+    reference_run=reference.a_shape,
+    fast_run=fast.a_shape,
+    params=_a_shape_params,
+    demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8))},
+    notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
 ))
