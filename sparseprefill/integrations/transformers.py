@@ -1,0 +1,621 @@
+"""Run a sparse prefill method inside a Hugging Face transformers model.
+
+    from sparseprefill.integrations.transformers import patch, unpatch
+
+    model = AutoModelForCausalLM.from_pretrained(...)
+    patch(model, method="streaming", config={"sink": 128, "window": 2048}, min_seqlen=4096)
+    model.generate(...)   # a prefill of >= 4096 tokens runs sparse; decode steps run SDPA
+    unpatch(model)        # back to the implementation the model had before
+
+How it hooks in: `register_attention` puts a `SparsePrefillAttention` under a new
+name in transformers' `AttentionInterface` (the table a model looks its
+`config._attn_implementation` up in) and transformers' own `sdpa_mask` under the
+same name in `AttentionMaskInterface`, so masks are built exactly as for `sdpa`:
+None for an unpadded causal prefill, a bool `[B, 1, q_len, kv_len]` otherwise.
+`patch` = `register_attention` + `model.set_attn_implementation(name)`; the name can
+also be given as `from_pretrained(..., attn_implementation=name)`.
+
+Routing of one attention call (one layer, one forward):
+
+* the sparse path when the layer has a config, the call is a prefill without past
+  keys (`q_len == kv_len`) and `q_len >= min_seqlen`;
+* otherwise transformers' `sdpa_attention_forward` with the call's own arguments:
+  decode steps, short prompts, prefill chunks after cached tokens and layers
+  configured as None compute bit for bit what an `sdpa` model computes.
+
+The sparse path raises instead of returning wrong output for what it cannot do: a
+mask that is not plain causal (padding in a batch, packed sequences), a
+sliding-window layer whose window is shorter than the prompt, non-causal attention
+(cross-attention, encoders; raised on every call, short ones included), attention
+dropout, logit soft-capping, position biases and learned sinks. Left-padded
+batches are refused on the sparse path (the plan would count pad tokens as keys);
+run such prompts one by one or in equal-length batches.
+
+Supported: Llama-, Qwen2- and Mistral-style decoders (grouped-query attention is
+native: K and V are never copied per query head), batch > 1 with equal lengths.
+Written against transformers 5.23 (`AttentionInterface`, `AttentionMaskInterface`,
+`PreTrainedModel.set_attn_implementation`); the GPU image's 5.17 has the same API.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "sparseprefill.integrations.transformers needs transformers >= 4.56: "
+        "pip install 'sparseprefill[hf]'"
+    ) from exc
+
+from .. import fast, reference
+from ..conformance.registry import METHODS
+from ..reference._checks import HALF_DTYPES, check_positive_int
+from ..reference.plan import BlockColumnPlan
+
+Backend = Literal["auto", "fast", "reference"]
+HeadSpec = None | str | Mapping[str, Any]
+LayerSpec = HeadSpec | Sequence[HeadSpec]
+Config = None | Mapping[str, Any] | Mapping[int, LayerSpec] | Callable[[int], LayerSpec]
+
+_BACKENDS = ("auto", "fast", "reference")
+_NAMES = itertools.count()
+_PREVIOUS_ATTR = "_sparseprefill_previous"
+_ATTENTION_ATTR = "_sparseprefill_attention"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One head's method: a registered method name and its parameters.
+
+    Attributes:
+        method: a name in `sparseprefill.conformance.registry.METHODS`.
+        params: keyword parameters of the method's estimator; None means the
+            registry's `demo_params(N)` for the prompt length N of the call.
+    """
+
+    method: str
+    params: Mapping[str, Any] | None
+
+
+def _check_method(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"method must be a str, got {type(name).__name__}")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; registered: {', '.join(METHODS)}")
+    return name
+
+
+def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
+    """Resolve one head's spec; None is full causal attention (the `dense` plan)."""
+    if spec is None:
+        return Choice("dense", None)
+    if isinstance(spec, str):
+        return Choice(_check_method(spec), None)
+    if isinstance(spec, Mapping):
+        params = dict(spec)
+        method = _check_method(params.pop("method", default_method))
+        for key in params:
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: parameter names must be str, got {key!r}")
+        return Choice(method, params)
+    raise TypeError(f"{where}: expected None, a method name or a dict of parameters, got {type(spec).__name__}")
+
+
+def _layer_choices(spec: LayerSpec, default_method: str, where: str, num_heads: int | None) -> list[Choice] | None:
+    """Resolve one layer's spec to one `Choice` per query head (None: SDPA).
+
+    A single spec is returned as a one-element list meaning "every head".
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, (str, Mapping)):
+        return [_head_choice(spec, default_method, where)]
+    if isinstance(spec, Sequence):
+        if num_heads is not None and len(spec) != num_heads:
+            raise ValueError(f"{where}: a per-head list needs one entry per query head ({num_heads}), got {len(spec)}")
+        return [_head_choice(s, default_method, f"{where}, head {h}") for h, s in enumerate(spec)]
+    raise TypeError(f"{where}: expected None, a method name, a dict or a per-head list, got {type(spec).__name__}")
+
+
+def stack_plans(plans: Sequence[BlockColumnPlan]) -> BlockColumnPlan:
+    """Concatenate plans along the head dimension (one plan per head or head range).
+
+    Args:
+        plans: plans with equal `seqlen`, `block_m`, `block_n` and batch size.
+
+    Returns:
+        A validated plan whose heads are the inputs' heads, in order.
+
+    Raises:
+        ValueError: empty input or plans that disagree on sizes.
+    """
+    if not plans:
+        raise ValueError("plans must not be empty")
+    first = plans[0]
+    for p in plans[1:]:
+        if (p.seqlen, p.block_m, p.block_n, p.batch) != (first.seqlen, first.block_m, first.block_n, first.batch):
+            raise ValueError(
+                "per-head methods of one layer must share seqlen, block_m, block_n and batch; got "
+                f"{(first.seqlen, first.block_m, first.block_n, first.batch)} and "
+                f"{(p.seqlen, p.block_m, p.block_n, p.batch)}"
+            )
+
+    def cat(name: str, pad: bool) -> torch.Tensor:
+        parts = [getattr(p, name) for p in plans]
+        if pad:
+            # Entries past the counts are padding (plan invariant 5), so zeros are fine.
+            width = max(int(t.shape[3]) for t in parts)
+            parts = [torch.nn.functional.pad(t, (0, width - int(t.shape[3]))) for t in parts]
+        return torch.cat(parts, dim=1).contiguous()
+
+    return BlockColumnPlan(
+        seqlen=first.seqlen,
+        block_m=first.block_m,
+        block_n=first.block_n,
+        block_count=cat("block_count", False),
+        block_index=cat("block_index", True),
+        column_count=cat("column_count", False),
+        column_index=cat("column_index", True),
+    ).validate()
+
+
+class SparsePrefillAttention:
+    """The attention function registered with transformers (see the module doc).
+
+    Attributes:
+        name: the key under which it is registered (`config._attn_implementation`).
+        method: the default method name.
+        backend: "fast", "reference", or "auto" (fast for CUDA tensors, else reference).
+        min_seqlen: shortest prompt that takes the sparse path.
+        fast_dtype: dtype q, k, v are cast to for the fast backend when they are not
+            float16/bfloat16 (the Triton kernels take half precision only); the
+            output is cast back to the model's dtype.
+        calls: counts of attention calls by path, "sparse" and "sdpa".
+    """
+
+    def __init__(
+        self,
+        method: str,
+        config: Config = None,
+        *,
+        backend: Backend = "auto",
+        min_seqlen: int = 4096,
+        fast_dtype: torch.dtype = torch.float16,
+        name: str | None = None,
+    ) -> None:
+        self.method = _check_method(method)
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        self.backend: Backend = backend
+        self.min_seqlen = check_positive_int("min_seqlen", min_seqlen, minimum=0)
+        if fast_dtype not in HALF_DTYPES:
+            raise ValueError(f"fast_dtype must be torch.float16 or torch.bfloat16, got {fast_dtype}")
+        self.fast_dtype = fast_dtype
+        self.name = name if name is not None else f"sparseprefill-{next(_NAMES)}"
+        self.calls: Counter[str] = Counter()
+        self._config = config
+        self._per_layer = isinstance(config, Mapping) and any(isinstance(key, int) for key in config)
+        self._resolved: dict[tuple[int | None, int], list[Choice] | None] = {}
+        self._validate_config()
+
+    def _validate_config(self) -> None:
+        cfg = self._config
+        if cfg is None or callable(cfg):
+            return
+        if not isinstance(cfg, Mapping):
+            raise TypeError(
+                "config must be None, a dict of parameters, a dict {layer_idx: spec} or a "
+                f"callable layer_idx -> spec, got {type(cfg).__name__}"
+            )
+        if self._per_layer:
+            for key, spec in cfg.items():
+                if isinstance(key, bool) or not isinstance(key, int):
+                    raise TypeError(f"config mixes layer indices and parameter names: key {key!r}")
+                _layer_choices(spec, self.method, f"config[{key}]", None)
+        else:
+            _layer_choices(cast(Mapping[str, Any], cfg), self.method, "config", None)
+
+    def layer_choices(self, layer_idx: int | None, num_heads: int) -> list[Choice] | None:
+        """The methods of one layer, one per query head, or None for SDPA.
+
+        Raises:
+            ValueError, TypeError: a config that does not fit this layer.
+        """
+        key = (layer_idx, num_heads)
+        if key not in self._resolved:
+            cfg = self._config
+            spec: LayerSpec
+            where = f"layer {layer_idx}"
+            if cfg is None:
+                spec = self.method
+            elif callable(cfg) or self._per_layer:
+                if layer_idx is None:
+                    raise ValueError(
+                        "a per-layer config needs attention modules with an int `layer_idx`; "
+                        "this module has none"
+                    )
+                spec = cfg(layer_idx) if callable(cfg) else cfg.get(layer_idx)  # type: ignore[call-overload]
+            else:
+                spec = cfg  # type: ignore[assignment]
+            choices = _layer_choices(spec, self.method, where, num_heads)
+            if choices is not None and len(choices) == 1:
+                choices = choices * num_heads
+            self._resolved[key] = choices
+        return self._resolved[key]
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers' attention-function signature.
+
+        Args:
+            module: the attention module (its `layer_idx` selects the config).
+            query: `[B, Hq, q_len, D]`, post-RoPE; key, value: `[B, Hkv, kv_len, D]`
+                (past keys included).
+            attention_mask: None or bool `[B, 1, q_len, kv_len]` from `sdpa_mask`.
+            dropout, scaling, is_causal, kwargs: as transformers passes them.
+
+        Returns:
+            (`[B, q_len, Hq, D]` in query's dtype, None): the layout transformers expects.
+
+        Raises:
+            ValueError: non-causal attention, or on the sparse path an input it cannot
+                handle exactly (see the module doc).
+        """
+        layer_idx = getattr(module, "layer_idx", None)
+        layer_idx = layer_idx if isinstance(layer_idx, int) else None
+        if is_causal is False or not getattr(module, "is_causal", True):
+            raise ValueError(
+                f"{self.name}: layer {layer_idx} is non-causal (cross-attention or an encoder); "
+                "sparse prefill methods are causal self-attention only, so patch the decoder only"
+            )
+        q_len, kv_len = int(query.shape[2]), int(key.shape[2])
+        choices = self.layer_choices(layer_idx, int(query.shape[1]))
+        if choices is None or q_len != kv_len or q_len < self.min_seqlen:
+            self.calls["sdpa"] += 1
+            return sdpa_attention_forward(  # type: ignore[no-any-return]
+                module, query, key, value, attention_mask,
+                dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
+            )
+        self._check_sparse_call(layer_idx, q_len, attention_mask, dropout, kwargs)
+        self.calls["sparse"] += 1
+        out = self.sparse_attention(query, key, value, choices, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _check_sparse_call(
+        self, layer_idx: int | None, n: int, mask: torch.Tensor | None, dropout: float, kwargs: Mapping[str, Any]
+    ) -> None:
+        where = f"{self.name}, layer {layer_idx}, prompt of {n} tokens"
+        # Before the mask test: a sliding-window layer's mask is not plain causal either.
+        window = kwargs.get("sliding_window")
+        if window is not None and int(window) < n:
+            raise ValueError(
+                f"{where}: this is a sliding-window layer (window {window}); sparse methods assume "
+                "full causal attention. Give this layer None in the config (SDPA) or keep prompts "
+                "within the window"
+            )
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                raise ValueError(f"{where}: expected a bool mask from sdpa_mask, got {type(mask).__name__}")
+            causal = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril_()
+            if mask.shape[-2:] != causal.shape or not torch.equal(mask, causal.expand(mask.shape)):
+                raise ValueError(
+                    f"{where}: the attention mask is not plain causal (padding in a batch, or packed "
+                    "sequences); the sparse path would attend to pad tokens. Run prompts one by one "
+                    "or in equal-length batches without padding, or raise min_seqlen above this length"
+                )
+        if dropout:
+            raise ValueError(f"{where}: attention dropout ({dropout}) is not supported; call model.eval()")
+        for name in ("softcap", "position_bias", "s_aux", "sinks"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{where}: `{name}` is not supported by sparse prefill methods")
+        if kwargs.get("cache") is not None:
+            raise ValueError(f"{where}: paged caches (continuous batching) are not supported")
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        choices: Sequence[Choice],
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Estimate the plan of every head and run the sparse kernel once.
+
+        Args:
+            q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]`.
+            choices: one `Choice` per query head.
+            scale: softmax scale, `1/sqrt(D)` if None.
+
+        Returns:
+            `[B, Hq, N, D]` in q's dtype.
+        """
+        use_fast = self.backend == "fast" or (self.backend == "auto" and q.is_cuda)
+        out_dtype = q.dtype
+        if use_fast and q.dtype not in HALF_DTYPES:
+            q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
+        plan = build_plan(q, k, choices, fast_plans=use_fast)
+        impl = fast if use_fast else reference
+        out: torch.Tensor = impl.sparse_attention(q, k, v, plan, scale=scale)
+        return out.to(out_dtype)
+
+
+def _resolve_params(choice: Choice, n: int) -> dict[str, Any]:
+    spec = METHODS[choice.method]
+    return dict(spec.demo_params(n) if choice.params is None else choice.params)
+
+
+def build_plan(
+    q: torch.Tensor, k: torch.Tensor, choices: Sequence[Choice], *, fast_plans: bool
+) -> BlockColumnPlan:
+    """One plan for all heads: one estimator call if every head shares a method, else per head.
+
+    Heads whose choice is full attention (`Choice("dense", None)`) take the block
+    sizes of the layer's other heads.
+
+    Args:
+        q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
+        choices: one per query head.
+        fast_plans: use the `fast` estimators (else `reference`).
+
+    Returns:
+        `BlockColumnPlan` with `B` and `Hq` of q.
+
+    Raises:
+        ValueError: a wrong number of choices, or heads whose block sizes differ.
+    """
+    b, hq, n, _ = q.shape
+    if len(choices) != hq:
+        raise ValueError(f"need one choice per query head ({hq}), got {len(choices)}")
+    group = hq // int(k.shape[1])
+
+    def plan_fn(choice: Choice) -> Callable[..., BlockColumnPlan]:
+        spec = METHODS[choice.method]
+        return spec.fast_plan if fast_plans else spec.reference_plan
+
+    first = choices[0]
+    if all(c == first for c in choices):
+        return plan_fn(first)(q, k, **_resolve_params(first, n))
+    plans: list[BlockColumnPlan | None] = [None] * hq
+    sizes: dict[str, int] | None = None
+    for h, choice in enumerate(choices):
+        if choice == Choice("dense", None):
+            continue
+        kv = h // group
+        plan = plan_fn(choice)(q[:, h : h + 1], k[:, kv : kv + 1], **_resolve_params(choice, n))
+        plans[h] = plan
+        sizes = sizes or {"block_m": plan.block_m, "block_n": plan.block_n}
+    for h, choice in enumerate(choices):
+        if plans[h] is None:
+            kv = h // group
+            params = sizes if sizes is not None else _resolve_params(Choice("dense", None), n)
+            plans[h] = plan_fn(Choice("dense", None))(q[:, h : h + 1], k[:, kv : kv + 1], **params)
+    return stack_plans([p for p in plans if p is not None])
+
+
+def register_attention(
+    method: str,
+    config: Config = None,
+    *,
+    backend: Backend = "auto",
+    min_seqlen: int = 4096,
+    fast_dtype: torch.dtype = torch.float16,
+    name: str | None = None,
+) -> SparsePrefillAttention:
+    """Register a sparse attention with transformers under a new name.
+
+    Use the returned object's `name` as `attn_implementation=` in `from_pretrained`
+    or in `model.set_attn_implementation`; `patch` does both steps.
+
+    Args:
+        method: default method, a name in `sparseprefill.conformance.registry.METHODS`.
+        config: which method and parameters each layer and head uses:
+            * None: `method` with its registry `demo_params(N)` in every layer;
+            * a dict of parameters (optionally with a "method" key): every layer;
+            * a dict `{layer_idx: spec}`: listed layers only, the others run SDPA;
+            * a callable `layer_idx -> spec`.
+            A layer spec is None (SDPA, unchanged), a method name (its demo
+            parameters), a parameter dict, or a list with one of those per query head,
+            where None means full causal attention for that head.
+        backend: "fast", "reference" or "auto" (fast for CUDA tensors).
+        min_seqlen: prompts shorter than this run SDPA.
+        fast_dtype: half dtype for the fast backend when the model is float32.
+        name: registration key; a fresh "sparseprefill-<n>" if None.
+
+    Returns:
+        The registered `SparsePrefillAttention` (its `calls` counts the paths taken).
+
+    Raises:
+        TypeError, ValueError: an unknown method or a malformed config.
+    """
+    attn = SparsePrefillAttention(
+        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype, name=name
+    )
+    AttentionInterface.register(attn.name, attn)
+    # Without a mask function under our name transformers builds no mask at all, and
+    # a padded batch would silently lose its padding.
+    AttentionMaskInterface.register(attn.name, sdpa_mask)
+    return attn
+
+
+def _layer_indices(model: torch.nn.Module) -> set[int]:
+    """Layer indices of the attention modules (those with `layer_idx` and `is_causal`)."""
+    found: set[int] = set()
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(module, "is_causal"):
+            found.add(idx)
+    return found
+
+
+def patch(
+    model: torch.nn.Module,
+    method: str,
+    config: Config = None,
+    *,
+    backend: Backend = "auto",
+    min_seqlen: int = 4096,
+    fast_dtype: torch.dtype = torch.float16,
+) -> SparsePrefillAttention:
+    """Switch a loaded model's attention to a sparse prefill method.
+
+    Args:
+        model: a transformers `PreTrainedModel` whose attention goes through
+            `AttentionInterface` (Llama, Qwen2, Mistral and most decoders since 4.48).
+        method, config, backend, min_seqlen, fast_dtype: see `register_attention`.
+
+    Returns:
+        The registered `SparsePrefillAttention`.
+
+    Raises:
+        TypeError: not a transformers model, or one that cannot switch attention.
+        ValueError: a non-causal model, a config naming layers the model lacks, or a
+            bad method/config.
+    """
+    hf_model: Any = model
+    model_config = getattr(model, "config", None)
+    if model_config is None or not callable(getattr(model, "set_attn_implementation", None)):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if getattr(model_config, "is_causal", True) is False or getattr(model_config, "is_encoder_decoder", False):
+        raise ValueError(
+            "model has non-causal attention (is_causal=False or encoder-decoder); sparse prefill "
+            "methods are causal self-attention only"
+        )
+    attn = register_attention(
+        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype
+    )
+    if isinstance(config, Mapping) and attn._per_layer:
+        known = _layer_indices(model)
+        unknown = sorted(key for key in config if isinstance(key, int) and key not in known)
+        if unknown:
+            raise ValueError(f"config names layers {unknown} that the model lacks (it has {len(known)})")
+    previous = model.__dict__.get(_PREVIOUS_ATTR, model_config._attn_implementation)
+    hf_model.set_attn_implementation(attn.name)
+    if model_config._attn_implementation != attn.name:
+        raise TypeError(
+            f"{type(model).__name__} cannot switch its attention implementation "
+            "(it does not use transformers' AttentionInterface)"
+        )
+    model.__dict__[_PREVIOUS_ATTR] = previous
+    model.__dict__[_ATTENTION_ATTR] = attn
+    return attn
+
+
+def unpatch(model: torch.nn.Module) -> None:
+    """Restore the attention implementation the model had before `patch`.
+
+    Raises:
+        ValueError: the model was not patched.
+    """
+    if _PREVIOUS_ATTR not in model.__dict__:
+        raise ValueError("model was not patched by sparseprefill")
+    previous = model.__dict__.pop(_PREVIOUS_ATTR)
+    model.__dict__.pop(_ATTENTION_ATTR, None)
+    hf_model: Any = model
+    hf_model.set_attn_implementation(previous)
+
+
+def patched_attention(model: torch.nn.Module) -> SparsePrefillAttention | None:
+    """The `SparsePrefillAttention` a model was patched with, or None."""
+    attn = model.__dict__.get(_ATTENTION_ATTR)
+    return attn if isinstance(attn, SparsePrefillAttention) else None
+
+
+@dataclass
+class CapturedQKV:
+    """Post-RoPE q, k, v of the prefill of chosen layers (filled by `capture_qkv`).
+
+    Attributes:
+        layers: `{layer_idx: (q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, D])}` on CPU.
+        scale: `{layer_idx: softmax scale the model used}`.
+    """
+
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    scale: dict[int, float]
+
+
+@contextmanager
+def capture_qkv(
+    model: torch.nn.Module, layers: Sequence[int], *, dtype: torch.dtype | None = torch.float16
+) -> Iterator[CapturedQKV]:
+    """Record the prefill q, k, v of some layers while the model runs SDPA.
+
+    Args:
+        model: a transformers model (as for `patch`).
+        layers: layer indices to record.
+        dtype: dtype of the stored copies (None: the model's).
+
+    Yields:
+        A `CapturedQKV` filled by the model calls inside the `with` block (a later
+        prefill overwrites an earlier one; decode steps are not recorded).
+
+    Raises:
+        TypeError: not a transformers model. ValueError: a layer the model lacks.
+    """
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    wanted = set(layers)
+    unknown = sorted(wanted - _layer_indices(model))
+    if unknown:
+        raise ValueError(f"layers {unknown} are not attention layers of this model")
+    store = CapturedQKV(layers={}, scale={})
+
+    def record(
+        module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attention_mask: torch.Tensor | None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        idx = getattr(module, "layer_idx", None)
+        if idx in wanted and query.shape[2] == key.shape[2]:
+            assert isinstance(idx, int)
+            store.layers[idx] = tuple(  # type: ignore[assignment]
+                t.detach().to("cpu", dtype or t.dtype).contiguous() for t in (query, key, value)
+            )
+            scaling = kwargs.get("scaling")
+            store.scale[idx] = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+
+    name = f"sparseprefill-capture-{next(_NAMES)}"
+    AttentionInterface.register(name, record)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    hf_model: Any = model
+    previous = hf_model.config._attn_implementation
+    hf_model.set_attn_implementation(name)
+    try:
+        yield store
+    finally:
+        hf_model.set_attn_implementation(previous)
+
+
+__all__ = [
+    "CapturedQKV",
+    "Choice",
+    "SparsePrefillAttention",
+    "build_plan",
+    "capture_qkv",
+    "patch",
+    "patched_attention",
+    "register_attention",
+    "stack_plans",
+    "unpatch",
+]
