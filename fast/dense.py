@@ -17,7 +17,7 @@ def empty_columns(batch: int, heads: int, qblocks: int, device: torch.device) ->
 
 
 def dense_plan(
-    q: torch.Tensor, k: torch.Tensor, *, block_m: int = 128, block_n: int = 64
+    q: torch.Tensor, k: torch.Tensor, *, block_m: int = 128, block_n: int = 128
 ) -> BlockColumnPlan:
     """The plan that keeps the whole causal triangle (see `reference.dense_plan`).
 
@@ -50,7 +50,7 @@ def dense(
     v: torch.Tensor,
     *,
     block_m: int = 128,
-    block_n: int = 64,
+    block_n: int = 128,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Full causal attention through the dense plan (see `reference.dense`)."""

@@ -17,7 +17,7 @@ def streaming_plan(
     sink: int = 1024,
     window: int = 4096,
     block_m: int = 128,
-    block_n: int = 64,
+    block_n: int = 128,
 ) -> BlockColumnPlan:
     """Plan of sink blocks plus local-window blocks (see `reference.streaming_plan`).
 
@@ -66,7 +66,7 @@ def streaming(
     sink: int = 1024,
     window: int = 4096,
     block_m: int = 128,
-    block_n: int = 64,
+    block_n: int = 128,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Sink + local-window attention (see `reference.streaming`)."""

@@ -10,7 +10,7 @@ from .plan import BlockColumnPlan, cdiv
 
 
 def dense_plan(
-    q: torch.Tensor, k: torch.Tensor, *, block_m: int = 128, block_n: int = 64
+    q: torch.Tensor, k: torch.Tensor, *, block_m: int = 128, block_n: int = 128
 ) -> BlockColumnPlan:
     """The plan that keeps the whole causal triangle.
 
@@ -41,7 +41,7 @@ def dense(
     v: torch.Tensor,
     *,
     block_m: int = 128,
-    block_n: int = 64,
+    block_n: int = 128,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Full causal attention through the dense plan (see `dense_plan`).

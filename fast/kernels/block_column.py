@@ -247,13 +247,17 @@ def check_kernel_device(q: torch.Tensor) -> None:
 def _tile_config(plan_block_m: int, plan_block_n: int, head_dim: int) -> tuple[int, int, int, int]:
     """Return (BLOCK_M, BLOCK_N, num_warps, num_stages) for a plan's block sizes.
 
-    Kernel tiles must divide the plan's blocks. On Hopper a 128x64 tile with 8 warps and
-    3 stages is the fastest plain-Triton FlashAttention-2 shape for d=128 (ANCHORS.md).
+    Kernel tiles must divide the plan's blocks. Measured on an H200 (triton 3.6, bf16,
+    d=128, 128K tokens, `benches/tune_kernel.py`): 128x128 tiles, 8 warps, 3 stages
+    reach 532 TFLOP/s on a dense plan, 128x64 465, 64x64 with 4 warps 473; 4 warps on
+    128-row tiles fall to ~300. Head dims above 128 take smaller tiles to fit registers.
     """
-    block_m = math.gcd(plan_block_m, 128)
-    block_n = math.gcd(plan_block_n, 64 if head_dim <= 128 else 32)
-    if head_dim > 128:
+    if head_dim <= 128:
+        block_m = math.gcd(plan_block_m, 128)
+        block_n = math.gcd(plan_block_n, 128)
+    else:
         block_m = math.gcd(plan_block_m, 64)
+        block_n = math.gcd(plan_block_n, 32)
     num_warps = 8 if block_m >= 128 else 4
     num_stages = 3 if head_dim <= 128 else 2
     if interpreter_active():
