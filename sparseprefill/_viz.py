@@ -119,7 +119,8 @@ def save_mask_figure(
 
     ncols = min(columns, len(panels))
     nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 3.4 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 3.5 * nrows), squeeze=False,
+                             layout="constrained")
     cmap = matplotlib.colormaps["Blues"].copy()
     cmap.set_bad("#dddddd")
     for ax, (name, image) in zip(axes.flat, panels):
@@ -134,7 +135,6 @@ def save_mask_figure(
         ax.axis("off")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

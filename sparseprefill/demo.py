@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-CPU_SEQLEN = 1000
+CPU_SEQLEN = 800
 GPU_SEQLEN = 32768
 # Above this N the float64 reference (dense [B, Hq, N, N] masks) is not run.
 REFERENCE_MAX_SEQLEN = 8192
