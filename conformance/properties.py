@@ -1,0 +1,425 @@
+"""The conformance properties: `fast` agrees with `reference`.
+
+Two layers:
+
+* `check_*` functions: plain functions, each checks one property for given
+  inputs and raises AssertionError with the numbers and the inputs' description.
+  Anyone can call them (tests, the demo, a debugging session).
+* `PROPERTIES`: each property paired with the Hypothesis draws that feed it
+  (shape, dtype, inputs, plan or method parameters within `Caps`). The GPU runner
+  (`python -m sparseprefill.conformance`) and the CPU tests both run these, for
+  every registered method (`registry.METHODS`) or once for the kernel itself.
+
+Outputs of `fast` are NaN-poisoned while a property runs (`nan_poisoned_empty`),
+so an element the kernel forgets to write fails instead of passing by luck.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from .. import fast, reference
+from ..reference.plan import BlockColumnPlan
+from .registry import MethodSpec
+from .strategies import (
+    Caps,
+    Draw,
+    draw_block_sizes,
+    draw_dtype,
+    draw_inputs,
+    draw_mask,
+    draw_method_params,
+    draw_plan,
+    draw_scale,
+    draw_seqlen,
+    draw_shape,
+    kernel_tiles,
+    method_tiles,
+)
+from .tolerance import (
+    baseline_attention,
+    check_attention,
+    check_output,
+    check_recall,
+    golden_attention,
+)
+
+
+@contextmanager
+def nan_poisoned_empty() -> Iterator[None]:
+    """Make `torch.empty` return NaN-filled float tensors inside the block.
+
+    The fast launchers allocate outputs with `torch.empty`; poisoning them makes an
+    unwritten output element (or lse entry) NaN, which no property lets pass.
+    """
+    real = torch.empty
+
+    def poisoned(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(math.nan)
+        return t
+
+    setattr(torch, "empty", poisoned)
+    try:
+        yield
+    finally:
+        setattr(torch, "empty", real)
+
+
+def _fail(context: str, message: str) -> AssertionError:
+    return AssertionError(f"[{context}] {message}" if context else message)
+
+
+def _first_true(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in x.nonzero()[0].tolist())
+
+
+def _listed(count: torch.Tensor, index: torch.Tensor, at: tuple[int, ...]) -> list[int]:
+    n = int(count[at].item())
+    return [int(i) for i in index[at][:n].tolist()]
+
+
+# -- plans ---------------------------------------------------------------------
+
+
+def check_plans_equal(
+    expected: BlockColumnPlan, got: BlockColumnPlan, *, context: str = ""
+) -> None:
+    """A plan equals the expected one exactly: same sizes, lists and dense mask.
+
+    `got` must also pass `validate()`. Padding past the counts is ignored.
+
+    Raises:
+        AssertionError: naming the first differing (batch, head, query block) and
+            both lists there, or the first differing dense-mask entry.
+    """
+    try:
+        got.validate()
+    except (TypeError, ValueError) as err:
+        raise _fail(context, f"plan is invalid: {err}") from err
+    sizes_e = (expected.seqlen, expected.block_m, expected.block_n, tuple(expected.block_count.shape))
+    sizes_g = (got.seqlen, got.block_m, got.block_n, tuple(got.block_count.shape))
+    if sizes_e != sizes_g:
+        raise _fail(context, f"plan sizes (N, block_m, block_n, [B, Hq, Qb]) are {sizes_g}, "
+                             f"expected {sizes_e}")
+    got = got.to(expected.device)
+    if not expected.equal(got):
+        for kind in ("block", "column"):
+            mask_e = expected.block_mask() if kind == "block" else expected.column_mask()
+            mask_g = got.block_mask() if kind == "block" else got.column_mask()
+            differs = (mask_e != mask_g).any(dim=-1)
+            if bool(differs.any()):
+                at = _first_true(differs)
+                count_e, index_e = getattr(expected, f"{kind}_count"), getattr(expected, f"{kind}_index")
+                count_g, index_g = getattr(got, f"{kind}_count"), getattr(got, f"{kind}_index")
+                raise _fail(context, f"{kind} lists differ at (b, h, query block) {at}: got "
+                                     f"{_listed(count_g, index_g, at)}, expected "
+                                     f"{_listed(count_e, index_e, at)}")
+        raise _fail(context, "plan.equal is False but block and column masks agree")
+    dense_e, dense_g = expected.to_dense_mask(), got.to_dense_mask()
+    if not torch.equal(dense_e, dense_g):
+        at = _first_true(dense_e != dense_g)
+        raise _fail(context, f"to_dense_mask differs at (b, h, row, key) {at}: got "
+                             f"{bool(dense_g[at])}, expected {bool(dense_e[at])}")
+
+
+def check_method_plan(
+    spec: MethodSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    params: dict[str, Any],
+    *,
+    context: str = "",
+) -> None:
+    """`fast.<name>_plan` equals `reference.<name>_plan` on the same inputs.
+
+    For methods with `exact_plans=False`, a difference is handed to the method's
+    `tie_check`, which must show that every difference is decided by a tie.
+
+    Raises:
+        AssertionError: plans differ (and no tie explains it), or the fast plan is
+            invalid or on another device than q.
+    """
+    expected = spec.reference_plan(q, k, **params)
+    got = spec.fast_plan(q, k, **params)
+    if got.device != q.device:
+        raise _fail(context, f"fast plan is on {got.device}, q on {q.device}")
+    if spec.exact_plans:
+        check_plans_equal(expected, got, context=context)
+        return
+    try:
+        check_plans_equal(expected, got, context=context)
+    except AssertionError as err:
+        if spec.tie_check is None:
+            raise _fail(context, f"{err}; method {spec.name!r} has exact_plans=False but no "
+                                 "tie_check to show the difference is a tie") from err
+        spec.tie_check(q, k, params, expected, got)
+
+
+# -- attention -----------------------------------------------------------------
+
+
+def check_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    scale: float | None = None,
+    context: str = "",
+) -> float:
+    """`fast.sparse_attention(..., return_lse=True)` against the float64 golden.
+
+    The golden and the baseline use `plan.to_dense_mask()`; rows that keep no key
+    must give output 0 and lse -inf; nothing may be NaN.
+
+    Returns:
+        The largest error / allowance ratio (<= 1).
+
+    Raises:
+        AssertionError: under the tolerance policy (`tolerance.check_attention`).
+    """
+    mask = plan.to_dense_mask()
+    golden = golden_attention(q, k, v, mask, scale=scale)
+    baseline = baseline_attention(q, k, v, mask, scale=scale)
+    with nan_poisoned_empty():
+        out, lse = fast.sparse_attention(q, k, v, plan, scale=scale, return_lse=True)
+    return check_attention(out, lse, golden, baseline, context=context)
+
+
+def check_masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    context: str = "",
+) -> float:
+    """`fast.attention(q, k, v, mask, return_lse=True)` against the float64 golden.
+
+    Returns:
+        The largest error / allowance ratio.
+
+    Raises:
+        AssertionError: under the tolerance policy.
+    """
+    golden = golden_attention(q, k, v, mask, scale=scale)
+    baseline = baseline_attention(q, k, v, mask, scale=scale)
+    with nan_poisoned_empty():
+        out, lse = fast.attention(q, k, v, mask, scale=scale, return_lse=True)
+    return check_attention(out, lse, golden, baseline, context=context)
+
+
+def check_recall_density(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    selection: BlockColumnPlan | torch.Tensor,
+    *,
+    expected_selection: BlockColumnPlan | torch.Tensor | None = None,
+    scale: float | None = None,
+    context: str = "",
+) -> float:
+    """`fast.recall` / `fast.density` agree with `reference.recall` / `reference.density`.
+
+    Args:
+        q, k: the inputs. selection: a plan or a bool mask `[B, Hq, N, N]` given to
+            `fast`. expected_selection: what `reference` gets (default: the same).
+        scale: softmax scale. context: prefix for failure messages.
+
+    Returns:
+        The recall error / allowance ratio.
+
+    Raises:
+        AssertionError: recall beyond `tolerance.recall_allowance`, or densities not
+            bit-identical (both count kept causal pairs exactly).
+    """
+    expected_sel = selection if expected_selection is None else expected_selection
+    with nan_poisoned_empty():
+        got = fast.recall(q, k, selection, scale=scale)
+    expected = reference.recall(q, k, expected_sel, scale=scale)
+    q64, k64 = q.to(torch.float64), k.to(torch.float64)
+    _, lse_full = reference.attention(q64, k64, k64, scale=scale, return_lse=True)
+    ratio = check_recall(got, expected, max_abs_lse=float(lse_full.abs().max().item()),
+                         context=context).ratio
+    dens_got = fast.density(selection)
+    dens_expected = reference.density(expected_sel)
+    if dens_got.dtype != torch.float64 or not torch.equal(dens_got.cpu(), dens_expected.cpu()):
+        diff = (dens_got.double().cpu() - dens_expected.double().cpu()).abs()
+        raise _fail(context, f"density differs: got {dens_got.flatten()[:8].tolist()} "
+                             f"({dens_got.dtype}), reference {dens_expected.flatten()[:8].tolist()}; "
+                             f"max diff {float(diff.max()):.3e}")
+    return ratio
+
+
+def check_method_end_to_end(
+    spec: MethodSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    params: dict[str, Any],
+    *,
+    context: str = "",
+) -> float:
+    """`fast.<name>(q, k, v, **params)` against the float64 golden of the method.
+
+    The golden runs the reference estimator's plan through float64 attention (for
+    `exact_plans=False` methods whose plans differ at a tie, the fast plan's golden
+    is used; `check_method_plan` judges the tie). `reference.<name>` in the input
+    dtype must also meet the policy against its own golden.
+
+    Returns:
+        The largest error / allowance ratio of the fast run.
+
+    Raises:
+        AssertionError: under the tolerance policy.
+    """
+    ref_plan = spec.reference_plan(q, k, **params)
+    plan = ref_plan
+    if not spec.exact_plans:
+        fast_plan = spec.fast_plan(q, k, **params).to(q.device)
+        if not ref_plan.equal(fast_plan):
+            plan = fast_plan
+    mask = plan.to_dense_mask()
+    golden = golden_attention(q, k, v, mask)
+    baseline = baseline_attention(q, k, v, mask)
+    with nan_poisoned_empty():
+        out = spec.fast_run(q, k, v, **params)
+    ratio = check_attention(out, None, golden, baseline, context=f"{context} fast")
+    ref_out = spec.reference_run(q, k, v, **params)
+    if plan is not ref_plan:
+        ref_mask = ref_plan.to_dense_mask()
+        golden = golden_attention(q, k, v, ref_mask)
+        baseline = baseline_attention(q, k, v, ref_mask)
+    check_output(ref_out, golden[0], baseline[0], context=f"{context} reference")
+    return ratio
+
+
+# -- properties with their draws -----------------------------------------------
+
+
+PropertyFn = Callable[[Draw, Caps, "MethodSpec | None"], float]
+
+
+@dataclass(frozen=True)
+class Property:
+    """One conformance property and the draws that feed it.
+
+    Attributes:
+        name: short name for tables and test ids.
+        per_method: True if it runs once per registered method (`run` gets the
+            `MethodSpec`), False if it checks the kernel alone (`run` gets None).
+        run: `(draw, caps, spec) -> error/allowance ratio`; raises AssertionError.
+        summary: one line for `--list` and docs.
+    """
+
+    name: str
+    per_method: bool
+    run: PropertyFn
+    summary: str
+
+
+def _method_inputs(
+    draw: Draw, caps: Caps, spec: MethodSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any], str]:
+    n = draw_seqlen(draw, caps)
+    params = draw_method_params(draw, spec, n)
+    shape = draw_shape(draw, caps, seqlen=n, tiles=method_tiles(params))
+    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
+    return q, k, v, params, f"{spec.name} {what} params={params}"
+
+
+def _need(spec: MethodSpec | None) -> MethodSpec:
+    if spec is None:
+        raise ValueError("this property runs per method; pass a MethodSpec")
+    return spec
+
+
+def _prop_method_plan(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    s = _need(spec)
+    q, k, _, params, context = _method_inputs(draw, caps, s)
+    check_method_plan(s, q, k, params, context=context)
+    return 0.0
+
+
+def _prop_method_end_to_end(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    s = _need(spec)
+    q, k, v, params, context = _method_inputs(draw, caps, s)
+    return check_method_end_to_end(s, q, k, v, params, context=context)
+
+
+def _prop_method_recall(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    s = _need(spec)
+    q, k, _, params, context = _method_inputs(draw, caps, s)
+    got_plan = s.fast_plan(q, k, **params)
+    expected_plan = s.reference_plan(q, k, **params)
+    if not s.exact_plans and not expected_plan.equal(got_plan.to(expected_plan.device)):
+        expected_plan = got_plan  # a tie; `method_plan` judges it
+    return check_recall_density(q, k, got_plan, expected_selection=expected_plan, context=context)
+
+
+def _random_plan_inputs(
+    draw: Draw, caps: Caps
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BlockColumnPlan, str]:
+    n = draw_seqlen(draw, caps)
+    bm, bn = draw_block_sizes(draw)
+    shape = draw_shape(draw, caps, seqlen=n, tiles=kernel_tiles(bm, bn))
+    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
+    plan, plan_what = draw_plan(draw, shape, block_m=bm, block_n=bn, device=caps.device)
+    return q, k, v, plan, f"{what} {plan_what}"
+
+
+def _prop_sparse_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    scale = draw_scale(draw)
+    return check_sparse_attention(q, k, v, plan, scale=scale, context=f"{context} scale={scale}")
+
+
+def _prop_masked_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    shape = draw_shape(draw, caps)
+    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
+    mask: torch.Tensor | None = None
+    mask_what = "mask None"
+    if bool(draw(st.sampled_from([True, True, True, False]))):
+        mask, mask_what = draw_mask(draw, shape, caps.device)
+    scale = draw_scale(draw)
+    return check_masked_attention(q, k, v, mask, scale=scale,
+                                  context=f"{what} {mask_what} scale={scale}")
+
+
+def _prop_recall_random(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    q, k, _, plan, context = _random_plan_inputs(draw, caps)
+    scale = draw_scale(draw)
+    if bool(draw(st.booleans())):
+        return check_recall_density(q, k, plan, scale=scale, context=f"{context} scale={scale}")
+    mask = plan.to_dense_mask()
+    return check_recall_density(q, k, mask, scale=scale, context=f"{context} as mask scale={scale}")
+
+
+PROPERTIES: tuple[Property, ...] = (
+    Property("plan", True, _prop_method_plan,
+             "fast plan equals the reference plan (equal() and to_dense_mask())"),
+    Property("end_to_end", True, _prop_method_end_to_end,
+             "fast.<method> output vs float64 golden of the reference plan; reference.<method> too"),
+    Property("recall_density", True, _prop_method_recall,
+             "fast.recall/density of the method's plan vs reference"),
+    Property("sparse_attention", False, _prop_sparse_attention,
+             "fast.sparse_attention (out, lse) on random valid plans vs float64 golden"),
+    Property("masked_attention", False, _prop_masked_attention,
+             "fast.attention with a dense mask (or None) vs float64 golden"),
+    Property("recall_density_random", False, _prop_recall_random,
+             "fast.recall/density on random plans and masks vs reference"),
+)
+
+
+def properties() -> dict[str, Property]:
+    """`PROPERTIES` by name."""
+    return {p.name: p for p in PROPERTIES}

@@ -1,0 +1,173 @@
+"""The conformance properties on CPU (Triton interpreter), small sizes.
+
+The same properties the GPU runner checks at N up to 16K (`python -m
+sparseprefill.conformance --device cuda`), here with N <= 200 and a few examples
+each, for every registered method and for the kernel on random plans and masks.
+Also: the tolerance policy itself rejects what it must, and the runner works.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import EXAMPLES
+from sparseprefill import fast, reference
+from sparseprefill.conformance import METHODS
+from sparseprefill.conformance import __main__ as runner
+from sparseprefill.conformance import properties as props
+from sparseprefill.conformance import tolerance
+from sparseprefill.conformance.strategies import Caps, Shape, draw_plan
+
+PER_METHOD = [p for p in props.PROPERTIES if p.per_method]
+KERNEL = [p for p in props.PROPERTIES if not p.per_method]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("prop", PER_METHOD, ids=lambda p: p.name)
+@settings(max_examples=EXAMPLES)
+@given(data=st.data())
+def test_method_property(cpu_caps: Caps, method: str, prop: props.Property, data: Any) -> None:
+    prop.run(data.draw, cpu_caps, METHODS[method])
+
+
+@pytest.mark.parametrize("prop", KERNEL, ids=lambda p: p.name)
+@settings(max_examples=EXAMPLES)
+@given(data=st.data())
+def test_kernel_property(cpu_caps: Caps, prop: props.Property, data: Any) -> None:
+    prop.run(data.draw, cpu_caps, None)
+
+
+# -- the policy rejects what it must --------------------------------------------
+
+
+def _inputs(n: int = 40, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(1, 2, n, 32, generator=gen).to(dtype) for _ in range(3))
+
+
+def test_policy_rejects_nan_and_misplaced_inf() -> None:
+    q, k, v = _inputs()
+    golden = tolerance.golden_attention(q, k, v, None)
+    baseline = tolerance.baseline_attention(q, k, v, None)
+    out = golden[0].to(q.dtype)
+    assert tolerance.check_attention(out, golden[1], golden, baseline) <= 1.0
+    bad = out.clone()
+    bad[0, 1, 7, 3] = math.nan
+    with pytest.raises(AssertionError, match="non-finite"):
+        tolerance.check_attention(bad, golden[1], golden, baseline)
+    lse = golden[1].clone()
+    lse[0, 0, 5] = -math.inf
+    with pytest.raises(AssertionError, match="-inf"):
+        tolerance.check_lse(lse, golden[1], baseline[1])
+    lse[0, 0, 5] = math.nan
+    with pytest.raises(AssertionError, match="NaN"):
+        tolerance.check_lse(lse, golden[1], baseline[1])
+
+
+def test_policy_rejects_one_dropped_key() -> None:
+    """An output that misses a single key of one row fails the policy, with numbers."""
+    q, k, v = _inputs()
+    golden = tolerance.golden_attention(q, k, v, None)
+    baseline = tolerance.baseline_attention(q, k, v, None)
+    mask = torch.ones(40, 40, dtype=torch.bool)
+    mask[30, 29] = False
+    wrong = fast.attention(q, k, v, mask, return_lse=True)
+    with pytest.raises(AssertionError, match=r"max abs error .* allowed"):
+        tolerance.check_attention(wrong[0], wrong[1], golden, baseline)
+
+
+def test_policy_empty_rows_must_be_zero() -> None:
+    q, k, v = _inputs(8)
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    mask[3] = False
+    golden = tolerance.golden_attention(q, k, v, mask)
+    baseline = tolerance.baseline_attention(q, k, v, mask)
+    assert golden[1][0, 0, 3] == -math.inf and bool((golden[0][:, :, 3] == 0).all())
+    assert bool(torch.isfinite(baseline[0]).all())
+    out = golden[0].to(q.dtype).clone()
+    out[0, 0, 3, 0] = 1e-3
+    with pytest.raises(AssertionError, match="exactly 0"):
+        tolerance.check_attention(out, golden[1], golden, baseline)
+
+
+def test_recall_check_catches_wrong_plan() -> None:
+    """Recall of a plan differing from the reference's by one column fails the check."""
+    q, k, _ = _inputs(64)
+    shape = Shape(batch=1, kv_heads=2, group=1, seqlen=64, head_dim=32)
+    blocks = torch.ones(1, 2, 4, 4, dtype=torch.bool)
+    plan = reference.BlockColumnPlan.from_masks(blocks, None, seqlen=64, block_m=16, block_n=16)
+    blocks[0, 0, 3, 1] = False
+    cols = torch.zeros(1, 2, 4, 64, dtype=torch.bool)
+    cols[0, 0, 3, 16:31] = True  # block 1 of query block 3, less key 31
+    other = reference.BlockColumnPlan.from_masks(blocks, cols, seqlen=64, block_m=16, block_n=16)
+    assert shape.q_heads == plan.num_heads
+    with pytest.raises(AssertionError, match="recall"):
+        props.check_recall_density(q, k, other, expected_selection=plan)
+
+
+def test_plan_check_names_the_difference() -> None:
+    blocks = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    a = reference.BlockColumnPlan.from_masks(blocks, None, seqlen=32, block_m=16, block_n=16)
+    blocks[0, 0, 1, 0] = False
+    b = reference.BlockColumnPlan.from_masks(blocks, None, seqlen=32, block_m=16, block_n=16)
+    with pytest.raises(AssertionError, match=r"block lists differ at .*\(0, 0, 1\).*\[1\].*\[0, 1\]"):
+        props.check_plans_equal(a, b)
+    props.check_plans_equal(a, a)
+
+
+def test_nan_poisoning_reaches_fast_outputs() -> None:
+    with props.nan_poisoned_empty():
+        x = torch.empty(3, dtype=torch.float16)
+        i = torch.empty(3, dtype=torch.int32)
+    assert bool(torch.isnan(x).all()) and i.dtype == torch.int32
+    assert not bool(torch.isnan(torch.empty(3).fill_(0)).any())
+
+
+def test_draw_plan_is_valid_and_matches_its_masks(cpu_caps: Caps) -> None:
+    @settings(max_examples=30)
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        shape = Shape(batch=2, kv_heads=1, group=2, seqlen=data.draw(st.integers(1, 90)), head_dim=16)
+        plan, _ = draw_plan(data.draw, shape, block_m=32, block_n=16, device="cpu")
+        plan.validate()
+        dense = plan.to_dense_mask()
+        assert dense.shape == (2, 2, shape.seqlen, shape.seqlen)
+        assert not bool(dense.triu(1).any())
+
+    check()
+
+
+# -- the runner -----------------------------------------------------------------
+
+
+def test_runner_passes_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "conf.json"
+    code = runner.main(["--device", "cpu", "--max-seqlen", "32", "--examples", "1",
+                        "--json", str(out)])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    names = {(r["method"], r["prop"]) for r in payload["results"]}
+    assert {(m, "end_to_end") for m in METHODS} <= names
+    assert ("kernel", "sparse_attention") in names
+    assert all(r["passed"] and r["examples"] >= 1 for r in payload["results"])
+
+
+def test_runner_fails_on_a_failing_property(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    def broken(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out: torch.Tensor = fast.dense(*args, **kwargs)
+        return out * 1.01
+
+    spec = METHODS["dense"]
+    monkeypatch.setitem(METHODS, "dense", type(spec)(**{**spec.__dict__, "fast_run": broken}))
+    code = runner.main(["--device", "cpu", "--max-seqlen", "48", "--examples", "3",
+                        "--methods", "dense", "--properties", "end_to_end"])
+    assert code == 1
+    assert "FAIL" in capsys.readouterr().out
