@@ -2,8 +2,32 @@
 property checks that `fast` agrees with `reference`; also the method registry.
 
 Run on a GPU: `python -m sparseprefill.conformance --device cuda --max-seqlen 16384`.
+
+Modules: `registry` (METHODS), `strategies` (Hypothesis draws within `Caps`),
+`tolerance` (the project's one tolerance policy), `properties` (the checks and
+`PROPERTIES`, each with its draws).
 """
 
+from .properties import PROPERTIES, Property, check_method_end_to_end, check_method_plan
+from .properties import check_plans_equal, check_recall_density, check_sparse_attention
 from .registry import METHODS, MethodSpec, methods, register
+from .strategies import Caps
+from .tolerance import check_attention, check_output, check_recall
 
-__all__ = ["METHODS", "MethodSpec", "methods", "register"]
+__all__ = [
+    "METHODS",
+    "PROPERTIES",
+    "Caps",
+    "MethodSpec",
+    "Property",
+    "check_attention",
+    "check_method_end_to_end",
+    "check_method_plan",
+    "check_output",
+    "check_plans_equal",
+    "check_recall",
+    "check_recall_density",
+    "check_sparse_attention",
+    "methods",
+    "register",
+]
