@@ -12,8 +12,8 @@ from the reference's choice.
 Plan memory is sized from the parameters (`index_widths`): per (batch, head,
 query block) `min(Kb, k_s * ((block_m - 1) // block_n + 2)) + k_v` int32. At long
 N that is large (about 0.86 GB per head at N = 1M, (1000, 6096), 64 x 64 blocks),
-so `vertical_slash` plans and runs a group of KV heads at a time, keeping its
-plans under `PLAN_BYTES`.
+so `vertical_slash` plans and runs a group of query heads at a time, keeping its
+plans under `PLAN_BYTES` where one head's plan fits.
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def vertical_slash(
 ) -> torch.Tensor:
     """Vertical-Slash sparse attention (see `reference.vertical_slash`).
 
-    Heads are planned and run in groups of whole KV heads whose plans fit in
-    `PLAN_BYTES` (all at once unless N is long).
+    Query heads are planned and run in groups whose plans fit in `PLAN_BYTES`
+    (all at once unless N is long; one head at a time if even that does not fit).
 
     Returns:
         `[B, Hq, N, D]` in q's dtype.
@@ -160,20 +160,30 @@ def vertical_slash(
         block_n=block_n, init_columns=init_columns, local_diagonals=local_diagonals,
     )
     check_vertical_slash_params(**params)
-    g = shape.group
-    per_kv_head = shape.batch * g * plan_bytes_per_head(
+    per_head = shape.batch * plan_bytes_per_head(
         shape.seqlen, vertical_size=vertical_size, slash_size=slash_size, block_m=block_m,
         block_n=block_n, init_columns=init_columns, local_diagonals=local_diagonals,
     )
-    step = max(1, min(shape.kv_heads, PLAN_BYTES // per_kv_head))
-    if step == shape.kv_heads:
+    step = head_group(shape.q_heads, shape.group, PLAN_BYTES // per_head)
+    if step == shape.q_heads:
         plan = vertical_slash_plan(q, k, scale=scale, **params)
         out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
         return out
+    g = shape.group
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for h0 in range(0, shape.kv_heads, step):
-        h1 = min(h0 + step, shape.kv_heads)
-        qs, ks, vs = q[:, h0 * g:h1 * g], k[:, h0:h1], v[:, h0:h1]
+    for h0 in range(0, shape.q_heads, step):
+        # A group is whole KV heads, or query heads of one KV head.
+        kv0, kv1 = h0 // g, (h0 + step - 1) // g + 1
+        qs, ks, vs = q[:, h0:h0 + step], k[:, kv0:kv1], v[:, kv0:kv1]
         plan = vertical_slash_plan(qs, ks, scale=scale, **params)
-        out[:, h0 * g:h1 * g], _ = block_column_attention(qs, ks, vs, plan, scale=scale, validate_plan=False)
+        out[:, h0:h0 + step], _ = block_column_attention(qs, ks, vs, plan, scale=scale, validate_plan=False)
     return out
+
+
+def head_group(q_heads: int, group: int, fit: int) -> int:
+    """Query heads planned at once: at most `fit` (at least 1), whole KV heads or a divisor of G."""
+    if fit >= q_heads:
+        return q_heads
+    if fit >= group:
+        return fit // group * group
+    return max(d for d in range(1, group + 1) if group % d == 0 and d <= max(fit, 1))

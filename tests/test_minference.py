@@ -262,15 +262,19 @@ def test_vertical_slash_fast_matches_reference(case: int) -> None:
 
 
 def test_vertical_slash_head_groups_match_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a tiny plan budget, heads run one KV head at a time: same output, bit for bit."""
-    q, k, v = _inputs(2, 4, 2, 80, 32, seed=9)
+    """With small plan budgets, heads run in groups (1 query head, then 1 KV head): same output."""
+    q, k, v = _inputs(1, 4, 2, 64, 32, seed=9)
     params = dict(vertical_size=6, slash_size=5, last_q=16, block_m=16, block_n=16)
     whole = fast.vertical_slash(q, k, v, **params)
     # The package exports a function of the module's name: fetch the module itself.
     module = importlib.import_module("sparseprefill.fast.vertical_slash")
-    monkeypatch.setattr(module, "PLAN_BYTES", 1)
-    grouped = fast.vertical_slash(q, k, v, **params)
-    assert torch.equal(whole, grouped)
+    per_head = plan_bytes_per_head(64, vertical_size=6, slash_size=5, block_m=16, block_n=16,
+                                       init_columns=30, local_diagonals=100)
+    for budget, heads in ((1, 1), (3 * per_head, 2)):
+        assert module.head_group(4, 2, budget // per_head) == heads
+        monkeypatch.setattr(module, "PLAN_BYTES", budget)
+        assert torch.equal(whole, fast.vertical_slash(q, k, v, **params))
+    assert module.head_group(32, 4, 0) == 1 and module.head_group(32, 6, 5) == 3
 
 
 def test_block_sparse_fast_matches_reference() -> None:
