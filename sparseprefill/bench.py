@@ -72,25 +72,43 @@ def random_block_plan(
     )
 
 
-def flex_block_mask(plan: BlockColumnPlan, kv_heads: int | None = None) -> Any:
-    """The same plan as a FlexAttention `BlockMask` (blocks only; columns unsupported).
+def flex_block_mask(plan: BlockColumnPlan) -> Any:
+    """The same plan as a FlexAttention `BlockMask`, as a careful Flex user would write it.
 
-    Blocks entirely below the diagonal go in the "full" lists (no mask_mod call),
-    the rest in the partial lists with a causal mask_mod, as a careful Flex user would.
+    Blocks entirely below the diagonal go in the "full" lists (no mask_mod call), the
+    rest in the partial lists with a causal mask_mod. Columns have no Flex form, so a
+    plan with columns is expressed as a per-head set of key columns (the union of its
+    column lists: exact for vertical-slash plans, whose columns are one vertical set
+    minus the keys its blocks already cover): every key block holding such a column
+    becomes a partial block whose mask_mod looks the column up.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    if plan.column_index.shape[3] > 0:
-        raise ValueError("FlexAttention comparison supports block-only plans")
     bm, bn, n = plan.block_m, plan.block_n, plan.seqlen
     qb, kb = plan.num_query_blocks, plan.num_key_blocks
+    b, h = plan.batch, plan.num_heads
     dev = plan.device
     keep = plan.block_mask()
     first_row = (torch.arange(qb, device=dev) * bm).view(qb, 1)
-    key_last = (torch.arange(kb, device=dev) + 1) * bn - 1
-    below = (key_last[None, :] <= first_row) & (key_last[None, :] < n)
+    last_row = ((torch.arange(qb, device=dev) + 1) * bm - 1).clamp(max=n - 1).view(qb, 1)
+    key_first = (torch.arange(kb, device=dev) * bn)[None, :]
+    key_last = key_first + bn - 1
+    below = (key_last <= first_row) & (key_last < n)
     is_full = keep & below
     is_part = keep & ~below
+    vertical = torch.zeros(b, h, n + 1, dtype=torch.bool, device=dev)
+    has_columns = plan.column_index.shape[3] > 0
+    if has_columns:
+        width = plan.column_index.shape[3]
+        valid = torch.arange(width, device=dev) < plan.column_count.unsqueeze(-1)
+        cols = torch.where(valid, plan.column_index.to(torch.int64), n).reshape(b, h, -1)
+        vertical.scatter_(2, cols, True)
+        vblocks = torch.zeros(b, h, kb + 1, dtype=torch.bool, device=dev)
+        vblocks.scatter_(2, torch.where(cols < n, cols // bn, kb), True)
+        causal_blocks = key_first <= last_row
+        is_part = is_part | (vblocks[:, :, None, :kb] & causal_blocks & ~is_full)
+    vertical = vertical[..., :n]
+    block_keep = keep
 
     def compact(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # As create_block_mask does: every row a permutation of the key blocks, kept first.
@@ -100,10 +118,15 @@ def flex_block_mask(plan: BlockColumnPlan, kv_heads: int | None = None) -> Any:
     pc, pi = compact(is_part)
     fc, fi = compact(is_full)
 
-    def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return q_idx >= kv_idx
+    if has_columns:
+        def mask_mod(bi: Any, hi: Any, q_idx: Any, kv_idx: Any) -> Any:
+            listed = block_keep[bi, hi, q_idx // bm, kv_idx // bn] | vertical[bi, hi, kv_idx]
+            return (q_idx >= kv_idx) & listed
+    else:
+        def mask_mod(bi: Any, hi: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return q_idx >= kv_idx
 
-    return BlockMask.from_kv_blocks(pc, pi, fc, fi, BLOCK_SIZE=(bm, bn), mask_mod=causal,
+    return BlockMask.from_kv_blocks(pc, pi, fc, fi, BLOCK_SIZE=(bm, bn), mask_mod=mask_mod,
                                     seq_lengths=(n, n))
 
 
@@ -210,6 +233,150 @@ def run_suite(
     return rows
 
 
+def minference_anchor_lines(
+    batch: int, heads: int, seqlen: int, *, vertical_size: int = 1000, slash_size: int = 6096,
+    device: torch.device, seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lines of ANCHORS.md's MInference measurement: the first 30 columns plus
+    random ones (`vertical_size` in all) and the `slash_size` nearest diagonals.
+
+    Returns:
+        (verticals, slashes) int32 `[B, H, count]`, sorted ascending.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    nv = min(vertical_size, seqlen)
+    forced = min(30, nv)
+    rest = torch.rand(batch, heads, max(seqlen - forced, 0), generator=gen).argsort(-1)[..., : nv - forced]
+    verticals = torch.cat([torch.arange(forced).expand(batch, heads, forced), rest + forced], -1)
+    slashes = torch.arange(min(slash_size, seqlen)).expand(batch, heads, -1)
+    return (verticals.sort(-1).values.to(torch.int32).to(device),
+            slashes.to(torch.int32).contiguous().to(device))
+
+
+def run_minference_suite(
+    seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
+    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, flex_max: int = 131072,
+    with_recall: bool = True, log: Callable[[str], None] = print,
+) -> list[Row]:
+    """MInference benchmark (issue 3): vertical-slash (1000, 6096) and block-sparse
+    (top_k=100) on the demo's structured workload, with time split into estimate /
+    index / kernel, plus ANCHORS.md's fixed MInference plan (index + kernel), against
+    cuDNN SDPA and FlexAttention given the same plan, in the same run.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    from . import fast
+    from .demo import Shape, synthetic_qkv
+    from .fast.kernels import block_column_attention
+    from .fast.kernels.vertical_slash_index import vertical_slash_index
+    from .fast.vertical_slash import vertical_slash_lines
+
+    dev = torch.device("cuda")
+    rows: list[Row] = []
+    flex_fn = None
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex_fn = torch.compile(flex_attention, dynamic=False)
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        log(f"FlexAttention unavailable: {exc}")
+    vs_params = {"vertical_size": 1000, "slash_size": 6096}
+    for n in seqlens:
+        q, k, v = synthetic_qkv(Shape(batch, q_heads, kv_heads, n, head_dim, dtype), device=dev)
+        causal_pairs = batch * q_heads * n * (n + 1) / 2
+        g = q_heads // kv_heads
+        cudnn_ms = float("nan")
+        try:
+            ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+
+            def cudnn() -> Any:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+
+            cudnn_ms = _bench_ms(cudnn)
+            del ke, ve
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            log(f"cuDNN failed at N={n}: {exc}")
+        rows.append(Row("dense", "cuDNN SDPA", n, 1.0, 1.0, 1.0, cudnn_ms, None,
+                        4 * head_dim * causal_pairs / cudnn_ms / 1e9, 1.0))
+        torch.cuda.empty_cache()
+
+        def add(name: str, impl: str, plan: BlockColumnPlan, ms: float, est_ms: float | None,
+                extra: dict[str, Any]) -> None:
+            dens = float(fast.density(plan).mean())
+            rec_mean = rec_min = None
+            if with_recall:
+                rec = fast.recall(q, k, plan)
+                rec_mean, rec_min = float(rec.mean()), float(rec.min())
+            flops = 4 * head_dim * dens * causal_pairs
+            rows.append(Row(name, impl, n, dens, rec_mean, rec_min, ms, est_ms, flops / ms / 1e9,
+                            cudnn_ms / ms, extra))
+            log(f"N={n}: {name} {impl} {ms:.2f} ms density {dens:.4f} {extra}")
+
+        def kernel(plan: BlockColumnPlan) -> Callable[[], Any]:
+            return lambda: block_column_attention(q, k, v, plan, validate_plan=False)
+
+        # Vertical-slash, end to end on the workload, and its stages.
+        def lines() -> tuple[torch.Tensor, torch.Tensor]:
+            return vertical_slash_lines(q, k, **vs_params)
+
+        verticals, slashes = lines()
+
+        def index() -> BlockColumnPlan:
+            return vertical_slash_index(verticals, slashes, seqlen=n, block_m=64, block_n=64)
+
+        plan = index()
+        est_ms, idx_ms, ker_ms = _bench_ms(lines), _bench_ms(index), _bench_ms(kernel(plan))
+        e2e_ms = _bench_ms(lambda: fast.vertical_slash(q, k, v, **vs_params))
+        add("vertical_slash", "sparseprefill", plan, e2e_ms, est_ms + idx_ms,
+            {"estimate_ms": est_ms, "index_ms": idx_ms, "kernel_ms": ker_ms,
+             "plan_mb": plan.nbytes() / 2**20})
+        if flex_fn is not None and n <= flex_max:
+            _flex_row(flex_fn, "vertical_slash", plan, q, k, v, add, kernel)
+        del plan, verticals, slashes
+        torch.cuda.empty_cache()
+
+        # ANCHORS.md's MInference plan: 1000 columns (30 first + random), 6096 nearest diagonals.
+        verticals, slashes = minference_anchor_lines(batch, q_heads, n, device=dev)
+        plan = index()
+        idx_ms, ker_ms = _bench_ms(index), _bench_ms(kernel(plan))
+        add("MInference plan", "sparseprefill", plan, idx_ms + ker_ms, idx_ms,
+            {"index_ms": idx_ms, "kernel_ms": ker_ms})
+        if flex_fn is not None and n <= flex_max:
+            _flex_row(flex_fn, "MInference plan", plan, q, k, v, add, kernel)
+        del plan, verticals, slashes
+        torch.cuda.empty_cache()
+
+        # Block-sparse, top_k = 100 blocks of 64.
+        def make() -> BlockColumnPlan:
+            return fast.block_sparse_plan(q, k, top_k=100)
+
+        plan = make()
+        est_ms, ker_ms = _bench_ms(make), _bench_ms(kernel(plan))
+        add("block_sparse", "sparseprefill", plan, est_ms + ker_ms, est_ms,
+            {"estimate_ms": est_ms, "kernel_ms": ker_ms})
+        if flex_fn is not None and n <= flex_max:
+            _flex_row(flex_fn, "block_sparse", plan, q, k, v, add, kernel)
+        del plan, q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _flex_row(flex_fn: Any, name: str, plan: BlockColumnPlan, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, add: Callable[..., None],
+              kernel: Callable[[BlockColumnPlan], Callable[[], Any]]) -> None:
+    try:
+        bmask = flex_block_mask(plan)
+        ours = kernel(plan)()[0]
+        fout = flex_fn(q, k, v, block_mask=bmask, enable_gqa=True)
+        diff = float((fout.float() - ours.float()).norm() / ours.float().norm())
+        fms = _bench_ms(lambda: flex_fn(q, k, v, block_mask=bmask, enable_gqa=True))
+        add(name, "FlexAttention", plan, fms, None, {"rel_diff_vs_ours": diff})
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        print(f"FlexAttention failed for {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 def format_table(rows: list[Row]) -> str:
     """A fixed-width table of the rows."""
     head = (f"{'method':<18} {'impl':<14} {'N':>7} {'density':>8} {'recall':>13} "
@@ -239,8 +406,12 @@ def environment() -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `sparseprefill bench`."""
-    parser.add_argument("--seqlens", default="8192,32768,131072",
-                        help="comma-separated sequence lengths (default: 8K,32K,128K)")
+    parser.add_argument("--method", choices=["kernels", "minference"], default="kernels",
+                        help="kernels: dense/streaming/random plans (default); minference: "
+                             "vertical-slash and block-sparse end to end")
+    parser.add_argument("--seqlens", default=None,
+                        help="comma-separated sequence lengths (default: 8K,32K,128K; "
+                             "minference: 32K,128K,512K)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -257,12 +428,18 @@ def run(args: argparse.Namespace) -> int:
         print("sparseprefill bench needs a CUDA GPU (it times kernels against cuDNN SDPA).",
               file=sys.stderr)
         return 2
-    seqlens = [int(s) for s in str(args.seqlens).split(",") if s]
+    default = "32768,131072,524288" if args.method == "minference" else "8192,32768,131072"
+    seqlens = [int(s) for s in str(args.seqlens or default).split(",") if s]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    rows = run_suite(seqlens, batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                     head_dim=args.head_dim, dtype=dtype, flex=not args.no_flex,
-                     with_recall=not args.no_recall,
-                     log=lambda s: print(s, file=sys.stderr, flush=True))
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    common = dict(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                  head_dim=args.head_dim, dtype=dtype, with_recall=not args.no_recall, log=log)
+    if args.method == "minference":
+        rows = run_minference_suite(seqlens, flex_max=0 if args.no_flex else 131072, **common)
+    else:
+        rows = run_suite(seqlens, flex=not args.no_flex, **common)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as fh:
