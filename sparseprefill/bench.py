@@ -256,7 +256,7 @@ def minference_anchor_lines(
 def run_minference_suite(
     seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
     head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, flex_max: int = 131072,
-    with_recall: bool = True, log: Callable[[str], None] = print,
+    with_recall: bool = True, log: Callable[[str], None] = print, vs_block_m: int = 64,
 ) -> list[Row]:
     """MInference benchmark (issue 3): vertical-slash (1000, 6096) and block-sparse
     (top_k=100) on the demo's structured workload, with time split into estimate /
@@ -324,16 +324,16 @@ def run_minference_suite(
         verticals, slashes = lines()
 
         def index() -> BlockColumnPlan:
-            return vertical_slash_index(verticals, slashes, seqlen=n, block_m=64, block_n=64)
+            return vertical_slash_index(verticals, slashes, seqlen=n, block_m=vs_block_m, block_n=64)
 
         plan = index()
         est_ms, idx_ms, ker_ms = _bench_ms(lines), _bench_ms(index), _bench_ms(kernel(plan))
-        e2e_ms = _bench_ms(lambda: fast.vertical_slash(q, k, v, **vs_params))
-        add("vertical_slash", "sparseprefill", plan, e2e_ms, est_ms + idx_ms,
+        e2e_ms = _bench_ms(lambda: fast.vertical_slash(q, k, v, block_m=vs_block_m, **vs_params))
+        add(f"vertical_slash {vs_block_m}x64", "sparseprefill", plan, e2e_ms, est_ms + idx_ms,
             {"estimate_ms": est_ms, "index_ms": idx_ms, "kernel_ms": ker_ms,
              "plan_mb": plan.nbytes() / 2**20})
         if flex_fn is not None and n <= flex_max:
-            _flex_row(flex_fn, "vertical_slash", plan, q, k, v, add, kernel)
+            _flex_row(flex_fn, f"vertical_slash {vs_block_m}x64", plan, q, k, v, add, kernel)
         del plan, verticals, slashes
         torch.cuda.empty_cache()
 
@@ -369,9 +369,12 @@ def _flex_row(flex_fn: Any, name: str, plan: BlockColumnPlan, q: torch.Tensor, k
     try:
         bmask = flex_block_mask(plan)
         ours = kernel(plan)()[0]
-        fout = flex_fn(q, k, v, block_mask=bmask, enable_gqa=True)
+        # Flex's tiles must divide the mask's blocks (its default tiles are 128 wide).
+        opts = {"BLOCK_M": min(128, plan.block_m), "BLOCK_N": min(128, plan.block_n)}
+        fout = flex_fn(q, k, v, block_mask=bmask, enable_gqa=True, kernel_options=opts)
         diff = float((fout.float() - ours.float()).norm() / ours.float().norm())
-        fms = _bench_ms(lambda: flex_fn(q, k, v, block_mask=bmask, enable_gqa=True))
+        fms = _bench_ms(lambda: flex_fn(q, k, v, block_mask=bmask, enable_gqa=True,
+                                        kernel_options=opts))
         add(name, "FlexAttention", plan, fms, None, {"rel_diff_vs_ours": diff})
     except Exception as exc:  # noqa: BLE001 - report and go on
         print(f"FlexAttention failed for {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -418,6 +421,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    parser.add_argument("--vs-block-m", type=int, default=64,
+                        help="minference: query rows per vertical-slash plan block (default 64)")
     parser.add_argument("--no-recall", action="store_true", help="skip recall columns")
     parser.add_argument("--json", default=None, help="write rows and environment as JSON here")
 
@@ -437,7 +442,8 @@ def run(args: argparse.Namespace) -> int:
     common = dict(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, dtype=dtype, with_recall=not args.no_recall, log=log)
     if args.method == "minference":
-        rows = run_minference_suite(seqlens, flex_max=0 if args.no_flex else 131072, **common)
+        rows = run_minference_suite(seqlens, flex_max=0 if args.no_flex else 131072,
+                                    vs_block_m=args.vs_block_m, **common)
     else:
         rows = run_suite(seqlens, flex=not args.no_flex, **common)
     print(format_table(rows))
