@@ -176,7 +176,7 @@ def capture(model: Any, tokenizer: Any, *, seqlen: int, layers: Sequence[int], p
         "v": [store.layers[i][2] for i in layers],
         "scale": [store.scale[i] for i in layers],
         "meta": {"model": MODEL_FILE, "text": "python stdlib sources", "seqlen": seqlen,
-                 "torch": torch.__version__},
+                 "torch": str(torch.__version__)},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, path)

@@ -54,7 +54,7 @@ try:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "sparseprefill.integrations.transformers needs transformers >= 4.56: "
+        "sparseprefill.integrations.transformers needs transformers >= 5.0: "
         "pip install 'sparseprefill[hf]'"
     ) from exc
 
@@ -482,7 +482,7 @@ def patch(
 
     Args:
         model: a transformers `PreTrainedModel` whose attention goes through
-            `AttentionInterface` (Llama, Qwen2, Mistral and most decoders since 4.48).
+            `AttentionInterface` (Llama, Qwen2, Mistral and most decoders).
         method, config, backend, min_seqlen, fast_dtype: see `register_attention`.
 
     Returns:
