@@ -77,13 +77,21 @@ def density(mask: torch.Tensor | BlockColumnPlan) -> torch.Tensor:
     n, bm, bn = plan.seqlen, plan.block_m, plan.block_n
     dev = plan.device
     qb = plan.num_query_blocks
-    r0 = (torch.arange(qb, device=dev, dtype=torch.int64) * bm).view(1, 1, qb, 1)
-    r1 = torch.clamp(r0 + bm, max=n)
-    bvalid = torch.arange(plan.block_index.shape[3], device=dev) < plan.block_count.unsqueeze(-1)
-    k0 = plan.block_index.to(torch.int64) * bn
-    k1 = torch.clamp(k0 + bn, max=n)
-    kept = torch.where(bvalid, _causal_pairs(r0, r1, k0, k1), 0).sum(dim=(-1, -2))
-    cvalid = torch.arange(plan.column_index.shape[3], device=dev) < plan.column_count.unsqueeze(-1)
-    c = plan.column_index.to(torch.int64)
-    kept = kept + torch.where(cvalid, _causal_pairs(r0, r1, c, c + 1), 0).sum(dim=(-1, -2))
+    width = plan.block_index.shape[3] + plan.column_index.shape[3]
+    # Count a slab of query blocks at a time: the int64 temporaries stay near 256 MiB.
+    step = max(1, (32 << 20) // max(1, plan.batch * plan.num_heads * width))
+    kept = torch.zeros(plan.batch, plan.num_heads, dtype=torch.int64, device=dev)
+    for s0 in range(0, qb, step):
+        s1 = min(qb, s0 + step)
+        r0 = (torch.arange(s0, s1, device=dev, dtype=torch.int64) * bm).view(1, 1, -1, 1)
+        r1 = torch.clamp(r0 + bm, max=n)
+        bcount = plan.block_count[:, :, s0:s1].unsqueeze(-1)
+        bvalid = torch.arange(plan.block_index.shape[3], device=dev) < bcount
+        k0 = plan.block_index[:, :, s0:s1].to(torch.int64) * bn
+        k1 = torch.clamp(k0 + bn, max=n)
+        kept += torch.where(bvalid, _causal_pairs(r0, r1, k0, k1), 0).sum(dim=(-1, -2))
+        ccount = plan.column_count[:, :, s0:s1].unsqueeze(-1)
+        cvalid = torch.arange(plan.column_index.shape[3], device=dev) < ccount
+        c = plan.column_index[:, :, s0:s1].to(torch.int64)
+        kept += torch.where(cvalid, _causal_pairs(r0, r1, c, c + 1), 0).sum(dim=(-1, -2))
     return kept.to(torch.float64) / (n * (n + 1) / 2)
