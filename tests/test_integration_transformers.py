@@ -220,6 +220,8 @@ def test_bad_configs_raise(llama: torch.nn.Module) -> None:
         patch(llama, "dense", {0: "no-such-method"})
     with pytest.raises(ValueError, match="lacks"):
         patch(llama, "dense", {7: None})
+    with pytest.raises(TypeError, match="bad parameters for 'streaming'"):
+        patch(llama, "streaming", {"sink": 4, "windw": 8})
     with pytest.raises(TypeError, match="mixes"):
         patch(llama, "dense", {0: None, "block_m": 16})
     with pytest.raises(ValueError, match="backend"):

@@ -39,6 +39,7 @@ Written against transformers 5.23 (`AttentionInterface`, `AttentionMaskInterface
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -108,6 +109,10 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
         for key in params:
             if not isinstance(key, str):
                 raise TypeError(f"{where}: parameter names must be str, got {key!r}")
+        try:
+            inspect.signature(METHODS[method].reference_plan).bind(None, None, **params)
+        except TypeError as exc:
+            raise TypeError(f"{where}: bad parameters for {method!r}: {exc}") from None
         return Choice(method, params)
     raise TypeError(f"{where}: expected None, a method name or a dict of parameters, got {type(spec).__name__}")
 
