@@ -5,17 +5,22 @@ Inputs are float16/bfloat16 CUDA tensors (or CPU tensors under
 `TRITON_INTERPRET=1`); everything is validated before any kernel launch.
 """
 
+from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
 from ..reference.plan import BlockColumnPlan
 from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
 from .metrics import density, recall, relative_error
+from .minference import minference, minference_plan, search_patterns
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
     "BlockColumnPlan",
+    "HeadPattern",
+    "MInferenceConfig",
+    "SearchResult",
     "a_shape",
     "a_shape_plan",
     "attention",
@@ -24,8 +29,11 @@ __all__ = [
     "dense",
     "dense_plan",
     "density",
+    "minference",
+    "minference_plan",
     "recall",
     "relative_error",
+    "search_patterns",
     "sparse_attention",
     "streaming",
     "streaming_plan",

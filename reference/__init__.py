@@ -8,12 +8,23 @@ from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
 from .metrics import density, recall, relative_error
+from .minference import (
+    HeadPattern,
+    MInferenceConfig,
+    SearchResult,
+    minference,
+    minference_plan,
+    search_patterns,
+)
 from .plan import BlockColumnPlan
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
     "BlockColumnPlan",
+    "HeadPattern",
+    "MInferenceConfig",
+    "SearchResult",
     "a_shape",
     "a_shape_plan",
     "attention",
@@ -22,8 +33,11 @@ __all__ = [
     "dense",
     "dense_plan",
     "density",
+    "minference",
+    "minference_plan",
     "recall",
     "relative_error",
+    "search_patterns",
     "sparse_attention",
     "streaming",
     "streaming_plan",

@@ -9,8 +9,10 @@ kernels run in Triton's CPU interpreter here.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -46,6 +48,7 @@ from sparseprefill.reference.block_sparse import (  # noqa: E402
     block_scores,
     mean_pooling,
 )
+from sparseprefill.reference.minference import HeadPattern, MInferenceConfig, kernel_cost  # noqa: E402
 from sparseprefill.reference.plan import BlockColumnPlan  # noqa: E402
 from sparseprefill.reference.vertical_slash import (  # noqa: E402
     approximate_attention,
@@ -396,3 +399,113 @@ def test_plan_widths_come_from_parameters() -> None:
     per_head = plan_bytes_per_head(1 << 20, vertical_size=1000, slash_size=6096, block_m=64,
                                    block_n=64, init_columns=30, local_diagonals=100)
     assert per_head == 4 * 16384 * (12192 + 1000 + 2)
+
+
+# -- per-head dispatch and the search (Alg. 1) ------------------------------------------
+
+
+def _head(pattern: str, **params: int) -> HeadPattern:
+    return HeadPattern(pattern, params)
+
+
+MIXED = (
+    _head("a_shape", sink=16, window=48, block_m=32, block_n=32),
+    _head("vertical_slash", vertical_size=8, slash_size=12, init_columns=2, local_diagonals=4,
+          last_q=16, block_m=32, block_n=32),
+    _head("block_sparse", top_k=2, block_size=32),
+    _head("a_shape", sink=16, window=48, block_m=32, block_n=32),
+)
+
+
+def test_config_json_round_trip_and_minference_files(tmp_path: Path) -> None:
+    config = MInferenceConfig((MIXED, MIXED[::-1]))
+    assert MInferenceConfig.from_json(config.to_json()) == config
+    assert MInferenceConfig.load(config.save(tmp_path / "c.json")) == config
+    theirs = json.dumps([{"1": ["vertical_and_slash", 30, 800, 7], "0": ["vertical_and_slash", 1000, 6096, 3]}])
+    assert MInferenceConfig.from_json(theirs).layer(0) == (
+        _head("vertical_slash", vertical_size=1000, slash_size=6096),
+        _head("vertical_slash", vertical_size=30, slash_size=800))
+    with pytest.raises(ValueError, match="vertical_and_slash"):
+        MInferenceConfig.from_json(json.dumps([{"0": ["stream_llm", 100, 800, 1]}]))
+    with pytest.raises(ValueError, match="format"):
+        MInferenceConfig.from_json(json.dumps({"layers": []}))
+    with pytest.raises(IndexError, match="layer 2"):
+        config.layer(2)
+
+
+def test_head_pattern_checks() -> None:
+    assert _head("block_sparse", top_k=3).block_sizes() == (64, 64)
+    assert {_head("a_shape"), _head("a_shape")} == {_head("a_shape")}
+    with pytest.raises(ValueError, match="pattern"):
+        _head("sliding")
+    with pytest.raises(ValueError, match="no parameter"):
+        _head("block_sparse", top_k=3, window=4)
+    with pytest.raises(ValueError, match="slash_size"):
+        _head("vertical_slash", vertical_size=3)
+    with pytest.raises(TypeError, match="int"):
+        HeadPattern("block_sparse", {"top_k": 2.0})  # type: ignore[dict-item]
+
+
+def test_kernel_cost_by_hand() -> None:
+    """N = 32, 16 x 16 blocks: block 0 for query block 0; block 1 + 3 columns for block 1."""
+    blocks = torch.tensor([[[[True, False], [False, True]]]])
+    columns = torch.zeros(1, 1, 2, 32, dtype=torch.bool)
+    columns[0, 0, 1, [2, 5, 9]] = True
+    plan = BlockColumnPlan.from_masks(blocks, columns, seqlen=32, block_m=16, block_n=16)
+    # 16 rows x 16 keys, then 16 rows x (16 block keys + one 16-key column tile).
+    assert kernel_cost(plan).tolist() == [[16 * 16 + 16 * 32]]
+
+
+def test_minference_plan_gives_each_head_its_pattern() -> None:
+    q, k, v = _inputs(1, 4, 2, 160, 32, seed=4)
+    config = MInferenceConfig((MIXED,))
+    want = reference.minference_plan(q, k, config)
+    for h, head in enumerate(MIXED):
+        own = getattr(reference, f"{head.pattern}_plan")(q, k, **head.params)
+        assert torch.equal(want.to_dense_mask()[:, h], own.to_dense_mask()[:, h]), h
+    got = fast.minference_plan(q, k, config).validate()
+    assert got.equal(want)
+    mask = want.to_dense_mask()
+    golden = tolerance.golden_attention(q, k, v, mask)
+    baseline = tolerance.baseline_attention(q, k, v, mask)
+    tolerance.check_output(fast.minference(q, k, v, config), golden[0], baseline[0])
+    torch.testing.assert_close(reference.minference(*tolerance.upcast(q, k, v), config), golden[0],
+                               rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="4 heads"):
+        reference.minference_plan(q[:, :2], k[:, :1], config)
+    mixed_blocks = MInferenceConfig(((MIXED[0], _head("block_sparse", top_k=2, block_size=16)) * 2,))
+    with pytest.raises(ValueError, match="block sizes"):
+        reference.minference_plan(q, k, mixed_blocks)
+
+
+def test_search_picks_per_head_at_equal_cost() -> None:
+    """Head 0 attends to one far key (a vertical line), head 1 locally: the search sees it."""
+    n, d = 256, 16
+    q = torch.zeros(1, 2, n, d, dtype=torch.float64)
+    k = torch.zeros(1, 2, n, d, dtype=torch.float64)
+    v = torch.randn(1, 2, n, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    q[0, 0, :, 0] = 40.0
+    k[0, 0, 100, 0] = 1.0
+    pos = torch.arange(n, dtype=torch.float64)
+    q[0, 1, :, 1], q[0, 1, :, 2] = 12.0 * torch.cos(pos / 40), 12.0 * torch.sin(pos / 40)
+    k[0, 1, :, 1], k[0, 1, :, 2] = torch.cos(pos / 40), torch.sin(pos / 40)
+    candidates = (
+        _head("a_shape", sink=16, window=48, block_m=16, block_n=16),
+        _head("vertical_slash", vertical_size=4, slash_size=50, init_columns=0, local_diagonals=8,
+              block_m=16, block_n=16),
+        _head("block_sparse", top_k=1, block_size=16),
+    )
+    target = float(kernel_cost(reference.a_shape_plan(q, k, sink=16, window=48, block_m=16,
+                                                      block_n=16)).mean())
+    result = reference.search_patterns(q, k, v, candidates=candidates, target=target, tolerance=0.1)
+    assert result.target == target and result.errors.shape == (3, 2)
+    assert result.patterns[0].pattern != "a_shape"
+    assert float(result.errors[0, 0]) > 10 * float(result.errors[:, 0].min())
+    for c, head in enumerate(result.candidates):
+        out = getattr(reference, head.pattern)(q, k, v, **head.params)
+        dense = reference.attention(q, k, v)
+        err = (out - dense)[0, 1].norm() / dense[0, 1].norm()
+        assert float(result.errors[c, 1]) == pytest.approx(float(err), rel=1e-9)
+    assert result.patterns == tuple(result.candidates[int(c)] for c in result.errors.argmin(dim=0))
+    # Block-sparse was resized from top_k = 1 toward the target cost.
+    assert result.candidates[2].params["top_k"] > 1

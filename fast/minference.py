@@ -1,0 +1,91 @@
+"""MInference end to end on the GPU (see `reference.minference` for the spec).
+
+The same dispatch and search code as the reference, with `fast`'s estimators, one
+block/column kernel launch per layer, and `fast.attention` as the dense target of
+the search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..reference._checks import HALF_DTYPES, check_qkv
+from ..reference.minference import (
+    TABLE4,
+    HeadPattern,
+    Methods,
+    MInferenceConfig,
+    SearchResult,
+    minference_plan_with,
+    search_patterns_with,
+)
+from ..reference.plan import BlockColumnPlan
+from .a_shape import a_shape, a_shape_plan
+from .attention import attention, sparse_attention
+from .block_sparse import block_sparse, block_sparse_plan
+from .kernels import block_column_attention
+from .vertical_slash import vertical_slash, vertical_slash_plan
+
+FAST_METHODS = Methods(
+    plans={"a_shape": a_shape_plan, "vertical_slash": vertical_slash_plan, "block_sparse": block_sparse_plan},
+    runs={"a_shape": a_shape, "vertical_slash": vertical_slash, "block_sparse": block_sparse},
+    sparse_attention=sparse_attention,
+    attention=attention,
+)
+
+
+def minference_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    config: MInferenceConfig,
+    *,
+    layer: int = 0,
+    scale: float | None = None,
+) -> BlockColumnPlan:
+    """The merged plan of one layer (see `reference.minference_plan`).
+
+    Raises:
+        TypeError, ValueError, IndexError: bad inputs, config or layer.
+    """
+    return minference_plan_with(FAST_METHODS, q, k, config, layer=layer, scale=scale)
+
+
+def minference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: MInferenceConfig,
+    *,
+    layer: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """MInference attention of one layer: one merged plan, one kernel launch.
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+    """
+    check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    plan = minference_plan(q, k, config, layer=layer, scale=scale)
+    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
+    return out
+
+
+def search_patterns(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    candidates: Sequence[HeadPattern] = TABLE4,
+    target: float | None = None,
+    tolerance: float = 0.05,
+    scale: float | None = None,
+) -> SearchResult:
+    """Kernel-aware pattern search for one layer (see `reference.search_patterns`).
+
+    Raises:
+        TypeError, ValueError: bad inputs or arguments.
+    """
+    return search_patterns_with(FAST_METHODS, q, k, v, candidates=candidates, target=target,
+                                tolerance=tolerance, scale=scale)
