@@ -509,3 +509,37 @@ def test_search_picks_per_head_at_equal_cost() -> None:
     assert result.patterns == tuple(result.candidates[int(c)] for c in result.errors.argmin(dim=0))
     # Block-sparse was resized from top_k = 1 toward the target cost.
     assert result.candidates[2].params["top_k"] > 1
+
+
+# -- on a GPU (run with TRITON_INTERPRET=0; skipped on CPU) ----------------------------
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1",
+    reason="needs a CUDA GPU and TRITON_INTERPRET=0",
+)
+
+
+@needs_gpu
+@pytest.mark.parametrize("n", [4097, 32768, 131072])
+def test_gpu_estimate_index_and_output(n: int) -> None:
+    """Long N on the GPU: scores vs float64, plan vs reference Alg. 4, output vs golden."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    b, hq, hkv, d = 1, 4, 2, 128
+    q = torch.randn(b, hq, n, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(b, hkv, n, d, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(b, hkv, n, d, device="cuda", generator=gen).to(torch.bfloat16)
+    vertical, slash = fast_scores(q, k, last_q=64)
+    ref_vertical, ref_slash = vertical_slash_scores(q, k, last_q=64)
+    assert float((vertical.double() - ref_vertical).abs().max()) < line_tolerance(64) / 10
+    assert float((slash.double() - ref_slash).abs().max()) < line_tolerance(64) / 10
+
+    params = dict(vertical_size=1000, slash_size=6096)
+    verticals, slashes = fast_lines(q, k, **params)
+    plan = fast_index(verticals, slashes, seqlen=n, block_m=64, block_n=64).validate()
+    if n <= 32768:
+        want = vertical_slash_index(verticals, slashes, seqlen=n, block_m=64, block_n=64)
+        assert plan.equal(want)
+        mask = plan.to_dense_mask()
+        golden = tolerance.golden_attention(q, k, v, mask)
+        baseline = tolerance.baseline_attention(q, k, v, mask)
+        tolerance.check_output(fast.vertical_slash(q, k, v, **params), golden[0], baseline[0])
