@@ -3,7 +3,8 @@
 Recall uses the identity: the full causal softmax mass that the kept keys of a row
 carry is `exp(lse_kept - lse_causal)`. Both log-sum-exps come from the kernel, so a
 plan's recall costs two sparse passes and O(N) memory. Density of a plan is counted
-in closed form from its block and column lists.
+in closed form from its block and column lists (columns inside a listed block are
+not counted twice).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from ..reference._checks import HALF_DTYPES, check_qk, check_tensor
 from ..reference.attention import check_plan
 from ..reference.metrics import relative_error
-from ..reference.plan import BlockColumnPlan
+from ..reference.plan import BlockColumnPlan, columns_inside_blocks
 from .dense import dense_plan
 from .kernels import block_column_attention
 
@@ -93,5 +94,8 @@ def density(mask: torch.Tensor | BlockColumnPlan) -> torch.Tensor:
         ccount = plan.column_count[:, :, s0:s1].unsqueeze(-1)
         cvalid = torch.arange(plan.column_index.shape[3], device=dev) < ccount
         c = plan.column_index[:, :, s0:s1].to(torch.int64)
+        # A column inside a listed block is already counted with the block.
+        cvalid = cvalid & ~columns_inside_blocks(plan.block_count[:, :, s0:s1],
+                                                 plan.block_index[:, :, s0:s1], c, block_n=bn)
         kept += torch.where(cvalid, _causal_pairs(r0, r1, c, c + 1), 0).sum(dim=(-1, -2))
     return kept.to(torch.float64) / (n * (n + 1) / 2)

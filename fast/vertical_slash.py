@@ -2,18 +2,20 @@
 
 Estimate: `last_q_scores` (Triton, no `[L, N]` tensor); lines: one `torch.topk`
 per kind with the forced lines set to +inf; index: `vertical_slash_index`
-(Triton, Alg. 4). No host synchronisation anywhere.
+(Triton, Alg. 4: a counting pass, one host synchronisation to size the block
+lists exactly, a fill pass).
 
 `torch.topk` breaks exact ties in its own order, not by the lower index as the
 reference does, and the fp32 estimate differs from the float64 one in the last
 bits, so a line whose score ties (or nearly ties) the last kept one may differ
 from the reference's choice.
 
-Plan memory is sized from the parameters (`index_widths`): per (batch, head,
-query block) `min(Kb, k_s * ((block_m - 1) // block_n + 2)) + k_v` int32. At long
-N that is large (about 0.86 GB per head at N = 1M, (1000, 6096), 64 x 64 blocks),
-so `vertical_slash` plans and runs a group of query heads at a time, keeping its
-plans under `PLAN_BYTES` where one head's plan fits.
+Plan memory: `4 * B * Hq * (Qb * (W + 2) + k_v)` bytes, with `W` the most key
+blocks any query block really lists (the verticals are stored once per head and
+shared by every query block). With the 6096 nearest diagonals and 64 x 64 blocks
+`W` is 97 at any N, so 1M tokens and 32 heads take about 0.21 GB. Scattered
+slashes can make `W` reach `min(Kb, 2 k_s)`; `vertical_slash` then plans and runs
+groups of query heads whose plans fit in `PLAN_BYTES`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from ..reference.vertical_slash import (
 )
 from .kernels import block_column_attention
 from .kernels.last_q_estimate import last_q_scores
-from .kernels.vertical_slash_index import index_widths, vertical_slash_index
+from .kernels.vertical_slash_index import (
+    block_widths,
+    count_blocks,
+    fill_index,
+    index_width_bound,
+    vertical_slash_index,
+)
 
 # Largest plan `vertical_slash` builds at once.
 PLAN_BYTES = 1 << 30
@@ -103,6 +111,10 @@ def vertical_slash_plan(
 ) -> BlockColumnPlan:
     """MInference Vertical-Slash plan (see `reference.vertical_slash_plan`).
 
+    Its block lists are exactly as wide as the fullest query block needs (one host
+    synchronisation); each head's verticals are stored once and shared by its query
+    blocks, so columns may repeat keys of listed blocks (`equal` to the reference).
+
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
@@ -118,15 +130,11 @@ def vertical_slash_plan(
     return vertical_slash_index(verticals, slashes, seqlen=shape.seqlen, block_m=block_m, block_n=block_n)
 
 
-def plan_bytes_per_head(
-    seqlen: int, *, vertical_size: int, slash_size: int, block_m: int, block_n: int,
-    init_columns: int, local_diagonals: int,
-) -> int:
-    """Bytes of a vertical-slash plan for one batch row and query head."""
-    kv = kept_lines(vertical_size, init_columns, seqlen)
-    ks = kept_lines(slash_size, local_diagonals, seqlen)
-    block_width, column_width = index_widths(kv, ks, seqlen=seqlen, block_m=block_m, block_n=block_n)
-    return 4 * cdiv(seqlen, block_m) * (block_width + column_width + 2)
+def plan_nbytes(batch: int, heads: int, seqlen: int, *, block_m: int, block_width: int,
+                n_vertical: int) -> int:
+    """Bytes of a fast vertical-slash plan: counts, `block_width`-wide block lists and
+    one shared column list per (batch, head)."""
+    return 4 * batch * heads * (cdiv(seqlen, block_m) * (block_width + 2) + n_vertical)
 
 
 def vertical_slash(
@@ -145,8 +153,9 @@ def vertical_slash(
 ) -> torch.Tensor:
     """Vertical-Slash sparse attention (see `reference.vertical_slash`).
 
-    Query heads are planned and run in groups whose plans fit in `PLAN_BYTES`
-    (all at once unless N is long; one head at a time if even that does not fit).
+    One plan for all heads unless its block lists, sized from the counting pass,
+    exceed `PLAN_BYTES` (scattered slashes at long N); then query heads are indexed
+    and run in groups that fit (one head at a time if even that does not fit).
 
     Returns:
         `[B, Hq, N, D]` in q's dtype.
@@ -155,28 +164,37 @@ def vertical_slash(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
-    params = dict(
+    check_vertical_slash_params(
         vertical_size=vertical_size, slash_size=slash_size, last_q=last_q, block_m=block_m,
         block_n=block_n, init_columns=init_columns, local_diagonals=local_diagonals,
     )
-    check_vertical_slash_params(**params)
-    per_head = shape.batch * plan_bytes_per_head(
-        shape.seqlen, vertical_size=vertical_size, slash_size=slash_size, block_m=block_m,
-        block_n=block_n, init_columns=init_columns, local_diagonals=local_diagonals,
+    n, b, g = shape.seqlen, shape.batch, shape.group
+    verticals, slashes = vertical_slash_lines(
+        q, k, vertical_size=vertical_size, slash_size=slash_size, last_q=last_q,
+        init_columns=init_columns, local_diagonals=local_diagonals, scale=scale,
     )
-    step = head_group(shape.q_heads, shape.group, PLAN_BYTES // per_head)
+    counts = count_blocks(slashes, seqlen=n, block_m=block_m, block_n=block_n)
+    widths = block_widths(counts, index_width_bound(slashes.shape[2], seqlen=n, block_m=block_m,
+                                                    block_n=block_n))
+    per_head = plan_nbytes(b, 1, n, block_m=block_m, block_width=max(widths),
+                           n_vertical=verticals.shape[2])
+    step = head_group(shape.q_heads, g, PLAN_BYTES // per_head)
+
+    def run(h0: int, h1: int) -> torch.Tensor:
+        plan = fill_index(verticals[:, h0:h1], slashes[:, h0:h1], counts[:, h0:h1],
+                          block_width=max(widths[h0:h1]), seqlen=n, block_m=block_m, block_n=block_n)
+        # A group is whole KV heads, or query heads of one KV head.
+        kv0, kv1 = h0 // g, (h1 - 1) // g + 1
+        part, _ = block_column_attention(q[:, h0:h1], k[:, kv0:kv1], v[:, kv0:kv1], plan,
+                                         scale=scale, validate_plan=False)
+        return part
+
     if step == shape.q_heads:
-        plan = vertical_slash_plan(q, k, scale=scale, **params)
-        out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
-        return out
-    g = shape.group
+        return run(0, shape.q_heads)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for h0 in range(0, shape.q_heads, step):
-        # A group is whole KV heads, or query heads of one KV head.
-        kv0, kv1 = h0 // g, (h0 + step - 1) // g + 1
-        qs, ks, vs = q[:, h0:h0 + step], k[:, kv0:kv1], v[:, kv0:kv1]
-        plan = vertical_slash_plan(qs, ks, scale=scale, **params)
-        out[:, h0:h0 + step], _ = block_column_attention(qs, ks, vs, plan, scale=scale, validate_plan=False)
+        h1 = min(h0 + step, shape.q_heads)
+        out[:, h0:h1] = run(h0, h1)
     return out
 
 

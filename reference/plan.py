@@ -4,9 +4,9 @@ A `BlockColumnPlan` says, for every batch row `b`, query head `h` and query bloc
 `i` (the rows `[i * block_m, (i + 1) * block_m)`), which keys those rows attend to:
 
 * a list of key blocks, each the keys `[j * block_n, (j + 1) * block_n)`;
-* a list of single key columns, none of them inside a listed key block;
+* a list of single key columns;
 
-always intersected with causality (query row `r` never sees key `c > r`) and with
+the union of the two, always intersected with causality (query row `r` never sees key `c > r`) and with
 the sequence (`c < N`). This generalises MInference's vertical-slash index
 (block_count / block_offset / column_count / column_index) to every method in
 this project: A-shape and StreamingLLM, block-sparse top-k, vertical-slash,
@@ -23,10 +23,14 @@ Invariants (checked by `validate`):
    sorted and unique), in `[0, Kb)` with `Kb = ceil(N / block_n)`, and causal: the
    block's first key is not after the query block's last row.
 4. The first `column_count` entries of a column list are strictly increasing, in
-   `[0, N)`, causal in the same sense, and never inside a listed key block of the
-   same query block (blocks and columns are disjoint).
+   `[0, N)` and causal in the same sense. A column MAY lie inside a listed key
+   block of the same query block: it adds nothing to the kept set (the union), and
+   the kernel skips it so no key is counted twice. This lets one column list be
+   shared by every query block of a head (vertical-slash: the head's verticals,
+   expanded over query blocks, `column_count` the causal prefix).
 5. Entries past the counts are padding: their values mean nothing. Compare plans
-   with `equal`, never with `torch.equal` on the raw index tensors.
+   with `equal` (same blocks, and same columns once those inside listed blocks
+   are removed), never with `torch.equal` on the raw index tensors.
 
 Index tensors may be expanded views (stride 0 over batch, heads or query
 blocks): a dense or streaming plan shared by every head costs O(N) memory, not
@@ -111,8 +115,8 @@ class BlockColumnPlan:
 
         Raises:
             TypeError: an index tensor is not an int32 tensor.
-            ValueError: a shape, range, order, causality or disjointness invariant
-                fails; the message names the field and the first offending entry.
+            ValueError: a shape, range, order or causality invariant fails; the
+                message names the field and the first offending entry.
         """
         n = check_positive_int("plan.seqlen", self.seqlen)
         bm = check_positive_int("plan.block_m", self.block_m)
@@ -163,16 +167,6 @@ class BlockColumnPlan:
         bad = cols_valid & (cols > last_row)
         _raise_first(bad, "plan.column_index lists a key column after the last row of its "
                           "query block (not causal)")
-        if self.column_index.shape[3] > 0 and self.block_index.shape[3] > 0:
-            # Disjointness: the block of every column must not be listed. Sorted lists
-            # make this a searchsorted per query block.
-            col_block = torch.where(cols_valid, cols // bn, -1)
-            listed = torch.where(blocks_valid, self.block_index.to(torch.int64), -2)
-            pos = torch.searchsorted(listed.contiguous(), col_block.contiguous())
-            pos = pos.clamp(max=listed.shape[3] - 1)
-            hit = torch.gather(listed, 3, pos) == col_block
-            _raise_first(cols_valid & hit, "plan.column_index lists a key column inside a "
-                                           "listed key block (blocks and columns must be disjoint)")
         object.__setattr__(self, "_checked", True)
         return self
 
@@ -237,7 +231,12 @@ class BlockColumnPlan:
         )
 
     def equal(self, other: BlockColumnPlan) -> bool:
-        """True iff both plans list the same blocks and columns everywhere (padding ignored)."""
+        """True iff both plans keep the same keys through the same lists.
+
+        Same sizes, the same block lists, and the same column lists once the columns
+        inside a listed block are removed (they add nothing), padding ignored: a plan
+        with disjoint columns equals its twin whose columns repeat keys of its blocks.
+        """
         if (self.seqlen, self.block_m, self.block_n) != (other.seqlen, other.block_m, other.block_n):
             return False
         if self.block_count.shape != other.block_count.shape:
@@ -245,11 +244,27 @@ class BlockColumnPlan:
         other = other.to(self.device)
         if not torch.equal(self.block_count, other.block_count):
             return False
-        if not torch.equal(self.column_count, other.column_count):
+        if not _lists_equal(self.block_count, self.block_index, other.block_index):
             return False
-        return _lists_equal(self.block_count, self.block_index, other.block_index) and (
-            _lists_equal(self.column_count, self.column_index, other.column_index)
-        )
+        count_a, index_a = self.own_columns()
+        count_b, index_b = other.own_columns()
+        return torch.equal(count_a, count_b) and _lists_equal(count_a, index_a, index_b)
+
+    def own_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The listed columns outside every listed block of their query block.
+
+        Returns:
+            (count int32 `[B, Hq, Qb]`, index int32 `[B, Hq, Qb, max_columns]`), the
+            kept columns first and in order, padding after the count.
+        """
+        width = self.column_index.shape[3]
+        keep = torch.arange(width, device=self.device) < self.column_count.unsqueeze(-1)
+        keep = keep & ~columns_inside_blocks(self.block_count, self.block_index, self.column_index,
+                                             block_n=self.block_n)
+        # A stable sort of the dropped flags moves the kept columns first, in order.
+        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+        index = torch.gather(self.column_index, 3, order)
+        return keep.sum(dim=-1).to(torch.int32), index
 
     @staticmethod
     def from_masks(
@@ -263,7 +278,8 @@ class BlockColumnPlan:
         """Build a plan from dense selections; the reference estimators use this.
 
         Non-causal blocks and columns are dropped, and so are columns inside a selected
-        block, so any selection yields a valid plan.
+        block (they would add nothing), so any selection yields a valid plan with
+        disjoint blocks and columns.
 
         Args:
             block_mask: bool `[B, Hq, Qb, Kb]`, key blocks to keep.
@@ -308,6 +324,37 @@ class BlockColumnPlan:
             column_count=column_count,
             column_index=column_index,
         ).validate()
+
+
+def columns_inside_blocks(
+    block_count: torch.Tensor,
+    block_index: torch.Tensor,
+    column_index: torch.Tensor,
+    *,
+    block_n: int,
+) -> torch.Tensor:
+    """Which column entries lie inside a listed key block of their query block.
+
+    Args:
+        block_count: int32 `[B, H, S]` and block_index int32 `[B, H, S, Wb]`: block
+            lists (sorted, as `validate` requires) of `S` query blocks.
+        column_index: int `[B, H, S, Wc]`, column entries of the same query blocks.
+        block_n: keys per key block.
+
+    Returns:
+        bool `[B, H, S, Wc]`; entries past the column counts are not masked out.
+    """
+    wb, wc = block_index.shape[3], column_index.shape[3]
+    shape = (*column_index.shape[:3], wc)
+    if wb == 0 or wc == 0:
+        return torch.zeros(shape, dtype=torch.bool, device=column_index.device)
+    valid = torch.arange(wb, device=block_index.device) < block_count.unsqueeze(-1)
+    # Padding above every block index keeps each list sorted for searchsorted.
+    listed = torch.where(valid, block_index.to(torch.int64), torch.iinfo(torch.int64).max)
+    col_block = torch.div(column_index.to(torch.int64), block_n, rounding_mode="floor")
+    col_block = col_block.expand(shape).contiguous()
+    pos = torch.searchsorted(listed.contiguous(), col_block).clamp_(max=wb - 1)
+    return torch.gather(listed, 3, pos) == col_block
 
 
 def _mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

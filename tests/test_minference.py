@@ -29,13 +29,13 @@ from sparseprefill.conformance.ties import (  # noqa: E402
 )
 from sparseprefill.fast.block_sparse import mean_pooling as fast_mean_pooling  # noqa: E402
 from sparseprefill.fast.kernels.vertical_slash_index import (  # noqa: E402
-    index_widths,
+    index_width_bound,
 )
 from sparseprefill.fast.kernels.vertical_slash_index import (  # noqa: E402
     vertical_slash_index as fast_index,
 )
 from sparseprefill.fast.vertical_slash import (  # noqa: E402
-    plan_bytes_per_head,
+    plan_nbytes,
 )
 from sparseprefill.fast.vertical_slash import (  # noqa: E402
     vertical_slash_lines as fast_lines,
@@ -166,7 +166,11 @@ def test_index_by_hand() -> None:
     assert _alg4_literal([5, 9], [0, 6], 10, 4, 4) == want
     assert _lists(vertical_slash_index(verticals, slashes, seqlen=10, block_m=4, block_n=4)) == want
     plan = fast_index(verticals, slashes, seqlen=10, block_m=4, block_n=4).validate()
-    assert _lists(plan) == want
+    # fast shares the causal prefix of the verticals: 5 lies in listed block 1 of query
+    # block 1, 9 in listed block 2 of query block 2; `equal` sees the same plan.
+    assert _lists(plan) == (want[0], [[], [5], [5, 9]])
+    assert plan.column_index.stride(2) == 0
+    assert plan.equal(vertical_slash_index(verticals, slashes, seqlen=10, block_m=4, block_n=4))
     row9 = plan.to_dense_mask()[0, 0, 9].nonzero().flatten().tolist()
     assert row9 == [0, 1, 2, 3, 5, 8, 9]
 
@@ -271,8 +275,8 @@ def test_vertical_slash_head_groups_match_one_pass(monkeypatch: pytest.MonkeyPat
     whole = fast.vertical_slash(q, k, v, **params)
     # The package exports a function of the module's name: fetch the module itself.
     module = importlib.import_module("sparseprefill.fast.vertical_slash")
-    per_head = plan_bytes_per_head(64, vertical_size=6, slash_size=5, block_m=16, block_n=16,
-                                       init_columns=30, local_diagonals=100)
+    width = fast.vertical_slash_plan(q, k, **params).block_index.shape[3]
+    per_head = plan_nbytes(1, 1, 64, block_m=16, block_width=width, n_vertical=kept_lines(6, 30, 64))
     for budget, heads in ((1, 1), (3 * per_head, 2)):
         assert module.head_group(4, 2, budget // per_head) == heads
         monkeypatch.setattr(module, "PLAN_BYTES", budget)
@@ -392,13 +396,12 @@ def test_fast_rejects_float32() -> None:
 # -- memory --------------------------------------------------------------------------
 
 
-def test_plan_widths_come_from_parameters() -> None:
-    """Widths never grow with N past the parameter bound; the 1M-token size is known."""
-    assert index_widths(1000, 6096, seqlen=1 << 20, block_m=64, block_n=64) == (12192, 1000)
-    assert index_widths(1000, 6096, seqlen=1 << 16, block_m=64, block_n=64) == (1024, 1000)
-    per_head = plan_bytes_per_head(1 << 20, vertical_size=1000, slash_size=6096, block_m=64,
-                                   block_n=64, init_columns=30, local_diagonals=100)
-    assert per_head == 4 * 16384 * (12192 + 1000 + 2)
+def test_plan_width_bound_comes_from_parameters() -> None:
+    """The data-free bound (used only under CUDA graph capture) and the plan size formula."""
+    assert index_width_bound(6096, seqlen=1 << 20, block_m=64, block_n=64) == 12192
+    assert index_width_bound(6096, seqlen=1 << 16, block_m=64, block_n=64) == 1024
+    assert plan_nbytes(1, 1, 1 << 20, block_m=64, block_width=12192, n_vertical=1000) == (
+        4 * (16384 * (12192 + 2) + 1000))
 
 
 # -- per-head dispatch and the search (Alg. 1) ------------------------------------------

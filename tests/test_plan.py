@@ -1,5 +1,6 @@
 """`BlockColumnPlan`: every invariant of `validate`, dense masks of hand-built plans,
-`from_masks` round trips, expanded-view plans, `equal` ignoring padding."""
+`from_masks` round trips, expanded-view plans, `equal` ignoring padding and columns
+inside listed blocks."""
 
 from __future__ import annotations
 
@@ -163,13 +164,24 @@ def with_entries(plan: BlockColumnPlan, kind: str, values: list[int], qblock: in
     ("column", [20, 20], r"plan\.column_index is not strictly increasing"),
     ("column", [20, 64], r"plan\.column_index has an entry outside \[0, 64\)"),
     ("column", [20, 48], r"plan\.column_index lists a key column after the last row"),
-    ("column", [5, 20], r"plan\.column_index lists a key column inside a listed key block"),
-    ("column", [20, 32], r"plan\.column_index lists a key column inside a listed key block"),
 ])
 def test_validate_rejects_list_violations(kind: str, values: list[int], match: str) -> None:
     plan = with_entries(base(), kind, values)
     with pytest.raises(ValueError, match=match):
         plan.validate()
+
+
+def test_validate_accepts_columns_inside_listed_blocks() -> None:
+    """Invariant 4 allows a column to repeat keys of a listed block; `equal` ignores it."""
+    plan = base()  # query block 2: key blocks 0 and 2, column 20
+    for values in ([5, 20], [20, 32], [0, 15, 20, 33]):
+        shared = with_entries(plan, "column", values).validate()
+        assert shared.equal(plan) and plan.equal(shared)
+        assert torch.equal(shared.to_dense_mask(), plan.to_dense_mask())
+        assert torch.equal(fast.density(shared), reference.density(plan))
+    # A column outside the listed blocks is a real difference.
+    assert not with_entries(plan, "column", [5, 20, 21]).equal(plan)
+    assert not plan.equal(with_entries(plan, "column", [5]))
 
 
 def test_validate_accepts_boundary_entries() -> None:

@@ -7,8 +7,10 @@ listed key blocks in `BLOCK_N`-key tiles, then over the listed key columns gathe
 Because block lists are sorted and causal, only the last few listed blocks can
 cross the diagonal or the end of the sequence: the kernel runs the block list in
 two loops, an unmasked one and a masked one, and masks only the latter and the
-columns. Grouped-query attention maps query head `h` to KV head `h // G`; K and V
-are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
+columns. A column inside a listed block (allowed by the plan format, so column
+lists can be shared) is dropped by a binary search in the block list, so no key
+counts twice. Grouped-query attention maps query head `h` to KV head `h // G`; K
+and V are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
 
 Layout: kernel -> launcher (`block_column_attention`), which checks everything
 the kernel assumes.
@@ -95,6 +97,27 @@ def _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
 
 
 @triton.jit
+def _listed_block(p_bindex, stride_bik, count, i_blk, SEARCH_STEPS: tl.constexpr):
+    """True where key block `i_blk` is among the first `count` entries of a sorted block list.
+
+    A vectorised lower-bound search; `SEARCH_STEPS = ceil(log2(width + 1))` halvings
+    settle any count up to the list width. The list is one plan row, so the loads
+    hit L1/L2.
+    """
+    lo = tl.zeros_like(i_blk)
+    hi = lo + count
+    for _ in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        val = tl.load(p_bindex + mid * stride_bik, mask=active, other=0)
+        go_right = active & (val < i_blk)
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(active & ~go_right, mid, hi)
+    found = tl.load(p_bindex + lo * stride_bik, mask=lo < count, other=-1)
+    return (lo < count) & (found == i_blk)
+
+
+@triton.jit
 def _block_column_fwd(
     Q, K, V, O, LSE, MASK,
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX,
@@ -114,7 +137,7 @@ def _block_column_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     HAS_MASK: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_TMA: tl.constexpr, PREFETCH: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
     # Longest rows first: later query tiles list more blocks.
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -205,7 +228,10 @@ def _block_column_fwd(
                           mask=m_c[None, :] & m_d[:, None], other=0.0)
             b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
                           mask=m_c[:, None] & m_d[None, :], other=0.0)
-            b_keep = m_c[None, :] & (i_col[None, :] <= o_m[:, None])
+            # A column inside a listed block was already counted there (plan invariant 4).
+            m_new = m_c & ~_listed_block(p_bindex, stride_bik, count, i_col // plan_block_n,
+                                         SEARCH_STEPS)
+            b_keep = m_new[None, :] & (i_col[None, :] <= o_m[:, None])
             if HAS_MASK:
                 m_user = tl.load(p_mask + i_col.to(tl.int64)[None, :] * stride_mn,
                                  mask=m_row[:, None] & m_c[None, :], other=0)
@@ -354,7 +380,9 @@ def block_column_attention(
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n, DIAG=diag,
         EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns, HAS_MASK=dense_mask is not None,
         RETURN_LSE=return_lse, DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
-        USE_TMA=use_tma, PREFETCH=_PREFETCH, num_warps=num_warps, num_stages=num_stages,
+        USE_TMA=use_tma, PREFETCH=_PREFETCH,
+        SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out, (lse if return_lse else None)
 
