@@ -51,6 +51,8 @@ COMMANDS: tuple[Command, ...] = (
             "sparseprefill.demo"),
     Command("bench", "GPU benchmark of the kernels against cuDNN/flash SDPA and FlexAttention",
             "sparseprefill.bench"),
+    Command("search", "offline kernel-aware MInference pattern search (Alg. 1); writes a JSON config",
+            "sparseprefill.search"),
     Command("eval", "accuracy on a real model (SmolLM2): q/k/v capture, method table, passkey, perplexity",
             "sparseprefill.evaluate"),
 )
