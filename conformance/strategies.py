@@ -198,6 +198,14 @@ def draw_block_sizes(draw: Draw) -> tuple[int, int]:
     return int(draw(st.sampled_from(PLAN_BLOCK_M))), int(draw(st.sampled_from(PLAN_BLOCK_N)))
 
 
+def _mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool `[..., L]` -> (count int32 `[...]`, sorted selected positions int32 `[..., W]`)."""
+    count = mask.sum(dim=-1)
+    width = int(count.max().item()) if count.numel() else 0
+    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+    return count.to(torch.int32), order.to(torch.int32)
+
+
 def _pack(
     count: torch.Tensor, index: torch.Tensor, *, extra: int, garbage: str, layout: str,
     gen: torch.Generator,
@@ -234,8 +242,8 @@ def draw_plan(
 ) -> tuple[BlockColumnPlan, str]:
     """A random valid `BlockColumnPlan` for `shape`, and a short description.
 
-    Draws a density of key blocks (0 to 1), a density of extra columns (never inside
-    a listed block), some emptied query blocks, whether one list is shared by every
+    Draws a density of key blocks (0 to 1), a density of extra columns (outside the
+    listed blocks, or sometimes also inside them), some emptied query blocks, whether one list is shared by every
     batch row and head (stride-0 expanded views), the width of padding past the
     counts and its garbage (zeros, random, int32 max, -1), and strided index storage.
     """
@@ -247,6 +255,7 @@ def draw_plan(
     extra = int(draw(st.sampled_from([0, 1, 3])))
     garbage = str(draw(st.sampled_from(["zero", "random", "huge", "negative"])))
     layout = str(draw(st.sampled_from(["contiguous", "strided"])))
+    overlap = bool(draw(st.sampled_from([False, True, False])))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     n = shape.seqlen
     qb, kb = cdiv(n, block_m), cdiv(n, block_n)
@@ -257,11 +266,17 @@ def draw_plan(
     blocks &= ~empty
     columns &= ~empty
     compact = BlockColumnPlan.from_masks(blocks, columns, seqlen=n, block_m=block_m, block_n=block_n)
+    column_count, column_index = compact.column_count, compact.column_index
+    if overlap:
+        # Keep the columns that fall inside listed blocks (invariant 4 allows them; the
+        # kernel must skip them so no key counts twice).
+        last_row = ((torch.arange(qb) + 1) * block_m - 1).clamp(max=n - 1)
+        column_count, column_index = _mask_to_list(columns & (torch.arange(n) <= last_row[:, None]))
     block_index = _pack(compact.block_count, compact.block_index, extra=extra, garbage=garbage,
                         layout=layout, gen=gen)
-    column_index = _pack(compact.column_count, compact.column_index, extra=extra, garbage=garbage,
+    column_index = _pack(column_count, column_index, extra=extra, garbage=garbage,
                          layout=layout, gen=gen)
-    fields = [compact.block_count, block_index, compact.column_count, column_index]
+    fields = [compact.block_count, block_index, column_count, column_index]
     fields = [t.to(device) for t in fields]
     if shared:
         full = (shape.batch, shape.q_heads)
@@ -269,7 +284,7 @@ def draw_plan(
     plan = BlockColumnPlan(seqlen=n, block_m=block_m, block_n=block_n, block_count=fields[0],
                            block_index=fields[1], column_count=fields[2], column_index=fields[3])
     what = (f"plan {block_m}x{block_n} seed={seed} p_block={p_block} p_col={p_col} "
-            f"p_empty={p_empty} shared={shared} pad+{extra} {garbage} {layout}")
+            f"p_empty={p_empty} overlap={overlap} shared={shared} pad+{extra} {garbage} {layout}")
     return plan.validate(), what
 
 

@@ -83,6 +83,16 @@ def method_kwargs(name: str) -> dict[str, Any]:
     return {}
 
 
+def _minference_config() -> Any:
+    from sparseprefill.reference.minference import HeadPattern, MInferenceConfig
+
+    return MInferenceConfig.uniform(1, 4, HeadPattern("a_shape", {"sink": 16, "window": 32}))
+
+
+# Valid values of required positional parameters other than tensors, by name.
+FACTORIES: dict[str, Callable[[], Any]] = {"config": _minference_config}
+
+
 def call(pkg_name: str, name: str, q: Any, k: Any, v: Any = None, **overrides: Any) -> Any:
     """Call `pkg.name` with valid arguments except those overridden."""
     fn: Callable[..., Any] = getattr(PACKAGES[pkg_name], name)
@@ -95,7 +105,9 @@ def call(pkg_name: str, name: str, q: Any, k: Any, v: Any = None, **overrides: A
     for p in list(sig.parameters.values())[len(args):]:
         if p.kind is not p.POSITIONAL_OR_KEYWORD or p.name in kwargs:
             continue
-        if p.name == "plan":
+        if p.name in FACTORIES:
+            args.append(FACTORIES[p.name]())
+        elif p.name == "plan":
             args.append(reference.dense_plan(valid_qkv()[0], valid_qkv()[1], block_m=16, block_n=16))
         elif p.name == "mask":
             if p.default is inspect.Parameter.empty:
@@ -118,9 +130,10 @@ def expect(error: type[Exception] | tuple[type[Exception], ...], word: str,
 
 
 def test_every_function_is_covered() -> None:
-    covered = {name for _, name in ALL_QK} | {"density", "relative_error", "BlockColumnPlan"}
+    covered = {name for _, name in ALL_QK} | {"density", "relative_error"}
     for pkg in PACKAGES.values():
-        assert set(pkg.__all__) <= covered, set(pkg.__all__) - covered
+        functions = {name for name in pkg.__all__ if inspect.isfunction(getattr(pkg, name))}
+        assert functions <= covered, functions - covered
 
 
 @pytest.mark.parametrize("pkg,name", [f for f in ALL_QK if f[0] == "reference"])
@@ -178,7 +191,16 @@ def test_reference_accepts_every_float_dtype(pkg: str, name: str) -> None:
 SCALED = [f for f in ALL_QK if "scale" in inspect.signature(getattr(PACKAGES[f[0]], f[1])).parameters]
 
 
-@pytest.mark.parametrize("pkg,name", SCALED)
+# Reported: minference_plan checks scale only when a head runs a vertical-slash estimate.
+LATE_SCALE = {"minference_plan"}
+SCALED_PARAMS = [
+    pytest.param(pkg, name, marks=[pytest.mark.xfail(strict=True, reason="scale not checked")]
+                 if name in LATE_SCALE else [])
+    for pkg, name in SCALED
+]
+
+
+@pytest.mark.parametrize("pkg,name", SCALED_PARAMS)
 def test_scale_checks(pkg: str, name: str) -> None:
     q, k, v = valid_qkv()
     for bad in (0.0, -1.0, math.nan, math.inf):
@@ -192,13 +214,21 @@ def _int_params(pkg: str, name: str) -> list[str]:
             if p.kind is p.KEYWORD_ONLY and p.annotation in ("int", int)]
 
 
-INT_PARAMS = [(pkg, name, p) for pkg, name in ALL_QK for p in _int_params(pkg, name)]
+# Reported: `layer=2.5` gives IndexError, not TypeError (no int check on layer).
+UNCHECKED_INT = {"layer"}
+INT_PARAMS = [
+    pytest.param(pkg, name, p, marks=[pytest.mark.xfail(strict=True, reason=f"{p} type unchecked")]
+                 if p in UNCHECKED_INT else [])
+    for pkg, name in ALL_QK for p in _int_params(pkg, name)
+]
 
 
 @pytest.mark.parametrize("pkg,name,param", INT_PARAMS)
 def test_int_parameter_checks(pkg: str, name: str, param: str) -> None:
     q, k, v = valid_qkv()
-    expect(ValueError, param, lambda: call(pkg, name, q, k, v, **{param: -5}))
+    # A layer index out of range is an IndexError, as for any Python sequence.
+    out_of_range = (ValueError, IndexError) if param == "layer" else ValueError
+    expect(out_of_range, param, lambda: call(pkg, name, q, k, v, **{param: -5}))
     expect(TypeError, param, lambda: call(pkg, name, q, k, v, **{param: 2.5}))
     expect(TypeError, param, lambda: call(pkg, name, q, k, v, **{param: True}))
 
