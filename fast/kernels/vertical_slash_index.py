@@ -131,11 +131,16 @@ def block_widths(block_count: torch.Tensor, bound: int) -> list[int]:
         H ints.
     """
     h = block_count.shape[1]
-    if block_count.is_cuda and torch.cuda.is_current_stream_capturing():
+    if _capturing(block_count):
         return [bound] * h
     if block_count.numel() == 0:
         return [0] * h
     return [int(w) for w in block_count.amax(dim=(0, 2)).tolist()]
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on t's device (no host sync allowed)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def fill_index(
