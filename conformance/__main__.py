@@ -53,6 +53,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="cap on B*Hq*N*N of the reference's dense masks")
     p.add_argument("--max-tile-steps", type=int, default=None,
                    help="cap on kernel tile steps per example (default: 100 on cpu, none on cuda)")
+    p.add_argument("--row-budget", type=float, default=None,
+                   help="seconds per (method, property) row: examples run in seeded chunks "
+                        "of 10 and no chunk starts after the budget")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--list", action="store_true", help="list methods and properties, then exit")
     return p.parse_args(argv)
@@ -77,7 +80,8 @@ def _ensure_interpreter(argv: list[str] | None) -> bool:
 
 
 def run_property(
-    prop: Any, spec: Any, caps: Any, *, examples: int, seed: int | None, shrink: bool
+    prop: Any, spec: Any, caps: Any, *, examples: int, seed: int | None, shrink: bool,
+    budget_s: float | None = None,
 ) -> Result:
     """Run one property under Hypothesis and summarise it.
 
@@ -85,6 +89,8 @@ def run_property(
         prop: a `properties.Property`. spec: its `MethodSpec` or None.
         caps: `strategies.Caps`. examples: Hypothesis `max_examples`.
         seed: Hypothesis seed, or None for derandomized runs. shrink: shrink failures.
+        budget_s: with a budget, examples run in seeded chunks of 10 and no chunk
+            starts after `budget_s` seconds (the result notes it).
 
     Returns:
         A `Result`; a failure keeps the exception text and Hypothesis's notes
@@ -97,19 +103,29 @@ def run_property(
     result = Result(method=spec.name if spec is not None else "kernel", prop=prop.name)
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
 
-    @settings(max_examples=examples, deadline=None, derandomize=seed is None, database=None,
-              phases=phases, suppress_health_check=list(HealthCheck), print_blob=False,
-              report_multiple_bugs=False)
-    @given(data=st.data())
-    def check(data: Any) -> None:
-        ratio = prop.run(data.draw, caps, spec)
-        result.examples += 1
-        result.max_ratio = max(result.max_ratio, ratio)
+    def hypothesis_run(max_examples: int, run_seed: int | None) -> None:
+        @settings(max_examples=max_examples, deadline=None, derandomize=run_seed is None,
+                  database=None, phases=phases, suppress_health_check=list(HealthCheck),
+                  print_blob=False, report_multiple_bugs=False)
+        @given(data=st.data())
+        def check(data: Any) -> None:
+            ratio = prop.run(data.draw, caps, spec)
+            result.examples += 1
+            result.max_ratio = max(result.max_ratio, ratio)
 
-    test = check if seed is None else hyp_seed(seed)(check)
+        (check if run_seed is None else hyp_seed(run_seed)(check))()
+
     start = time.perf_counter()
     try:
-        test()
+        if budget_s is None:
+            hypothesis_run(examples, seed)
+        else:
+            # Seeded chunks keep every chunk reproducible while the budget cuts the row.
+            for chunk, first in enumerate(range(0, examples, 10)):
+                if time.perf_counter() - start > budget_s:
+                    result.notes.append(f"the time budget ended the row after {first} examples")
+                    break
+                hypothesis_run(min(10, examples - first), (seed or 0) + chunk)
     except Exception as err:  # any exception of a property is a failure to report
         result.passed = False
         result.error = f"{type(err).__name__}: {err}"
@@ -182,14 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((prop, None))
     results = []
     for prop, spec in jobs:
-        r = run_property(prop, spec, caps, examples=args.examples, seed=args.seed, shrink=args.shrink)
+        r = run_property(prop, spec, caps, examples=args.examples, seed=args.seed, shrink=args.shrink,
+                         budget_s=args.row_budget)
         status = "PASS" if r.passed else "FAIL"
         print(f"  {r.method:>16} {r.prop:<22} {status} {r.examples:>5} examples "
               f"max ratio {r.max_ratio:.3f} {r.seconds:.1f}s", flush=True)
         if not r.passed:
             print("    " + r.error.replace("\n", "\n    "))
-            for note in r.notes:
-                print("    " + note.replace("\n", "\n    "))
+        for note in r.notes:
+            print("    " + note.replace("\n", "\n    "))
         results.append(r)
     print()
     print(_table(results))
