@@ -123,6 +123,22 @@ def test_plan_check_names_the_difference() -> None:
     props.check_plans_equal(a, a)
 
 
+def test_baseline_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The baseline works a chunk of query rows at a time at long N; chunks change nothing
+    (fp32 log-sum-exps may differ in the last bit, so only their -inf rows are compared)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 77, 32, generator=gen).half()
+    k, v = (torch.randn(2, 2, 77, 32, generator=gen).half() for _ in range(2))
+    mask = torch.rand(2, 4, 77, 77, generator=gen) < 0.5
+    mask[:, :, 5] = False
+    whole = tolerance.baseline_attention(q, k, v, mask)
+    monkeypatch.setattr(tolerance, "_CHUNK_BYTES", 2 * 4 * 77 * 4 * 3)
+    chunked = tolerance.baseline_attention(q, k, v, mask)
+    assert torch.equal(whole[0], chunked[0])
+    assert torch.equal(whole[1] == -math.inf, chunked[1] == -math.inf)
+    assert bool((whole[1][:, :, 5] == -math.inf).all())
+
+
 def test_nan_poisoning_reaches_fast_outputs() -> None:
     with props.nan_poisoned_empty():
         x = torch.empty(3, dtype=torch.float16)
