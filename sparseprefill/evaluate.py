@@ -392,7 +392,7 @@ def passkey_heatmap(cells: Sequence[PasskeyCell], path: Path) -> None:
     fig, axes = plt.subplots(1, len(methods), figsize=(2.2 + 1.1 * len(lengths) * len(methods), 3.2),
                              squeeze=False)
     image = None
-    for ax, method in zip(axes[0], methods):
+    for col, (ax, method) in enumerate(zip(axes[0], methods)):
         grid = torch.full((len(depths), len(lengths)), math.nan)
         for c in cells:
             if c.method == method:
@@ -400,9 +400,10 @@ def passkey_heatmap(cells: Sequence[PasskeyCell], path: Path) -> None:
         image = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_title(method)
         ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths] if col == 0 else [])
         ax.set_xlabel("prompt length")
-        ax.set_ylabel("needle depth")
+        if col == 0:
+            ax.set_ylabel("needle depth")
     assert image is not None
     fig.colorbar(image, ax=axes[0].tolist(), label="passkey accuracy")
     path.parent.mkdir(parents=True, exist_ok=True)
