@@ -14,7 +14,7 @@ its maximum (the one synchronisation of `vertical_slash_index`), allocates
 `block_index` exactly that wide, and the fill pass writes the lists. A width from
 the parameters alone, `min(Kb, k_s * ((block_m - 1) // block_n + 2))`, is 12192
 blocks at 1M tokens with 6096 slashes, where the nearest 6096 diagonals really
-touch ~97: 125x the memory (27.7 GB for 32 heads instead of ~0.2 GB). The sync
+touch 97 (with per-block columns, 27.7 GB for 32 heads instead of 0.21 GB). The sync
 costs the host its lead over the GPU (the next launches wait for the estimate,
 top-k and counting pass already queued, a few tens of microseconds of launch
 latency exposed) and makes the index uncapturable in a CUDA graph; during graph
