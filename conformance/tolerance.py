@@ -25,8 +25,10 @@ block/column plans with N in 1..200, D in 16..128, |q| scaled 0.5-4, fp16 and bf
   1/2 ulp of the largest output, 1.56e-2 for |out| ~ 4, where the baseline was
   6.8e-3). So `OUT_FACTOR = 2` (as flash-attention's tests use) and a floor of
   one dtype epsilon times the largest golden magnitude (`OUT_FLOOR_EPS = 1`,
-  i.e. twice the output's own rounding): the worst measured error then used 47%
-  of the allowance. Tiny cases (N = 1, 2) make zero error in both.
+  i.e. twice the output's own rounding). Tiny cases (N = 1, 2) make zero error
+  in both. Over 400 conformance examples (N <= 200, `--seed 7`: end_to_end,
+  sparse_attention, masked_attention) the worst output or lse error used 44% of
+  its allowance.
 * lse: the kernel computes scores from exact fp16/bf16 products in fp32; its error
   was <= 5.7e-6 with |lse| <= 18 (3.7e-7 relative); the baseline's scores are
   rounded to the input dtype, 3e-4 to 7e-2. `LSE_FACTOR = 2` and a floor of
@@ -37,7 +39,8 @@ block/column plans with N in 1..200, D in 16..128, |q| scaled 0.5-4, fp16 and bf
   3.7e-7 * |lse|). Allowed: `RECALL_FLOOR + RECALL_PER_LOGIT * max(1, max |lse|)
   + RECALL_PER_TILE * ceil(N / 64)`, 1e-5 + 2e-6 * |lse| + 2**-23 per 64-key tile;
   the last term is for the sequential fp32 sum over key tiles at long N on the
-  GPU (the allowance is 1.2e-4 at N = 16K with |lse| = 20). A kept/dropped key
+  GPU (the allowance is 1.2e-4 at N = 16K with |lse| = 20). Over 100 examples
+  the worst recall error used 13% of the allowance. A kept/dropped key
   mix-up moves recall by that key's probability, so the check catches any
   mix-up of a key carrying more than about 1e-4 of a row's mass.
 
