@@ -65,6 +65,9 @@ class BlockColumnPlan:
         block_index: int32 `[B, Hq, Qb, max_blocks]`, sorted key-block indices.
         column_count: int32 `[B, Hq, Qb]`, listed key columns per query block.
         column_index: int32 `[B, Hq, Qb, max_columns]`, sorted key indices.
+        columns_disjoint: True promises that no listed column lies inside a listed key
+            block of its query block (checked by `validate`); the kernel then skips its
+            column-in-block test. False (the default) allows such columns.
     """
 
     seqlen: int
@@ -74,6 +77,7 @@ class BlockColumnPlan:
     block_index: torch.Tensor
     column_count: torch.Tensor
     column_index: torch.Tensor
+    columns_disjoint: bool = False
     # Set once `validate` has passed (or by an estimator that builds valid plans by
     # construction), so launching the same plan again skips the O(plan) check.
     _checked: bool = field(default=False, repr=False, compare=False)
@@ -167,6 +171,11 @@ class BlockColumnPlan:
         bad = cols_valid & (cols > last_row)
         _raise_first(bad, "plan.column_index lists a key column after the last row of its "
                           "query block (not causal)")
+        if self.columns_disjoint and self.column_index.shape[3] > 0:
+            inside = columns_inside_blocks(self.block_count, self.block_index, self.column_index,
+                                           block_n=bn)
+            _raise_first(cols_valid & inside, "plan.columns_disjoint is True but plan.column_index "
+                                              "lists a key column inside a listed key block")
         object.__setattr__(self, "_checked", True)
         return self
 
@@ -228,6 +237,7 @@ class BlockColumnPlan:
             block_index=self.block_index.to(device),
             column_count=self.column_count.to(device),
             column_index=self.column_index.to(device),
+            columns_disjoint=self.columns_disjoint,
         )
 
     def equal(self, other: BlockColumnPlan) -> bool:
@@ -265,6 +275,20 @@ class BlockColumnPlan:
         order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
         index = torch.gather(self.column_index, 3, order)
         return keep.sum(dim=-1).to(torch.int32), index
+
+    def with_disjoint_columns(self) -> BlockColumnPlan:
+        """The same attention with `own_columns` as column lists and `columns_disjoint`.
+
+        Costs `[B, Hq, Qb, max_columns]` int32 even where the columns were shared, and
+        saves the kernel its column-in-block test.
+        """
+        count, index = self.own_columns()
+        plan = BlockColumnPlan(
+            seqlen=self.seqlen, block_m=self.block_m, block_n=self.block_n,
+            block_count=self.block_count, block_index=self.block_index,
+            column_count=count, column_index=index, columns_disjoint=True,
+        )
+        return plan.mark_valid() if self._checked else plan
 
     @staticmethod
     def from_masks(

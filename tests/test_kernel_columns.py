@@ -8,6 +8,9 @@ spread over all of them (most inside listed blocks), so both paths run.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 
 from sparseprefill import fast, reference
@@ -39,5 +42,15 @@ def test_columns_inside_listed_blocks_past_the_window() -> None:
     v = torch.randn(1, 1, n, 32, dtype=torch.float16)
     out, lse = fast.sparse_attention(q, k, v, shared, return_lse=True)
     mask = shared.to_dense_mask()
-    check_attention(out, lse, golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask),
-                    context="columns past the window")
+    golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
+    check_attention(out, lse, golden, baseline, context="columns past the window")
+
+    # The disjoint twin promises no column inside a listed block: the kernel skips its
+    # column-in-block test and must give the same attention.
+    disjoint = shared.with_disjoint_columns().validate()
+    assert disjoint.columns_disjoint and disjoint.equal(shared)
+    out_d, lse_d = fast.sparse_attention(q, k, v, disjoint, return_lse=True)
+    check_attention(out_d, lse_d, golden, baseline, context="disjoint twin")
+    # A plan that claims disjoint columns but repeats keys of listed blocks is refused.
+    with pytest.raises(ValueError, match="columns_disjoint"):
+        replace(shared, columns_disjoint=True).validate()

@@ -138,7 +138,7 @@ def _block_column_fwd(
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     HAS_MASK: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     USE_TMA: tl.constexpr, PREFETCH: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    WIN: tl.constexpr,
+    WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
 ):
     # Longest rows first: later query tiles list more blocks.
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -235,19 +235,21 @@ def _block_column_fwd(
                           mask=m_c[None, :] & m_d[:, None], other=0.0)
             b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
                           mask=m_c[:, None] & m_d[None, :], other=0.0)
-            # A column inside a listed block was already counted there (plan invariant 4).
-            i_blk = i_col // plan_block_n
-            m_w = ptr + o_w < count
-            b_win = tl.load(p_bindex + (ptr + o_w) * stride_bik, mask=m_w, other=-1)
-            covered = tl.sum((i_blk[:, None] == b_win[None, :]).to(tl.int32), 1) > 0
-            win_last = tl.max(tl.where(m_w, b_win, -1), 0)
-            unsure = m_c & (i_blk > win_last) & (ptr + WIN < count)
-            if tl.sum(unsure.to(tl.int32), 0) > 0:
-                covered = covered | (unsure & _listed_block(p_bindex, stride_bik, count, i_blk,
-                                                            SEARCH_STEPS))
-            last_blk = tl.max(tl.where(m_c, i_blk, 0), 0)
-            ptr = ptr + tl.sum((m_w & (b_win < last_blk)).to(tl.int32), 0)
-            m_new = m_c & ~covered
+            m_new = m_c
+            if SKIP_COVERED:
+                # A column inside a listed block was already counted there (plan invariant 4).
+                i_blk = i_col // plan_block_n
+                m_w = ptr + o_w < count
+                b_win = tl.load(p_bindex + (ptr + o_w) * stride_bik, mask=m_w, other=-1)
+                covered = tl.sum((i_blk[:, None] == b_win[None, :]).to(tl.int32), 1) > 0
+                win_last = tl.max(tl.where(m_w, b_win, -1), 0)
+                unsure = m_c & (i_blk > win_last) & (ptr + WIN < count)
+                if tl.sum(unsure.to(tl.int32), 0) > 0:
+                    covered = covered | (unsure & _listed_block(p_bindex, stride_bik, count, i_blk,
+                                                                SEARCH_STEPS))
+                last_blk = tl.max(tl.where(m_c, i_blk, 0), 0)
+                ptr = ptr + tl.sum((m_w & (b_win < last_blk)).to(tl.int32), 0)
+                m_new = m_c & ~covered
             b_keep = m_new[None, :] & (i_col[None, :] <= o_m[:, None])
             if HAS_MASK:
                 m_user = tl.load(p_mask + i_col.to(tl.int64)[None, :] * stride_mn,
@@ -400,6 +402,7 @@ def block_column_attention(
         USE_TMA=use_tma, PREFETCH=_PREFETCH,
         SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
         WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
+        SKIP_COVERED=has_columns and not plan.columns_disjoint,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, (lse if return_lse else None)
