@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from ..reference._checks import HALF_DTYPES, check_qk, check_tensor
-from ..reference.attention import check_plan
+from ..reference.attention import check_mask, check_plan
 from ..reference.metrics import relative_error
 from ..reference.plan import BlockColumnPlan, columns_inside_blocks
 from .dense import dense_plan
-from .kernels import block_column_attention
+from .kernels import block_column_attention, check_kernel_block_sizes
 
 __all__ = ["density", "recall", "relative_error"]
 
@@ -33,7 +33,13 @@ def recall(
     Returns:
         float32 `[B, Hq, N]` in `[0, 1]`.
     """
-    check_qk(q, k, dtypes=HALF_DTYPES)
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    # Check the selection before the full causal pass, so bad input costs no launch.
+    if isinstance(mask, BlockColumnPlan):
+        check_plan(mask, shape.batch, shape.q_heads, shape.seqlen, q.device)
+        check_kernel_block_sizes(mask.block_m, mask.block_n, prefix="plan.")
+    else:
+        check_mask(mask, shape.batch, shape.q_heads, shape.seqlen, q.device)
     full = dense_plan(q, k)
     # K stands in for V: only the log-sum-exps are used.
     _, lse_full = block_column_attention(q, k, k, full, scale=scale, return_lse=True,

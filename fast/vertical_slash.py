@@ -32,7 +32,7 @@ from ..reference.vertical_slash import (
     check_vertical_slash_params,
     kept_lines,
 )
-from .kernels import block_column_attention
+from .kernels import block_column_attention, check_kernel_block_sizes
 from .kernels.last_q_estimate import last_q_scores
 from .kernels.vertical_slash_index import (
     block_widths,
@@ -125,6 +125,7 @@ def vertical_slash_plan(
         vertical_size=vertical_size, slash_size=slash_size, last_q=last_q, block_m=block_m,
         block_n=block_n, init_columns=init_columns, local_diagonals=local_diagonals,
     )
+    check_kernel_block_sizes(block_m, block_n)
     verticals, slashes = vertical_slash_lines(
         q, k, vertical_size=vertical_size, slash_size=slash_size, last_q=last_q,
         init_columns=init_columns, local_diagonals=local_diagonals, scale=scale,
@@ -186,6 +187,7 @@ def vertical_slash(
         vertical_size=vertical_size, slash_size=slash_size, last_q=last_q, block_m=block_m,
         block_n=block_n, init_columns=init_columns, local_diagonals=local_diagonals,
     )
+    check_kernel_block_sizes(block_m, block_n)
     n, b, g = shape.seqlen, shape.batch, shape.group
     verticals, slashes = vertical_slash_lines(
         q, k, vertical_size=vertical_size, slash_size=slash_size, last_q=last_q,

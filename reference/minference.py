@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_positive_int, check_qk, check_qkv
+from ._checks import check_positive_int, check_qk, check_qkv, resolve_scale
 from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
@@ -278,8 +278,10 @@ def minference_plan_with(
 ) -> BlockColumnPlan:
     """`minference_plan` with a given package's estimators (see the module doc)."""
     shape = check_qk(q, k)
+    resolve_scale(scale, shape.head_dim)
     if not isinstance(config, MInferenceConfig):
         raise TypeError(f"config must be a MInferenceConfig, got {type(config).__name__}")
+    check_positive_int("layer", layer, minimum=0)
     heads = config.layer(layer)
     if len(heads) != shape.q_heads:
         raise ValueError(f"config layer {layer} has {len(heads)} heads, q has {shape.q_heads}")

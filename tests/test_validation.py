@@ -191,8 +191,8 @@ def test_reference_accepts_every_float_dtype(pkg: str, name: str) -> None:
 SCALED = [f for f in ALL_QK if "scale" in inspect.signature(getattr(PACKAGES[f[0]], f[1])).parameters]
 
 
-# Reported: minference_plan checks scale only when a head runs a vertical-slash estimate.
-LATE_SCALE = {"minference_plan"}
+# Functions that check scale late (none now: minference_plan used to, when no head ran an estimate).
+LATE_SCALE: set[str] = set()
 SCALED_PARAMS = [
     pytest.param(pkg, name, marks=[pytest.mark.xfail(strict=True, reason="scale not checked")]
                  if name in LATE_SCALE else [])
@@ -214,8 +214,8 @@ def _int_params(pkg: str, name: str) -> list[str]:
             if p.kind is p.KEYWORD_ONLY and p.annotation in ("int", int)]
 
 
-# Reported: `layer=2.5` gives IndexError, not TypeError (no int check on layer).
-UNCHECKED_INT = {"layer"}
+# Int parameters without a type check (none now: `layer=2.5` used to give IndexError).
+UNCHECKED_INT: set[str] = set()
 INT_PARAMS = [
     pytest.param(pkg, name, p, marks=[pytest.mark.xfail(strict=True, reason=f"{p} type unchecked")]
                  if p in UNCHECKED_INT else [])
@@ -237,7 +237,7 @@ def test_int_parameter_checks(pkg: str, name: str, param: str) -> None:
 # makes the mark fail once the check moves before the launch, so it gets removed.
 LATE_CHECK = pytest.mark.xfail(raises=RuntimeError, strict=True,
                                reason="input rejected only after a kernel launch")
-LATE_BLOCK_CHECKS = {("fast", "vertical_slash")}
+LATE_BLOCK_CHECKS: set[tuple[str, str]] = set()
 
 RUNS_WITH_BLOCKS = [
     pytest.param(pkg, name, marks=[LATE_CHECK] if (pkg, name) in LATE_BLOCK_CHECKS else [])
@@ -307,9 +307,9 @@ def bad_masks(fn: Callable[[Any], Any]) -> None:
     expect(ValueError, "mask", lambda: fn(ones.to("meta")))
 
 
-@pytest.mark.parametrize("pkg", ["reference", pytest.param("fast", marks=LATE_CHECK)])
+@pytest.mark.parametrize("pkg", PACKAGES)
 def test_recall_checks(pkg: str) -> None:
-    """fast.recall runs its full-causal kernel pass before it checks the mask or plan."""
+    """recall checks the mask or plan before any work (fast: before its causal pass)."""
     mod = PACKAGES[pkg]
     q, k, _ = valid_qkv()
     bad_masks(lambda m: mod.recall(q, k, m))
@@ -321,7 +321,6 @@ def test_recall_checks(pkg: str) -> None:
     expect(TypeError, "mask", lambda: mod.recall(q, k, "plan"))
 
 
-@LATE_CHECK
 def test_fast_recall_plan_block_sizes() -> None:
     q, k, _ = valid_qkv()
     for bm, bn, word in ((8, 16, "plan.block_m"), (16, 40, "plan.block_n")):

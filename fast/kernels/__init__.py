@@ -1,5 +1,15 @@
 """Triton kernel families; one file each, ordered kernel -> launcher."""
 
-from .block_column import block_column_attention, check_kernel_device, interpreter_active
+from .block_column import (
+    block_column_attention,
+    check_kernel_block_sizes,
+    check_kernel_device,
+    interpreter_active,
+)
 
-__all__ = ["block_column_attention", "check_kernel_device", "interpreter_active"]
+__all__ = [
+    "block_column_attention",
+    "check_kernel_block_sizes",
+    "check_kernel_device",
+    "interpreter_active",
+]

@@ -355,9 +355,7 @@ def block_column_attention(
         check_plan(plan, shape.batch, shape.q_heads, shape.seqlen, q.device)
     elif not isinstance(plan, BlockColumnPlan):
         raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
-    for name, size in (("plan.block_m", plan.block_m), ("plan.block_n", plan.block_n)):
-        if size % 16 != 0:
-            raise ValueError(f"{name} must be a multiple of 16 for the fast kernels, got {size}")
+    check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
     b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
     dense_mask = None if mask is None else check_mask(mask, b, hq, n, q.device)
 
@@ -406,6 +404,16 @@ def block_column_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, (lse if return_lse else None)
+
+
+def check_kernel_block_sizes(block_m: int, block_n: int, *, prefix: str = "") -> None:
+    """Raise ValueError unless both block sizes are multiples of 16 (the kernel's tiles).
+
+    Estimators call this before any estimate runs, so a bad size never costs a launch.
+    """
+    for name, size in ((f"{prefix}block_m", block_m), (f"{prefix}block_n", block_n)):
+        if size % 16 != 0:
+            raise ValueError(f"{name} must be a multiple of 16 for the fast kernels, got {size}")
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
