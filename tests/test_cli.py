@@ -117,4 +117,5 @@ def test_ci_runs_the_readme_test_commands() -> None:
     position = [ci.index(line) for line in readme if line in ci]
     assert len(position) == len(readme), f"README test lines missing from .ci/run: {readme}"
     assert position == sorted(position)
-    assert _readme_block("Set up and run the demo")[:-1] == readme[:-1]
+    # The demo sets up the same venv and torch; the tests add the `hf` extra and the model.
+    assert _readme_block("Set up and run the demo")[:2] == readme[:2]
