@@ -80,13 +80,16 @@ def _dense_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     return _block_sizes(draw)
 
 
-def _streaming_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+def _sink_window(draw: Callable[[Any], Any], seqlen: int) -> dict[str, int]:
+    """`sink` and `window` draws shared by streaming and A-shape (both may exceed N)."""
     from hypothesis import strategies as st
 
-    params: dict[str, Any] = _block_sizes(draw)
-    params["sink"] = draw(st.integers(0, max(1, seqlen)))
-    params["window"] = draw(st.integers(1, max(1, seqlen + 8)))
-    return params
+    return {"sink": draw(st.integers(0, max(1, seqlen))),
+            "window": draw(st.integers(1, max(1, seqlen + 8)))}
+
+
+def _streaming_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    return {**_block_sizes(draw), **_sink_window(draw, seqlen)}
 
 
 register(MethodSpec(
@@ -150,12 +153,7 @@ def _block_sparse_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
 
 
 def _a_shape_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
-    from hypothesis import strategies as st
-
-    params: dict[str, Any] = _minference_blocks(draw)
-    params["sink"] = draw(st.integers(0, max(1, seqlen)))
-    params["window"] = draw(st.integers(1, max(1, seqlen + 8)))
-    return params
+    return {**_minference_blocks(draw), **_sink_window(draw, seqlen)}
 
 
 register(MethodSpec(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from ..reference.plan import BlockColumnPlan, cdiv
+from ..reference.plan import BlockColumnPlan, cdiv, mask_to_list
 from .registry import MethodSpec
 
 Draw = Callable[[st.SearchStrategy[Any]], Any]
@@ -198,14 +198,6 @@ def draw_block_sizes(draw: Draw) -> tuple[int, int]:
     return int(draw(st.sampled_from(PLAN_BLOCK_M))), int(draw(st.sampled_from(PLAN_BLOCK_N)))
 
 
-def _mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bool `[..., L]` -> (count int32 `[...]`, sorted selected positions int32 `[..., W]`)."""
-    count = mask.sum(dim=-1)
-    width = int(count.max().item()) if count.numel() else 0
-    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-    return count.to(torch.int32), order.to(torch.int32)
-
-
 def _pack(
     count: torch.Tensor, index: torch.Tensor, *, extra: int, garbage: str, layout: str,
     gen: torch.Generator,
@@ -271,7 +263,7 @@ def draw_plan(
         # Keep the columns that fall inside listed blocks (invariant 4 allows them; the
         # kernel must skip them so no key counts twice).
         last_row = ((torch.arange(qb) + 1) * block_m - 1).clamp(max=n - 1)
-        column_count, column_index = _mask_to_list(columns & (torch.arange(n) <= last_row[:, None]))
+        column_count, column_index = mask_to_list(columns & (torch.arange(n) <= last_row[:, None]))
     block_index = _pack(compact.block_count, compact.block_index, extra=extra, garbage=garbage,
                         layout=layout, gen=gen)
     column_index = _pack(column_count, column_index, extra=extra, garbage=garbage,

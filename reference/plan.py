@@ -337,8 +337,8 @@ class BlockColumnPlan:
         causal_cols = torch.arange(n, device=device) <= last_row[:, None]
         in_block = blocks.repeat_interleave(bn, dim=3)[..., :n]
         columns = columns & causal_cols & ~in_block
-        block_count, block_index = _mask_to_list(blocks)
-        column_count, column_index = _mask_to_list(columns)
+        block_count, block_index = mask_to_list(blocks)
+        column_count, column_index = mask_to_list(columns)
         return BlockColumnPlan(
             seqlen=n,
             block_m=bm,
@@ -381,8 +381,11 @@ def columns_inside_blocks(
     return torch.gather(listed, 3, pos) == col_block
 
 
-def _mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn bool `[..., L]` into (count int32 `[...]`, sorted indices int32 `[..., width]`)."""
+def mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn bool `[..., L]` into (count int32 `[...]`, sorted indices int32 `[..., width]`).
+
+    The width is the largest count (one host sync); padding past a count is 0.
+    """
     count = mask.sum(dim=-1)
     width = int(count.max().item()) if count.numel() else 0
     # A stable sort of the negated mask puts the selected positions first, in order.

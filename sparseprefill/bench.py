@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .reference.plan import BlockColumnPlan, cdiv
+from .reference.plan import BlockColumnPlan, cdiv, mask_to_list
 
 
 @dataclass
@@ -59,14 +59,12 @@ def random_block_plan(
     keys = torch.rand(batch, heads, qb, kb, generator=gen) < density
     diag = torch.arange(kb)[None, :] == (last_row // block_n)[:, None]
     keys = (keys | diag) & (torch.arange(kb)[None, :] < causal_count[:, None])
-    count = keys.sum(-1)
-    width = int(count.max())
-    order = torch.sort((~keys).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+    count, index = mask_to_list(keys)
     zero_cols = torch.zeros(batch, heads, qb, dtype=torch.int32)
     return BlockColumnPlan(
         seqlen=seqlen, block_m=block_m, block_n=block_n,
-        block_count=count.to(torch.int32).to(device),
-        block_index=order.to(torch.int32).to(device),
+        block_count=count.to(device),
+        block_index=index.to(device),
         column_count=zero_cols.to(device),
         column_index=torch.zeros(batch, heads, qb, 0, dtype=torch.int32, device=device),
     )
