@@ -34,6 +34,7 @@ from ..reference.vertical_slash import (
 )
 from .kernels import block_column_attention, check_kernel_block_sizes
 from .kernels.last_q_estimate import last_q_scores
+from .kernels.own_columns import disjoint_columns
 from .kernels.vertical_slash_index import (
     block_widths,
     count_blocks,
@@ -141,12 +142,13 @@ def with_own_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
     Shared column lists keep a plan small at long N, but the kernel then tests every
     column against the block list (on an H200 at 128K with ANCHORS.md's MInference
     lines: 43 ms against 33 ms with disjoint columns). Where the per-query-block lists
-    are affordable they are built once here and the kernel skips that test.
+    are affordable they are built once here, by one Triton pass (`disjoint_columns`),
+    and the kernel skips that test.
     """
     per_block = plan.batch * plan.num_heads * plan.num_query_blocks * plan.column_index.shape[3] * 4
     if per_block > DISJOINT_COLUMN_BYTES or plan.column_index.shape[3] == 0:
         return plan
-    return plan.with_disjoint_columns()
+    return disjoint_columns(plan)
 
 
 def plan_nbytes(batch: int, heads: int, seqlen: int, *, block_m: int, block_width: int,

@@ -19,6 +19,7 @@ from sparseprefill.conformance.properties import (
 )
 from sparseprefill.conformance.tolerance import (
     baseline_attention,
+    check_attention,
     check_lse,
     check_output,
     golden_attention,
@@ -192,3 +193,44 @@ def test_explicit_scale() -> None:
     q, k, v = qkv(1, 2, 2, 64, 64, torch.bfloat16, seed=7)
     for scale in (0.01, 0.5, 2.0):
         check_masked_attention(q, k, v, None, scale=scale, context=f"scale={scale}")
+
+
+def test_shared_memory_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch the GPU refuses for shared memory is retried with fewer stages, then
+    smaller tiles; the result is unchanged and the fitted configuration is kept."""
+    from triton.runtime.errors import OutOfResources
+
+    from sparseprefill.fast.kernels import block_column as bc
+
+    real = bc._block_column_fwd
+    launches: list[tuple[int, int, int]] = []
+
+    class Picky:
+        """Refuses tiles wider than 32 keys or more than one stage, like a small GPU."""
+
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kw: object) -> object:
+                launches.append((int(kw["BLOCK_N"]), int(kw["num_stages"]), int(kw["BLOCK_M"])))  # type: ignore[call-overload]
+                if int(kw["BLOCK_N"]) > 32:  # type: ignore[call-overload]
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(bc, "_block_column_fwd", Picky())
+    monkeypatch.setattr(bc, "_FITTED", {})
+    monkeypatch.setattr(bc, "_tile_config", lambda bm, bn, d: (64, 64, 4, 3))
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 150, 64, dtype=torch.float16)
+    k = torch.randn(2, 2, 150, 64, dtype=torch.float16)
+    v = torch.randn(2, 2, 150, 64, dtype=torch.float16)
+    mask = torch.rand(150, 150) < 0.5
+    out, lse = fast.attention(q, k, v, mask, return_lse=True)
+    # 3 stages, 2, 1, then 32-key tiles with 2 stages: the fourth launch runs.
+    assert launches == [(64, 3, 64), (64, 2, 64), (64, 1, 64), (32, 2, 64)]
+    assert list(bc._FITTED.values()) == [(64, 32, 4, 2)]
+    golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
+    check_attention(out, lse, golden, baseline, context="after the fallback")
+    launches.clear()
+    fast.attention(q, k, v, mask, return_lse=True)
+    assert launches == [(32, 2, 64)]  # the fitted configuration, first try

@@ -54,3 +54,51 @@ def test_columns_inside_listed_blocks_past_the_window() -> None:
     # A plan that claims disjoint columns but repeats keys of listed blocks is refused.
     with pytest.raises(ValueError, match="columns_disjoint"):
         replace(shared, columns_disjoint=True).validate()
+
+
+def _exact_own_columns(plan: reference.BlockColumnPlan) -> None:
+    """fast's one-pass disjoint columns equal the reference's, entry for entry."""
+    from sparseprefill.fast.kernels.own_columns import disjoint_columns
+
+    got = disjoint_columns(plan)
+    want = plan.with_disjoint_columns()
+    assert got.columns_disjoint
+    assert torch.equal(got.column_count, want.column_count)
+    width = got.column_index.shape[3]
+    kept = torch.arange(width) < got.column_count.unsqueeze(-1)
+    assert torch.equal(torch.where(kept, got.column_index, 0), torch.where(kept, want.column_index, 0))
+    assert got.validate().equal(plan)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_disjoint_columns_match_reference(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(17, 700, (1,), generator=gen))
+    bm, bn = [(16, 16), (64, 16), (32, 64), (16, 32), (128, 128), (48, 16)][seed]
+    b, h = 2, 3
+    qb, kb = -(-n // bm), -(-n // bn)
+    blocks = torch.rand(b, h, qb, kb, generator=gen) < [0.0, 0.3, 0.7, 0.95, 0.5, 0.2][seed]
+    cols = torch.rand(b, h, qb, n, generator=gen) < 0.2
+    # Columns inside listed blocks kept on purpose: from_masks would drop them.
+    plan = reference.BlockColumnPlan.from_masks(blocks, None, seqlen=n, block_m=bm, block_n=bn)
+    counts = [[[int(cols[i, j, m, : min(n, (m + 1) * bm)].sum()) for m in range(qb)]
+               for j in range(h)] for i in range(b)]
+    width = max(1, max(c for row in counts for hc in row for c in hc))
+    index = torch.zeros(b, h, qb, width, dtype=torch.int32)
+    for i in range(b):
+        for j in range(h):
+            for m in range(qb):
+                sel = cols[i, j, m, : min(n, (m + 1) * bm)].nonzero().flatten()
+                index[i, j, m, : sel.numel()] = sel.to(torch.int32)
+    per_block = replace(plan, column_count=torch.tensor(counts, dtype=torch.int32),
+                        column_index=index, _checked=False).validate()
+    _exact_own_columns(per_block)
+    # Shared columns (stride-0 over query blocks), as fast.vertical_slash_index builds them.
+    shared_list = cols[0, 0, 0].nonzero().flatten().to(torch.int32)
+    if shared_list.numel():
+        last_row = ((torch.arange(qb) + 1) * bm - 1).clamp(max=n - 1).to(torch.int32)
+        count = torch.searchsorted(shared_list, last_row, right=True).to(torch.int32)
+        shared = replace(plan, column_count=count.expand(b, h, qb),
+                         column_index=shared_list.view(1, 1, 1, -1).expand(b, h, qb, -1),
+                         _checked=False).validate()
+        _exact_own_columns(shared)

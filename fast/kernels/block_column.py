@@ -24,6 +24,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ...reference._checks import HALF_DTYPES, check_qkv, resolve_scale
 from ...reference.attention import check_mask, check_plan
@@ -315,6 +316,27 @@ def _tile_config(plan_block_m: int, plan_block_n: int, head_dim: int) -> tuple[i
     return block_m, block_n, num_warps, num_stages
 
 
+# Tile configurations that compiled and launched, per launch signature (see the
+# OutOfResources fallback in `block_column_attention`).
+_FITTED: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
+
+
+def _smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
+    """The next configuration to try after a shared-memory failure, or None.
+
+    One stage fewer down to 1; then half the key tile (it still divides the plan's
+    block_n) down to 16; then half the query tile with 4 warps.
+    """
+    block_m, block_n, num_warps, num_stages = config
+    if num_stages > 1:
+        return block_m, block_n, num_warps, num_stages - 1
+    if block_n > 16:
+        return block_m, block_n // 2, num_warps, 2
+    if block_m > 16:
+        return block_m // 2, block_n, 4, 2
+    return None
+
+
 _PREFETCH = os.environ.get("SPARSEPREFILL_PREFETCH", "1") == "1"
 
 
@@ -359,11 +381,7 @@ def block_column_attention(
     b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
     dense_mask = None if mask is None else check_mask(mask, b, hq, n, q.device)
 
-    block_m, block_n, num_warps, num_stages = _tile_config(plan.block_m, plan.block_n, d)
     head_dim = max(16, triton.next_power_of_2(d))
-    # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
-    diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
-
     out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out
     mstrides: tuple[int, ...] = (0, 0, 0, 0)
@@ -374,35 +392,56 @@ def block_column_attention(
         mstrides = tuple(s if sz > 1 else 0 for s, sz in zip(mask_arg.stride(), mask_arg.shape))
     has_columns = plan.column_index.shape[3] > 0
     use_tma = head_dim == d and _tma_ok(q, k, v)
-    k_desc: object = k
-    v_desc: object = v
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+    key = (q.device, q.dtype, d, plan.block_m, plan.block_n, dense_mask is not None, use_tma,
+           has_columns, return_lse)
+    initial = _tile_config(plan.block_m, plan.block_n, d)
+    config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
+    while True:
+        block_m, block_n, num_warps, num_stages = config
+        # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
+        diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
+        k_desc: object = k
+        v_desc: object = v
+        if use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
 
-        k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
-        v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
-    grid = (triton.cdiv(n, block_m), b * hq)
-    _block_column_fwd[grid](
-        q, k, v, out, lse, mask_arg,
-        plan.block_count, plan.block_index, plan.column_count, plan.column_index,
-        sm_scale * LOG2E, n, d, hq, shape.group,
-        plan.block_m, plan.block_n,
-        *q.stride(), *k.stride(), *v.stride(),
-        out.stride(0), out.stride(1), out.stride(2),
-        *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
-        *mstrides,
-        *plan.block_count.stride(), *plan.block_index.stride(),
-        *plan.column_count.stride(), *plan.column_index.stride(),
-        k_desc, v_desc,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n, DIAG=diag,
-        EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns, HAS_MASK=dense_mask is not None,
-        RETURN_LSE=return_lse, DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
-        USE_TMA=use_tma, PREFETCH=_PREFETCH,
-        SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
-        WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
-        SKIP_COVERED=has_columns and not plan.columns_disjoint,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+            k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
+            v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
+        grid = (triton.cdiv(n, block_m), b * hq)
+        try:
+            _block_column_fwd[grid](
+                q, k, v, out, lse, mask_arg,
+                plan.block_count, plan.block_index, plan.column_count, plan.column_index,
+                sm_scale * LOG2E, n, d, hq, shape.group,
+                plan.block_m, plan.block_n,
+                *q.stride(), *k.stride(), *v.stride(),
+                out.stride(0), out.stride(1), out.stride(2),
+                *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
+                *mstrides,
+                *plan.block_count.stride(), *plan.block_index.stride(),
+                *plan.column_count.stride(), *plan.column_index.stride(),
+                k_desc, v_desc,
+                BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n,
+                DIAG=diag, EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns,
+                HAS_MASK=dense_mask is not None,
+                RETURN_LSE=return_lse, DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
+                USE_TMA=use_tma, PREFETCH=_PREFETCH,
+                SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
+                WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
+                SKIP_COVERED=has_columns and not plan.columns_disjoint,
+                num_warps=num_warps, num_stages=num_stages,
+            )
+        except OutOfResources:
+            # This GPU has less shared memory than the tile needs (a dense mask's tiles,
+            # or a smaller card than an H100/H200): fewer stages, then smaller tiles.
+            smaller = _smaller_config(config)
+            if smaller is None:
+                raise
+            config = smaller
+            continue
+        if config != initial:
+            _FITTED[key] = config
+        break
     return out, (lse if return_lse else None)
 
 
