@@ -254,7 +254,8 @@ def minference_anchor_lines(
 def run_minference_suite(
     seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
     head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, flex_max: int = 131072,
-    with_recall: bool = True, log: Callable[[str], None] = print, vs_block_m: int = 64,
+    with_recall: bool = True, log: Callable[[str], None] = print,
+    vs_blocks: tuple[tuple[int, int], ...] = ((64, 64),),
 ) -> list[Row]:
     """MInference benchmark (issue 3): vertical-slash (1000, 6096) and block-sparse
     (top_k=100) on the demo's structured workload, with time split into estimate /
@@ -320,22 +321,30 @@ def run_minference_suite(
             return vertical_slash_lines(q, k, **vs_params)
 
         verticals, slashes = lines()
+        for vs_block_m, vs_block_n in vs_blocks:
+            def vs_index() -> BlockColumnPlan:
+                # As fast.vertical_slash_plan builds it: disjoint columns where they fit.
+                return with_own_columns(vertical_slash_index(verticals, slashes, seqlen=n,
+                                                             block_m=vs_block_m, block_n=vs_block_n))
+
+            def e2e() -> Any:
+                return fast.vertical_slash(q, k, v, block_m=vs_block_m, block_n=vs_block_n, **vs_params)
+
+            plan = vs_index()
+            est_ms, idx_ms, ker_ms = _bench_ms(lines), _bench_ms(vs_index), _bench_ms(kernel(plan))
+            label = f"vertical_slash {vs_block_m}x{vs_block_n}"
+            add(label, "sparseprefill", plan, _bench_ms(e2e), est_ms + idx_ms,
+                {"estimate_ms": est_ms, "index_ms": idx_ms, "kernel_ms": ker_ms,
+                 "plan_mb": plan.nbytes() / 2**20})
+            if flex_fn is not None and n <= flex_max:
+                _flex_row(flex_fn, label, plan, q, k, v, add, kernel)
+            del plan
+            torch.cuda.empty_cache()
+        del verticals, slashes
 
         def index() -> BlockColumnPlan:
-            # As fast.vertical_slash_plan builds it: disjoint columns where they fit.
             return with_own_columns(vertical_slash_index(verticals, slashes, seqlen=n,
-                                                         block_m=vs_block_m, block_n=64))
-
-        plan = index()
-        est_ms, idx_ms, ker_ms = _bench_ms(lines), _bench_ms(index), _bench_ms(kernel(plan))
-        e2e_ms = _bench_ms(lambda: fast.vertical_slash(q, k, v, block_m=vs_block_m, **vs_params))
-        add(f"vertical_slash {vs_block_m}x64", "sparseprefill", plan, e2e_ms, est_ms + idx_ms,
-            {"estimate_ms": est_ms, "index_ms": idx_ms, "kernel_ms": ker_ms,
-             "plan_mb": plan.nbytes() / 2**20})
-        if flex_fn is not None and n <= flex_max:
-            _flex_row(flex_fn, f"vertical_slash {vs_block_m}x64", plan, q, k, v, add, kernel)
-        del plan, verticals, slashes
-        torch.cuda.empty_cache()
+                                                         block_m=64, block_n=64))
 
         # ANCHORS.md's MInference plan: 1000 columns (30 first + random), 6096 nearest diagonals.
         verticals, slashes = minference_anchor_lines(batch, q_heads, n, device=dev)
@@ -421,10 +430,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
-    parser.add_argument("--vs-block-m", type=int, default=64,
-                        help="minference: query rows per vertical-slash plan block (default 64)")
+    parser.add_argument("--vs-blocks", default="64x64",
+                        help="minference: comma-separated vertical-slash plan block sizes "
+                             "block_mxblock_n (default 64x64, MInference's)")
     parser.add_argument("--no-recall", action="store_true", help="skip recall columns")
     parser.add_argument("--json", default=None, help="write rows and environment as JSON here")
+
+
+def _parse_blocks(text: str) -> tuple[tuple[int, int], ...]:
+    """"64x64,128x64" -> ((64, 64), (128, 64))."""
+    blocks = []
+    for item in text.split(","):
+        try:
+            bm, bn = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--vs-blocks: expected block_mxblock_n items like 64x64, got {item!r}") from None
+        blocks.append((bm, bn))
+    return tuple(blocks)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -443,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
                   head_dim=args.head_dim, dtype=dtype, with_recall=not args.no_recall, log=log)
     if args.method == "minference":
         rows = run_minference_suite(seqlens, flex_max=0 if args.no_flex else 131072,
-                                    vs_block_m=args.vs_block_m, **common)
+                                    vs_blocks=_parse_blocks(args.vs_blocks), **common)
     else:
         rows = run_suite(seqlens, flex=not args.no_flex, **common)
     print(format_table(rows))

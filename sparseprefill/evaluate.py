@@ -113,14 +113,28 @@ def stdlib_text(min_chars: int) -> str:
     raise ValueError(f"the standard library at {root} holds {size} characters, fewer than {min_chars}")
 
 
-def text_ids(tokenizer: Any, n_tokens: int) -> torch.Tensor:
-    """The first `n_tokens` tokens of `stdlib_text`, as int64 `[1, n_tokens]`."""
+def stdlib_prompt(tokenizer: Any, n_tokens: int) -> str:
+    """The shortest `stdlib_text` prefix (in whole files, doubling) that holds `n_tokens` tokens."""
     chars = 6 * n_tokens
     while True:
-        ids = tokenizer(stdlib_text(chars), add_special_tokens=False)["input_ids"]
-        if len(ids) >= n_tokens:
-            return torch.tensor(ids[:n_tokens], dtype=torch.int64)[None]
+        text = stdlib_text(chars)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= n_tokens:
+            return text
         chars *= 2
+
+
+def text_ids(tokenizer: Any, n_tokens: int, text: str | None = None) -> torch.Tensor:
+    """The first `n_tokens` tokens of `text` (default `stdlib_prompt`), int64 `[1, n_tokens]`.
+
+    Raises:
+        ValueError: the text holds fewer tokens.
+    """
+    if text is None:
+        text = stdlib_prompt(tokenizer, n_tokens)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < n_tokens:
+        raise ValueError(f"the text holds {len(ids)} tokens, fewer than {n_tokens}")
+    return torch.tensor(ids[:n_tokens], dtype=torch.int64)[None]
 
 
 def method_params(name: str, seqlen: int, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -466,6 +480,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("ppl", help="perplexity of the last tokens of a long stdlib-text prompt")
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--last", type=int, default=1024)
+    p.add_argument("--text", type=Path, default=None,
+                   help="UTF-8 text file to read instead of this Python's stdlib sources (which "
+                        "differ between Python versions)")
+    p.add_argument("--save-text", type=Path, default=None,
+                   help="write the text the prompt was cut from here (for --text on another machine)")
     common(p)
 
 
@@ -527,7 +546,14 @@ def run(args: argparse.Namespace) -> int:
         _write_json(args.json, [asdict(c) for c in cells])
         return 0
     if task == "ppl":
-        ids = text_ids(tokenizer, args.seqlen)
+        if args.text is not None:
+            text = args.text.read_text(encoding="utf-8")
+        else:
+            text = stdlib_prompt(tokenizer, args.seqlen)
+        ids = text_ids(tokenizer, args.seqlen, text)
+        if args.save_text is not None:
+            args.save_text.parent.mkdir(parents=True, exist_ok=True)
+            args.save_text.write_text(text, encoding="utf-8")
         results = []
         for method in methods:
             params = method_params(method, args.seqlen, args.params) if method is not None else None
