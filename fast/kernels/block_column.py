@@ -228,10 +228,21 @@ def _block_column_fwd(
         # back to a binary search (a per-column search in every tile was 5x slower).
         ptr = count * 0
         o_w = tl.arange(0, WIN)
+        # The gathers below depend on the column indices: with disjoint columns, load the
+        # next tile's one step ahead (H200, 128K MInference plan: 33.2 -> 32.4 ms). With
+        # the column-in-block test it made the loop 1.75x slower (43.2 -> 75.7 ms), so
+        # that path loads them in place.
+        if PREFETCH and not SKIP_COVERED:
+            i_col_next = tl.load(p_cindex + o_n * stride_cik, mask=o_n < ccount, other=0)
         for c0 in range(0, ccount, BLOCK_N):
             o_c = c0 + o_n
             m_c = o_c < ccount
-            i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
+            if PREFETCH and not SKIP_COVERED:
+                i_col = i_col_next
+                o_next = o_c + BLOCK_N
+                i_col_next = tl.load(p_cindex + o_next * stride_cik, mask=o_next < ccount, other=0)
+            else:
+                i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
             b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn,
                           mask=m_c[None, :] & m_d[:, None], other=0.0)
             b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
