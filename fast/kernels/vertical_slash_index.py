@@ -38,8 +38,10 @@ import triton.language as tl
 from ...reference._checks import check_positive_int
 from ...reference.plan import BlockColumnPlan, cdiv
 
-# Lines handled per vector step.
-_CHUNK = 128
+# Lines handled per vector step, and warps per program (H200, 128K, 32 heads: 256 x 4
+# warps 3.49 ms, 128 x 4 3.81 ms, 8 warps no faster at any chunk; benches/tune_index_chunk.py).
+_CHUNK = 256
+_NUM_WARPS = 4
 
 
 @triton.jit
@@ -114,7 +116,7 @@ def count_blocks(slashes: torch.Tensor, *, seqlen: int, block_m: int, block_n: i
     _vertical_slash_blocks_kernel[(qb, b * h)](
         slashes.contiguous(), block_count, block_count,
         seqlen, block_m, block_n, ks, qb, 0,
-        RANGE_BLOCKS=(block_m - 1) // block_n + 2, CHUNK=_CHUNK, WRITE=False, num_warps=4,
+        RANGE_BLOCKS=(block_m - 1) // block_n + 2, CHUNK=_CHUNK, WRITE=False, num_warps=_NUM_WARPS,
     )
     return block_count
 
@@ -174,7 +176,7 @@ def fill_index(
         _vertical_slash_blocks_kernel[(qb, b * h)](
             slashes.contiguous(), block_count, block_index,
             seqlen, block_m, block_n, ks, qb, block_width,
-            RANGE_BLOCKS=(block_m - 1) // block_n + 2, CHUNK=_CHUNK, WRITE=True, num_warps=4,
+            RANGE_BLOCKS=(block_m - 1) // block_n + 2, CHUNK=_CHUNK, WRITE=True, num_warps=_NUM_WARPS,
         )
     shared = verticals.contiguous()
     last_row = ((torch.arange(qb, device=dev, dtype=torch.int32) + 1) * block_m - 1).clamp_(max=seqlen - 1)
