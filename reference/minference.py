@@ -231,6 +231,13 @@ def _plan_kwargs(head: HeadPattern, scale: float | None) -> dict[str, Any]:
 def merge_head_plans(plans: Sequence[BlockColumnPlan], owner: Sequence[int]) -> BlockColumnPlan:
     """One plan whose head `h` is head `h` of `plans[owner[h]]`.
 
+    Lists that every plan shares across query blocks (stride 0 along that axis, as the
+    fast vertical-slash verticals and the dense block lists are) or leaves empty stay
+    shared, one row per head expanded over query blocks, so a layer mixing patterns
+    costs no more memory than its parts. The merged plan promises disjoint columns
+    (`columns_disjoint`) when every plan with columns does, and is marked valid when
+    every part was.
+
     Raises:
         ValueError: plans of different sizes, or `owner` of the wrong length.
     """
@@ -245,18 +252,22 @@ def merge_head_plans(plans: Sequence[BlockColumnPlan], owner: Sequence[int]) -> 
         raise ValueError(f"owner must name a plan for each of the {h} heads, got {len(owner)}")
     out: dict[str, torch.Tensor] = {}
     for kind in ("block", "column"):
-        width = max(getattr(p, f"{kind}_index").shape[3] for p in plans)
+        indices = [getattr(p, f"{kind}_index") for p in plans]
+        width = max(t.shape[3] for t in indices)
+        shared = all(t.shape[3] == 0 or t.stride(2) == 0 for t in indices)
+        rows = 1 if shared else qb
         count = torch.empty(b, h, qb, dtype=torch.int32, device=first.device)
-        index = torch.zeros(b, h, qb, width, dtype=torch.int32, device=first.device)
+        index = torch.zeros(b, h, rows, width, dtype=torch.int32, device=first.device)
         for i, p in enumerate(plans):
             heads = torch.tensor([j for j in range(h) if owner[j] == i], dtype=torch.int64, device=first.device)
             if heads.numel() == 0:
                 continue
-            src = getattr(p, f"{kind}_index")
+            src = indices[i]
             count[:, heads] = getattr(p, f"{kind}_count")[:, heads]
-            index[:, heads, :, : src.shape[3]] = src[:, heads]
-        out[f"{kind}_count"], out[f"{kind}_index"] = count, index
-    return BlockColumnPlan(
+            index[:, heads, :, : src.shape[3]] = src[:, heads, :rows]
+        out[f"{kind}_count"], out[f"{kind}_index"] = count, index.expand(b, h, qb, width)
+    used = [p for i, p in enumerate(plans) if i in set(owner)]
+    merged = BlockColumnPlan(
         seqlen=first.seqlen,
         block_m=first.block_m,
         block_n=first.block_n,
@@ -264,7 +275,9 @@ def merge_head_plans(plans: Sequence[BlockColumnPlan], owner: Sequence[int]) -> 
         block_index=out["block_index"],
         column_count=out["column_count"],
         column_index=out["column_index"],
+        columns_disjoint=all(p.columns_disjoint or p.column_index.shape[3] == 0 for p in used),
     )
+    return merged.mark_valid() if all(p._checked for p in used) else merged
 
 
 def minference_plan_with(

@@ -481,6 +481,33 @@ def test_minference_plan_gives_each_head_its_pattern() -> None:
         reference.minference_plan(q, k, mixed_blocks)
 
 
+def test_merge_keeps_shared_columns_and_the_disjoint_promise() -> None:
+    """A layer mixing patterns: shared (stride-0) verticals stay shared in the merged
+    plan, disjoint columns keep `columns_disjoint`, and the attention is unchanged."""
+    from sparseprefill.fast.kernels.own_columns import disjoint_columns
+    from sparseprefill.reference.minference import merge_head_plans
+
+    q, k, v = _inputs(2, 4, 2, 300, 32, seed=9)
+    shared_vs = fast_index(*fast_lines(q, k, vertical_size=12, slash_size=20), seqlen=300,
+                           block_m=64, block_n=64)
+    assert shared_vs.column_index.stride(2) == 0
+    a_shape = reference.a_shape_plan(q, k, sink=64, window=64)
+    owner = [0, 1, 1, 0]
+    merged = merge_head_plans([shared_vs, a_shape], owner)
+    assert merged.column_index.stride(2) == 0
+    assert merged.nbytes() < merge_head_plans([shared_vs.with_disjoint_columns(), a_shape], owner).nbytes()
+    assert not merged.columns_disjoint
+    disjoint = merge_head_plans([disjoint_columns(shared_vs), a_shape], owner)
+    assert disjoint.columns_disjoint and disjoint.validate().equal(merged.validate())
+    mask = merged.to_dense_mask()
+    for h, i in enumerate(owner):
+        assert torch.equal(mask[:, h], [shared_vs, a_shape][i].to_dense_mask()[:, h])
+    golden = tolerance.golden_attention(q, k, v, mask)
+    baseline = tolerance.baseline_attention(q, k, v, mask)
+    for plan in (merged, disjoint):
+        tolerance.check_output(fast.sparse_attention(q, k, v, plan), golden[0], baseline[0])
+
+
 def test_search_picks_per_head_at_equal_cost() -> None:
     """Head 0 attends to one far key (a vertical line), head 1 locally: the search sees it."""
     n, d = 256, 16
