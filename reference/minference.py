@@ -266,7 +266,8 @@ def merge_head_plans(plans: Sequence[BlockColumnPlan], owner: Sequence[int]) -> 
             count[:, heads] = getattr(p, f"{kind}_count")[:, heads]
             index[:, heads, :, : src.shape[3]] = src[:, heads, :rows]
         out[f"{kind}_count"], out[f"{kind}_index"] = count, index.expand(b, h, qb, width)
-    used = [p for i, p in enumerate(plans) if i in set(owner)]
+    owned = set(owner)
+    used = [p for i, p in enumerate(plans) if i in owned]
     merged = BlockColumnPlan(
         seqlen=first.seqlen,
         block_m=first.block_m,

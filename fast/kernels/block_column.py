@@ -407,10 +407,10 @@ def block_column_attention(
            has_columns, return_lse)
     initial = _tile_config(plan.block_m, plan.block_n, d)
     config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
+    # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
+    diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
     while True:
         block_m, block_n, num_warps, num_stages = config
-        # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
-        diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
         k_desc: object = k
         v_desc: object = v
         if use_tma:
