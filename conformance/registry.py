@@ -14,7 +14,7 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from .ties import block_sparse_tie_check, vertical_slash_tie_check
+from .ties import block_sparse_tie_check, dpxa_tie_check, vertical_slash_tie_check, xattention_tie_check
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
@@ -191,4 +191,72 @@ register(MethodSpec(
     params=_a_shape_params,
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8))},
     notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
+))
+
+
+def _tile_threshold(draw: Callable[[Any], Any]) -> float:
+    """XAttention / DPXA threshold in (0, 1]: the extremes, the papers' values, or any."""
+    from hypothesis import strategies as st
+
+    return float(draw(st.one_of(
+        st.sampled_from([1.0, 0.9, 0.95, 0.8, 1e-6]),
+        st.floats(min_value=0.0, max_value=1.0, exclude_min=True, allow_nan=False),
+    )))
+
+
+def _tile_block(draw: Callable[[Any], Any]) -> int:
+    from hypothesis import strategies as st
+
+    return int(draw(st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128])))
+
+
+def _xattention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    # 3 exercises groups that straddle no tile but end short (the naive ablation's stride).
+    return {"stride": int(draw(st.sampled_from([1, 2, 4, 8, 16, 3]))),
+            "threshold": _tile_threshold(draw), "block": _tile_block(draw),
+            "scoring": str(draw(st.sampled_from(["antidiagonal", "antidiagonal", "naive"])))}
+
+
+def _dpxa_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    cos = draw(st.one_of(st.sampled_from([0.75, 0.78, -1.0, 1.0, 0.0]),
+                         st.floats(min_value=-1.0, max_value=1.0, allow_nan=False)))
+    return {"cos_threshold": float(cos), "threshold": _tile_threshold(draw), "block": _tile_block(draw)}
+
+
+def _tile_demo_block(n: int) -> int:
+    # 128 (the papers') once a sequence has a few dozen tiles; smaller below so the demo's
+    # short workload still has tiles to skip.
+    return 128 if n >= 4096 else 64
+
+
+register(MethodSpec(
+    name="xattention",
+    reference_plan=reference.xattention_plan,
+    fast_plan=fast.xattention_plan,
+    reference_run=reference.xattention,
+    fast_run=fast.xattention,
+    params=_xattention_params,
+    demo_params=lambda n: {"stride": 8, "threshold": 0.9, "block": _tile_demo_block(n)},
+    exact_plans=False,
+    tie_check=xattention_tie_check,
+    notes="XAttention: antidiagonal stride-level scores, row softmax summed into tiles, greedy "
+          "threshold selection (thesis sec. 2.5)",
+))
+
+register(MethodSpec(
+    name="dpxa",
+    reference_plan=reference.dpxa_plan,
+    fast_plan=fast.dpxa_plan,
+    reference_run=reference.dpxa,
+    fast_run=fast.dpxa,
+    params=_dpxa_params,
+    demo_params=lambda n: {"cos_threshold": 0.75, "threshold": 0.9, "block": _tile_demo_block(n)},
+    exact_plans=False,
+    tie_check=dpxa_tie_check,
+    notes="DPXA: delta anchors of Q and K per tile, anchor-pair tile scores, XAttention's greedy "
+          "selection (thesis sec. 4.3)",
 ))

@@ -13,16 +13,24 @@ only reason a fast plan differs: it raises AssertionError otherwise.
 * block-sparse: every query block keeps its diagonal and `min(top_k, i + 1)`
   causal blocks, and no dropped block beats a kept one by more than
   `block_tolerance` in the float64 pooled scores.
+* XAttention and DPXA (greedy threshold selection, `check_greedy_modulo_ties`): the
+  kept tiles are a greedy selection of the float64 tile weights up to
+  `tile_weight_tolerance` (order and threshold crossing); for DPXA the fast delta
+  anchors must first follow the float64 delta rule except within `ANCHOR_TOLERANCE`
+  of the cosine threshold, and the weights are those of the fast anchors.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from ..fast.dpxa import delta_anchors as fast_delta_anchors
 from ..fast.vertical_slash import vertical_slash_lines as fast_lines
 from ..reference.block_sparse import block_scores, mean_pooling
+from ..reference.dpxa import anchor_tile_scores
 from ..reference.plan import BlockColumnPlan
 from ..reference.vertical_slash import (
     INIT_COLUMNS,
@@ -31,6 +39,11 @@ from ..reference.vertical_slash import (
     vertical_slash_index,
     vertical_slash_scores,
 )
+from ..reference.xattention import xattention_tile_weights
+
+# Cosine margin within which a delta-anchor decision may go either way: the fast
+# kernel decides in float64 too, summing in another order (~1e-16 relative).
+ANCHOR_TOLERANCE = 1e-9
 
 
 def line_tolerance(rows: int) -> float:
@@ -145,3 +158,154 @@ def block_sparse_tie_check(
         at = tuple(int(i) for i in (gap > tol).nonzero()[0].tolist())
         raise _fail(f"blocks at (b, h, query block) {at}: a dropped score exceeds a kept one by "
                     f"{float(gap[at]):.3g} > {tol:.3g}")
+
+
+# -- XAttention / DPXA: greedy threshold selection of tiles ----------------------
+
+
+def tile_weight_tolerance(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> float:
+    """Largest fp32-vs-float64 difference of a normalised tile weight or a sum of them.
+
+    The fast scores round fp32 sums of exact fp32 products, so a logit is off by about
+    `1e-7` of the largest possible logit `L = scale * max|q_i| * max|k_j|` (all the
+    kernels' arithmetic is relative to it); a weight `w` then by about `w * 1e-7 * L`,
+    and a cumulative sum of weights by the same amount. `1e-5 * (1 + L)` leaves ~100x.
+    """
+    d = q.shape[-1]
+    sm_scale = scale if scale is not None else d ** -0.5
+    q_max = float(q.to(torch.float64).norm(dim=-1).max())
+    k_max = float(k.to(torch.float64).norm(dim=-1).max())
+    return 1e-5 * (1.0 + sm_scale * q_max * k_max)
+
+
+def check_greedy_modulo_ties(
+    weights: torch.Tensor, keep: torch.Tensor, *, threshold: float, tolerance: float, what: str
+) -> None:
+    """`keep` is the greedy threshold selection of `weights` up to ties and rounding.
+
+    Per query tile `i`: tile 0 and tile `i` are kept, nothing non-causal is; no dropped
+    tile outweighs a kept free tile by more than `tolerance`; the kept weight reaches
+    `threshold` (less `tolerance`) unless every causal tile is kept; and without its
+    lightest free tile it stays below `threshold` (plus `tolerance`), so no tile was
+    kept once the threshold was reached. `threshold == 1` must keep every causal tile.
+
+    Args:
+        weights: float64 `[B, H, T, T]`, rows summing to 1 over `j <= i`.
+        keep: bool `[B, H, T, T]`.
+
+    Raises:
+        AssertionError: naming the first (b, h, query tile) that breaks a rule.
+    """
+    weights = weights.to(torch.float64).cpu()
+    keep = keep.cpu()
+    tiles = weights.shape[-1]
+    idx = torch.arange(tiles)
+    causal = idx[None, :] <= idx[:, None]
+    forced = (idx[None, :] == 0) | (idx[None, :] == idx[:, None])
+    free = causal & ~forced
+
+    def first(bad: torch.Tensor, message: str) -> None:
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise _fail(f"{what} at (b, h, query tile) {at[:3]}: {message}")
+
+    first((keep & ~causal).any(-1), "a non-causal tile is kept")
+    first((forced & ~keep).any(-1), "the first or the diagonal tile is missing")
+    if threshold >= 1.0:
+        first((causal & ~keep).any(-1), "threshold 1 must keep every causal tile")
+        return
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    kept_free = keep & free
+    dropped = free & ~keep
+    lightest_kept = torch.where(kept_free, weights, inf).amin(-1)
+    heaviest_dropped = torch.where(dropped, weights, -inf).amax(-1)
+    first(heaviest_dropped - lightest_kept > tolerance,
+          f"a dropped tile outweighs a kept one by more than {tolerance:.3g}")
+    total = torch.where(keep, weights, 0.0).sum(-1)
+    first(dropped.any(-1) & (total < threshold - tolerance),
+          f"tiles were dropped before the kept weight reached threshold {threshold}")
+    without_last = total - torch.where(kept_free.any(-1), lightest_kept, 0.0)
+    first(kept_free.any(-1) & (without_last >= threshold + tolerance),
+          f"a tile was kept after the kept weight had reached threshold {threshold}")
+
+
+def xattention_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of XAttention: the fast tiles are a greedy selection of the
+    float64 tile weights, up to `tile_weight_tolerance`."""
+    del expected
+    got = got.to("cpu").validate()
+    if bool((got.column_count != 0).any()):
+        raise _fail("XAttention plans list no columns")
+    scale = params.get("scale")
+    weights = xattention_tile_weights(
+        q, k, stride=int(params.get("stride", 8)), block=int(params.get("block", 128)),
+        scoring=str(params.get("scoring", "antidiagonal")), scale=scale,
+    )
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+                             tolerance=tile_weight_tolerance(q, k, scale), what="xattention tiles")
+
+
+def check_anchors_modulo_ties(
+    x: torch.Tensor, anchors: torch.Tensor, *, cos_threshold: float, block: int, tolerance: float, what: str
+) -> None:
+    """`anchors` follow the delta rule of `reference.dpxa.delta_anchors` in float64, except
+    where a token's cosine to its anchor lies within `tolerance` of `cos_threshold`.
+
+    The running anchor is the one `anchors` implies (the last anchor of the tile), so a
+    near-tie decided the other way is followed, not propagated as an error.
+
+    Raises:
+        AssertionError: a decision that no near-tie explains.
+    """
+    b, h, n, d = x.shape
+    tiles = -(-n // block)
+    x64 = torch.zeros(b, h, tiles * block, d, dtype=torch.float64)
+    x64[:, :, :n] = x.to(torch.float64).cpu()
+    got = torch.zeros(b, h, tiles * block, dtype=torch.bool)
+    got[:, :, :n] = anchors.cpu()
+    xt, kt = x64.reshape(b, h, tiles, block, d), got.reshape(b, h, tiles, block)
+    present = (torch.arange(tiles * block) < n).reshape(tiles, block)
+    if not bool(kt[..., 0].all()):
+        raise _fail(f"{what}: the first token of a tile is not an anchor")
+    if bool((kt & ~present).any()):
+        raise _fail(f"{what}: an anchor past the end of the sequence")
+    anchor = xt[..., 0, :]
+    for p in range(1, block):
+        cur = xt[..., p, :]
+        norms = cur.norm(dim=-1) * anchor.norm(dim=-1)
+        margin = ((cur * anchor).sum(-1) - cos_threshold * norms) / norms.clamp(min=1e-300)
+        kept = kt[..., p]
+        bad = present[:, p] & ((kept & (margin > tolerance)) | (~kept & (margin < -tolerance)))
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise _fail(f"{what} at (b, h, tile) {at}, position {p}: anchor decision "
+                        f"{bool(kept[at])} against a cosine margin of {float(margin[at]):.3g}")
+        anchor = torch.where(kept[..., None], cur, anchor)
+
+
+def dpxa_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of DPXA: the fast anchors follow the delta rule up to
+    near-ties, and the fast tiles are a greedy selection of the float64 tile weights of
+    those anchors, up to `tile_weight_tolerance`."""
+    del expected
+    got = got.to("cpu").validate()
+    if bool((got.column_count != 0).any()):
+        raise _fail("DPXA plans list no columns")
+    cos_threshold = float(params.get("cos_threshold", 0.75))
+    block = int(params.get("block", 128))
+    scale = params.get("scale")
+    q_anchors = fast_delta_anchors(q, cos_threshold=cos_threshold, block=block).cpu()
+    k_anchors = fast_delta_anchors(k, cos_threshold=cos_threshold, block=block).cpu()
+    check_anchors_modulo_ties(q, q_anchors, cos_threshold=cos_threshold, block=block,
+                              tolerance=ANCHOR_TOLERANCE, what="dpxa query anchors")
+    check_anchors_modulo_ties(k, k_anchors, cos_threshold=cos_threshold, block=block,
+                              tolerance=ANCHOR_TOLERANCE, what="dpxa key anchors")
+    sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = anchor_tile_scores(q.cpu(), k.cpu(), q_anchors, k_anchors, block=block, scale=sm_scale)
+    weights = scores / scores.sum(dim=-1, keepdim=True)
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+                             tolerance=tile_weight_tolerance(q, k, scale), what="dpxa tiles")

@@ -11,10 +11,12 @@ from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
+from .dpxa import delta_anchors, dpxa, dpxa_plan, dpxa_scoring_ratio, dpxa_tile_weights
 from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
+from .xattention import select_tiles, xattention, xattention_plan, xattention_tile_weights
 
 __all__ = [
     "BlockColumnPlan",
@@ -27,16 +29,25 @@ __all__ = [
     "block_sparse",
     "block_sparse_plan",
     "dense",
+    "delta_anchors",
     "dense_plan",
     "density",
+    "dpxa",
+    "dpxa_plan",
+    "dpxa_scoring_ratio",
+    "dpxa_tile_weights",
     "minference",
     "minference_plan",
     "recall",
     "relative_error",
     "search_patterns",
+    "select_tiles",
     "sparse_attention",
     "streaming",
     "streaming_plan",
     "vertical_slash",
     "vertical_slash_plan",
+    "xattention",
+    "xattention_plan",
+    "xattention_tile_weights",
 ]

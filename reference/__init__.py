@@ -7,6 +7,7 @@ from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
+from .dpxa import delta_anchors, dpxa, dpxa_plan, dpxa_scoring_ratio, dpxa_tile_weights
 from .metrics import density, recall, relative_error
 from .minference import (
     HeadPattern,
@@ -19,6 +20,7 @@ from .minference import (
 from .plan import BlockColumnPlan
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
+from .xattention import select_tiles, xattention, xattention_plan, xattention_tile_weights
 
 __all__ = [
     "BlockColumnPlan",
@@ -31,16 +33,25 @@ __all__ = [
     "block_sparse",
     "block_sparse_plan",
     "dense",
+    "delta_anchors",
     "dense_plan",
     "density",
+    "dpxa",
+    "dpxa_plan",
+    "dpxa_scoring_ratio",
+    "dpxa_tile_weights",
     "minference",
     "minference_plan",
     "recall",
     "relative_error",
     "search_patterns",
+    "select_tiles",
     "sparse_attention",
     "streaming",
     "streaming_plan",
     "vertical_slash",
     "vertical_slash_plan",
+    "xattention",
+    "xattention_plan",
+    "xattention_tile_weights",
 ]

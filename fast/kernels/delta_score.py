@@ -1,0 +1,274 @@
+"""Triton kernels for DPXA (see `reference.dpxa` for the spec).
+
+1. `_delta_anchor_kernel`: per (tile, head), the sequential delta pre-processing of
+   section 4.1.1 over the tile's tokens (the tile's first token is an anchor, so tiles
+   run in parallel). The cosine test `x . a >= tau |x| |a|` is computed in float64, so
+   its decisions are those of the reference except where the two sides agree to
+   ~1e-15. Writes the anchor flags `[B, H, N]`, and per tile the anchors' positions
+   packed to the front (`[B, H, T, block]`) and their count (`[B, H, T]`).
+2. `_anchor_tile_score_kernel`: per (query tile, query head), for every causal key
+   tile, the Q anchors of the query tile against the K anchors of the key tile,
+   `BLOCK_A` packed anchors at a time (so the work is about `alpha * beta` of a full
+   tile), `sum exp2(s - m)` with `m` the running maximum over the row of tiles. It
+   stores, per tile, that sum and the `m` it is relative to; the launcher rescales
+   the row to its final maximum and normalises it. Only `[B, Hq, T, T]` is written.
+
+GQA maps query head `h` to KV head `h // G` (K anchors are computed once per KV
+head). No host synchronisation.
+
+Layout: kernels -> launchers (`delta_anchor_lists`, `dpxa_tile_weights`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...reference._checks import (
+    HALF_DTYPES,
+    check_fraction,
+    check_positive_int,
+    check_qk,
+    check_tensor,
+    resolve_scale,
+)
+from ...reference.dpxa import check_dpxa_params
+from ...reference.plan import cdiv
+from .block_column import check_kernel_device, interpreter_active
+from .xattention_score import LOG2E, check_fast_block
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    # The CPU interpreter multiplies bfloat16 tiles wrongly; see xattention_score.
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _delta_anchor_kernel(
+    X, TAU, KEEP, POS, COUNT,
+    seqlen, head_dim, num_heads, block, num_tiles,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    HEAD_DIM: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // num_heads
+    i_h = i_bh % num_heads
+    o_d = tl.arange(0, HEAD_DIM)
+    m_d = o_d < head_dim
+    p_x = X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh + o_d * stride_xd
+    p_keep = KEEP + i_bh.to(tl.int64) * seqlen
+    p_pos = POS + (i_bh.to(tl.int64) * num_tiles + i_t) * block
+    t0 = i_t * block
+    t1 = tl.minimum(t0 + block, seqlen)
+    # float64, as the reference: a float argument would arrive rounded to fp32.
+    cos_threshold = tl.load(TAU)
+    # Sec. 4.1.1: the chunk's first token is the first anchor.
+    p_row = p_x + t0.to(tl.int64) * stride_xn
+    anchor = tl.load(p_row, mask=m_d, other=0.0).to(tl.float64)
+    anchor_norm = tl.sqrt(tl.sum(anchor * anchor, 0))
+    tl.store(p_keep + t0, 1)
+    tl.store(p_pos, t0)
+    count = 1
+    for t in range(t0 + 1, t1):
+        p_row += stride_xn
+        cur = tl.load(p_row, mask=m_d, other=0.0).to(tl.float64)
+        cur_norm = tl.sqrt(tl.sum(cur * cur, 0))
+        # Steps 1-3: a token at cosine >= tau from the anchor is dropped, any other
+        # becomes the anchor.
+        similar = tl.sum(cur * anchor, 0) >= cos_threshold * cur_norm * anchor_norm
+        kept = tl.where(similar, 0, 1)
+        tl.store(p_keep + t, kept.to(tl.int8))
+        tl.store(p_pos + count, t, mask=kept == 1)
+        count += kept
+        anchor = tl.where(similar, anchor, cur)
+        anchor_norm = tl.where(similar, anchor_norm, cur_norm)
+    tl.store(COUNT + i_bh.to(tl.int64) * num_tiles + i_t, count)
+
+
+@triton.jit
+def _anchor_tile_score_kernel(
+    Q, K, Q_POS, Q_COUNT, K_POS, K_COUNT, ACC, MAX,
+    qk_scale, head_dim, num_heads, group, num_kv_heads, block, num_tiles,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    BLOCK_A: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    i_q = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // num_heads
+    i_h = i_bh % num_heads
+    i_hkv = i_h // group
+    i_bkv = i_b * num_kv_heads + i_hkv
+    o_a = tl.arange(0, BLOCK_A)
+    o_d = tl.arange(0, HEAD_DIM)
+    m_d = o_d < head_dim
+    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + o_d[None, :] * stride_qd
+    p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh + o_d[:, None] * stride_kd
+    p_qpos = Q_POS + (i_bh.to(tl.int64) * num_tiles + i_q) * block
+    n_q = tl.load(Q_COUNT + i_bh.to(tl.int64) * num_tiles + i_q)
+    p_out = i_bh.to(tl.int64) * num_tiles * num_tiles + i_q * num_tiles
+    m_run = float("-inf")
+    for j in range(0, i_q + 1):
+        n_k = tl.load(K_COUNT + i_bkv.to(tl.int64) * num_tiles + j)
+        p_kpos = K_POS + (i_bkv.to(tl.int64) * num_tiles + j) * block
+        acc = 0.0
+        for a0 in range(0, n_q, BLOCK_A):
+            m_qa = a0 + o_a < n_q
+            q_pos = tl.load(p_qpos + a0 + o_a, mask=m_qa, other=0)
+            b_q = tl.load(p_q + q_pos.to(tl.int64)[:, None] * stride_qn,
+                          mask=m_qa[:, None] & m_d[None, :], other=0.0)
+            for c0 in range(0, n_k, BLOCK_A):
+                m_ka = c0 + o_a < n_k
+                k_pos = tl.load(p_kpos + c0 + o_a, mask=m_ka, other=0)
+                b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn,
+                              mask=m_ka[None, :] & m_d[:, None], other=0.0)
+                # Sec. 4.3: one cell of the full tile per anchor pair; causal per token.
+                valid = m_qa[:, None] & m_ka[None, :] & (k_pos[None, :] <= q_pos[:, None])
+                b_s = tl.where(valid, _dot(b_q, b_k, DOT_F32) * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_run, tl.max(tl.max(b_s, 1), 0))
+                m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                acc = acc * tl.math.exp2(m_run - m_shift) + tl.sum(tl.sum(tl.math.exp2(b_s - m_shift), 1), 0)
+                m_run = m_new
+        tl.store(ACC + p_out + j, acc)
+        tl.store(MAX + p_out + j, m_run)
+
+
+def delta_anchor_lists(
+    x: torch.Tensor, *, cos_threshold: float, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delta anchors of `x: [B, H, N, D]` per tile of `block` tokens.
+
+    Returns:
+        (keep int8 `[B, H, N]`, positions int32 `[B, H, T, block]` packed to the front of
+        each tile, counts int32 `[B, H, T]`); positions past a count are unwritten.
+    """
+    b, h, n, d = x.shape
+    tiles = cdiv(n, block)
+    keep = torch.empty(b, h, n, dtype=torch.int8, device=x.device)
+    pos = torch.empty(b, h, tiles, block, dtype=torch.int32, device=x.device)
+    count = torch.empty(b, h, tiles, dtype=torch.int32, device=x.device)
+    tau = torch.full((1,), float(cos_threshold), dtype=torch.float64, device=x.device)
+    _delta_anchor_kernel[(tiles, b * h)](
+        x, tau, keep, pos, count, n, d, h, block, tiles, *x.stride(),
+        HEAD_DIM=max(16, triton.next_power_of_2(d)), num_warps=1,
+    )
+    return keep, pos, count
+
+
+def _check_x(x: object, block: int) -> torch.Tensor:
+    x = check_tensor("x", x, rank=4)
+    if x.dtype not in HALF_DTYPES:
+        raise TypeError(f"x must have dtype float16 or bfloat16, got {x.dtype}")
+    if 0 in x.shape:
+        raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
+    if x.shape[3] > 256:
+        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {x.shape[3]}")
+    check_kernel_device(x)
+    check_positive_int("block", block)
+    check_fast_block(block)
+    return x
+
+
+def delta_anchors(x: torch.Tensor, *, cos_threshold: float = 0.75, block: int = 128) -> torch.Tensor:
+    """Delta anchors per tile (see `reference.dpxa.delta_anchors`).
+
+    Args:
+        x: `[B, H, N, D]` float16/bfloat16 (queries or keys).
+        cos_threshold: in `[-1, 1]`.
+        block: tokens per tile, a multiple of 16.
+
+    Returns:
+        bool `[B, H, N]`, True at anchors.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    x = _check_x(x, block)
+    tau = check_fraction("cos_threshold", cos_threshold, low=-1.0, high=1.0)
+    keep, _, _ = delta_anchor_lists(x, cos_threshold=tau, block=block)
+    return keep.bool()
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, threshold: float,
+              block: int) -> None:
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    check_kernel_device(q)
+    check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
+    check_fast_block(block)
+    if shape.head_dim > 256:
+        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
+
+
+def dpxa_tile_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    cos_threshold: float = 0.75,
+    block: int = 128,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """DPXA tile weights (see `reference.dpxa.dpxa_tile_weights`).
+
+    Args:
+        q: `[B, Hq, N, D]` float16/bfloat16; k: `[B, Hkv, N, D]`.
+        cos_threshold: in `[-1, 1]`.
+        block: tokens per tile, a multiple of 16.
+        scale: softmax scale, `1/sqrt(D)` if None.
+
+    Returns:
+        float32 `[B, Hq, T, T]`: rows sum to 1 over `j <= i`; non-causal entries are 0.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    _check_qk(q, k, cos_threshold=cos_threshold, threshold=1.0, block=block)
+    sm_scale = resolve_scale(scale, q.shape[3])
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    tiles = cdiv(n, block)
+    _, q_pos, q_count = delta_anchor_lists(q, cos_threshold=cos_threshold, block=block)
+    _, k_pos, k_count = delta_anchor_lists(k, cos_threshold=cos_threshold, block=block)
+    acc = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
+    row_max = torch.full((b, hq, tiles, tiles), float("-inf"), dtype=torch.float32, device=q.device)
+    block_a = 16 if (interpreter_active() or block < 64) else 32
+    _anchor_tile_score_kernel[(tiles, b * hq)](
+        q, k, q_pos, q_count, k_pos, k_count, acc, row_max,
+        sm_scale * LOG2E, d, hq, hq // hkv, hkv, block, tiles, *q.stride(), *k.stride(),
+        BLOCK_A=block_a, HEAD_DIM=max(16, triton.next_power_of_2(d)),
+        DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
+        num_warps=4, num_stages=1 if interpreter_active() else 2,
+    )
+    # Each tile's sum is relative to the running maximum when it was written.
+    final = row_max.amax(dim=-1, keepdim=True)
+    scores = acc * torch.exp2(row_max - final)
+    return scores / scores.sum(dim=-1, keepdim=True)
+
+
+def dpxa_scoring_ratio(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    cos_threshold: float = 0.75,
+    block: int = 128,
+) -> torch.Tensor:
+    """Section 4.3's scoring ratio per (batch, query head) (see `reference.dpxa.dpxa_scoring_ratio`).
+
+    Returns:
+        float64 `[B, Hq]`.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    _check_qk(q, k, cos_threshold=cos_threshold, threshold=1.0, block=block)
+    n = q.shape[2]
+    g = q.shape[1] // k.shape[1]
+    _, _, q_count = delta_anchor_lists(q, cos_threshold=cos_threshold, block=block)
+    _, _, k_count = delta_anchor_lists(k, cos_threshold=cos_threshold, block=block)
+    alpha = q_count.sum(dim=-1).to(torch.float64) / n
+    beta = k_count.sum(dim=-1).to(torch.float64) / n
+    return alpha * beta.repeat_interleave(g, dim=1)
