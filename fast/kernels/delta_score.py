@@ -52,42 +52,45 @@ def _delta_anchor_kernel(
     X, TAU, KEEP, POS, COUNT,
     seqlen, head_dim, num_heads, block, num_tiles,
     stride_xb, stride_xh, stride_xn, stride_xd,
-    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
+    # BLOCK_T tiles side by side, one position of each per step of the sequential scan.
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < num_tiles
     o_d = tl.arange(0, HEAD_DIM)
     m_d = o_d < head_dim
-    p_x = X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh + o_d * stride_xd
-    p_keep = KEEP + i_bh.to(tl.int64) * seqlen
-    p_pos = POS + (i_bh.to(tl.int64) * num_tiles + i_t) * block
-    t0 = i_t * block
-    t1 = tl.minimum(t0 + block, seqlen)
+    t0 = o_t * block
+    p_x = X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh \
+        + t0.to(tl.int64)[:, None] * stride_xn + o_d[None, :] * stride_xd
+    p_keep = KEEP + i_bh.to(tl.int64) * seqlen + t0
+    p_pos = POS + (i_bh.to(tl.int64) * num_tiles + o_t) * block
     # float64, as the reference: a float argument would arrive rounded to fp32.
     cos_threshold = tl.load(TAU)
     # Sec. 4.1.1: the chunk's first token is the first anchor.
-    p_row = p_x + t0.to(tl.int64) * stride_xn
-    anchor = tl.load(p_row, mask=m_d, other=0.0).to(tl.float64)
-    anchor_norm = tl.sqrt(tl.sum(anchor * anchor, 0))
-    tl.store(p_keep + t0, 1)
-    tl.store(p_pos, t0)
-    count = 1
-    for t in range(t0 + 1, t1):
-        p_row += stride_xn
-        cur = tl.load(p_row, mask=m_d, other=0.0).to(tl.float64)
-        cur_norm = tl.sqrt(tl.sum(cur * cur, 0))
+    anchor = tl.load(p_x, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float64)
+    anchor_norm = tl.sqrt(tl.sum(anchor * anchor, 1))
+    tl.store(p_keep, tl.full([BLOCK_T], 1, tl.int8), mask=m_t)
+    tl.store(p_pos, t0, mask=m_t)
+    count = tl.full([BLOCK_T], 1, tl.int32)
+    # The program's first tile is its longest.
+    for p in range(1, tl.minimum(block, seqlen - i_t * BLOCK_T * block)):
+        m_p = m_t & (t0 + p < seqlen)
+        cur = tl.load(p_x + p * stride_xn, mask=m_p[:, None] & m_d[None, :], other=0.0).to(tl.float64)
+        cur_norm = tl.sqrt(tl.sum(cur * cur, 1))
         # Steps 1-3: a token at cosine >= tau from the anchor is dropped, any other
         # becomes the anchor.
-        similar = tl.sum(cur * anchor, 0) >= cos_threshold * cur_norm * anchor_norm
-        kept = tl.where(similar, 0, 1)
-        tl.store(p_keep + t, kept.to(tl.int8))
-        tl.store(p_pos + count, t, mask=kept == 1)
-        count += kept
-        anchor = tl.where(similar, anchor, cur)
-        anchor_norm = tl.where(similar, anchor_norm, cur_norm)
-    tl.store(COUNT + i_bh.to(tl.int64) * num_tiles + i_t, count)
+        similar = tl.sum(cur * anchor, 1) >= cos_threshold * cur_norm * anchor_norm
+        kept = m_p & (similar == 0)
+        tl.store(p_keep + p, kept.to(tl.int8), mask=m_p)
+        tl.store(p_pos + count, t0 + p, mask=kept)
+        count += kept.to(tl.int32)
+        anchor = tl.where(kept[:, None], cur, anchor)
+        anchor_norm = tl.where(kept, cur_norm, anchor_norm)
+    tl.store(COUNT + i_bh.to(tl.int64) * num_tiles + o_t, count, mask=m_t)
 
 
 @triton.jit
@@ -96,8 +99,10 @@ def _anchor_tile_score_kernel(
     qk_scale, head_dim, num_heads, group, num_kv_heads, block, num_tiles,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
-    BLOCK_A: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr,
 ):
+    # One query tile against BLOCK_J key tiles per step: the K anchors of those tiles sit
+    # side by side, BLOCK_A slots each, so one dot scores them all.
     i_q = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
@@ -107,35 +112,47 @@ def _anchor_tile_score_kernel(
     o_a = tl.arange(0, BLOCK_A)
     o_d = tl.arange(0, HEAD_DIM)
     m_d = o_d < head_dim
+    COLS: tl.constexpr = BLOCK_J * BLOCK_A
+    o_c = tl.arange(0, COLS)
+    c_tile = o_c // BLOCK_A
+    c_slot = o_c % BLOCK_A
+    o_j = tl.arange(0, BLOCK_J)
     p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + o_d[None, :] * stride_qd
     p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh + o_d[:, None] * stride_kd
     p_qpos = Q_POS + (i_bh.to(tl.int64) * num_tiles + i_q) * block
+    p_kcount = K_COUNT + i_bkv.to(tl.int64) * num_tiles
+    p_kpos = K_POS + i_bkv.to(tl.int64) * num_tiles * block
     n_q = tl.load(Q_COUNT + i_bh.to(tl.int64) * num_tiles + i_q)
     p_out = i_bh.to(tl.int64) * num_tiles * num_tiles + i_q * num_tiles
     m_run = float("-inf")
-    for j in range(0, i_q + 1):
-        n_k = tl.load(K_COUNT + i_bkv.to(tl.int64) * num_tiles + j)
-        p_kpos = K_POS + (i_bkv.to(tl.int64) * num_tiles + j) * block
-        acc = 0.0
+    for j0 in range(0, i_q + 1, BLOCK_J):
+        m_cj = j0 + c_tile <= i_q
+        n_k = tl.load(p_kcount + j0 + c_tile, mask=m_cj, other=0)
+        most = tl.max(n_k, 0)
+        acc = tl.zeros([BLOCK_J], dtype=tl.float32)
         for a0 in range(0, n_q, BLOCK_A):
             m_qa = a0 + o_a < n_q
             q_pos = tl.load(p_qpos + a0 + o_a, mask=m_qa, other=0)
             b_q = tl.load(p_q + q_pos.to(tl.int64)[:, None] * stride_qn,
                           mask=m_qa[:, None] & m_d[None, :], other=0.0)
-            for c0 in range(0, n_k, BLOCK_A):
-                m_ka = c0 + o_a < n_k
-                k_pos = tl.load(p_kpos + c0 + o_a, mask=m_ka, other=0)
+            for c0 in range(0, most, BLOCK_A):
+                m_ka = c0 + c_slot < n_k
+                k_pos = tl.load(p_kpos + (j0 + c_tile).to(tl.int64) * block + c0 + c_slot,
+                                mask=m_ka, other=0)
                 b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn,
                               mask=m_ka[None, :] & m_d[:, None], other=0.0)
                 # Sec. 4.3: one cell of the full tile per anchor pair; causal per token.
                 valid = m_qa[:, None] & m_ka[None, :] & (k_pos[None, :] <= q_pos[:, None])
                 b_s = tl.where(valid, _dot(b_q, b_k, DOT_F32) * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_run, tl.max(tl.max(b_s, 1), 0))
+                m_new = tl.maximum(m_run, tl.max(b_s))
                 m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                acc = acc * tl.math.exp2(m_run - m_shift) + tl.sum(tl.sum(tl.math.exp2(b_s - m_shift), 1), 0)
+                b_p = tl.reshape(tl.math.exp2(b_s - m_shift), (BLOCK_A, BLOCK_J, BLOCK_A))
+                acc = acc * tl.math.exp2(m_run - m_shift) + tl.sum(tl.sum(b_p, 2), 0)
                 m_run = m_new
-        tl.store(ACC + p_out + j, acc)
-        tl.store(MAX + p_out + j, m_run)
+        # Each tile's sum is relative to the running maximum after its step.
+        m_j = j0 + o_j <= i_q
+        tl.store(ACC + p_out + j0 + o_j, acc, mask=m_j)
+        tl.store(MAX + p_out + j0 + o_j, tl.full([BLOCK_J], 0.0, tl.float32) + m_run, mask=m_j)
 
 
 def delta_anchor_lists(
@@ -153,9 +170,10 @@ def delta_anchor_lists(
     pos = torch.empty(b, h, tiles, block, dtype=torch.int32, device=x.device)
     count = torch.empty(b, h, tiles, dtype=torch.int32, device=x.device)
     tau = torch.full((1,), float(cos_threshold), dtype=torch.float64, device=x.device)
-    _delta_anchor_kernel[(tiles, b * h)](
+    block_t = 16
+    _delta_anchor_kernel[(triton.cdiv(tiles, block_t), b * h)](
         x, tau, keep, pos, count, n, d, h, block, tiles, *x.stride(),
-        HEAD_DIM=max(16, triton.next_power_of_2(d)), num_warps=1,
+        BLOCK_T=block_t, HEAD_DIM=max(16, triton.next_power_of_2(d)), num_warps=4,
     )
     return keep, pos, count
 
@@ -235,11 +253,17 @@ def dpxa_tile_weights(
     _, k_pos, k_count = delta_anchor_lists(k, cos_threshold=cos_threshold, block=block)
     acc = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
     row_max = torch.full((b, hq, tiles, tiles), float("-inf"), dtype=torch.float32, device=q.device)
-    block_a = 16 if (interpreter_active() or block < 64) else 32
+    if interpreter_active():
+        # Fewer, larger steps: the interpreter's cost is per operation, not per element.
+        block_a = min(64, triton.next_power_of_2(block))
+        block_j = max(1, 256 // block_a)
+    else:
+        block_a = 16 if block < 64 else 32
+        block_j = max(1, 128 // block_a)
     _anchor_tile_score_kernel[(tiles, b * hq)](
         q, k, q_pos, q_count, k_pos, k_count, acc, row_max,
         sm_scale * LOG2E, d, hq, hq // hkv, hkv, block, tiles, *q.stride(), *k.stride(),
-        BLOCK_A=block_a, HEAD_DIM=max(16, triton.next_power_of_2(d)),
+        BLOCK_A=block_a, BLOCK_J=block_j, HEAD_DIM=max(16, triton.next_power_of_2(d)),
         DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
         num_warps=4, num_stages=1 if interpreter_active() else 2,
     )

@@ -203,7 +203,7 @@ def xattention_tile_weights(
     gpt_pad = triton.next_power_of_2(per_tile)
     tiles_per_step = max(1, _STEP_COLUMNS // gpt_pad)
     head_dim = max(16, triton.next_power_of_2(d))
-    block_r = 16 if interpreter_active() else 64
+    block_r = 64
     dot_f32 = interpreter_active() and q.dtype == torch.bfloat16
     num_stages = 1 if interpreter_active() else 2
     weights = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
