@@ -4,7 +4,7 @@
    section 4.1.1 over the tile's tokens (the tile's first token is an anchor, so tiles
    run in parallel). The cosine test `x . a >= tau |x| |a|` is computed in float64, so
    its decisions are those of the reference except where the two sides agree to
-   ~1e-15. Writes the anchor flags `[B, H, N]`, and per tile the anchors' positions
+   ~1e-15 (the token norms come from one float64 torch pass). Writes the anchor flags `[B, H, N]`, and per tile the anchors' positions
    packed to the front (`[B, H, T, block]`) and their count (`[B, H, T]`).
 2. `_anchor_tile_score_kernel`: per (query tile, query head), for every causal key
    tile, the Q anchors of the query tile against the K anchors of the key tile,
@@ -49,48 +49,53 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _delta_anchor_kernel(
-    X, TAU, KEEP, POS, COUNT,
-    seqlen, head_dim, num_heads, block, num_tiles,
+    X, NORM, TAU, KEEP, POS, COUNT,
+    seqlen, head_dim, num_heads, block, num_tiles, num_items,
     stride_xb, stride_xh, stride_xn, stride_xd,
     BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    # BLOCK_T tiles side by side, one position of each per step of the sequential scan.
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    # BLOCK_T (batch, head, tile) items side by side, one position of each per step of
+    # the sequential scan.
+    o_i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_i = o_i < num_items
+    i_bh = o_i // num_tiles
+    i_t = o_i % num_tiles
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
-    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    m_t = o_t < num_tiles
     o_d = tl.arange(0, HEAD_DIM)
     m_d = o_d < head_dim
-    t0 = o_t * block
-    p_x = X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh \
+    t0 = i_t * block
+    # Positions t0 + p < end exist; `end` is t0 for items past the last one.
+    end = tl.where(m_i, tl.minimum(t0 + block, seqlen), t0)
+    p_x = X + i_b.to(tl.int64)[:, None] * stride_xb + i_h.to(tl.int64)[:, None] * stride_xh \
         + t0.to(tl.int64)[:, None] * stride_xn + o_d[None, :] * stride_xd
     p_keep = KEEP + i_bh.to(tl.int64) * seqlen + t0
-    p_pos = POS + (i_bh.to(tl.int64) * num_tiles + o_t) * block
+    p_norm = NORM + i_bh.to(tl.int64) * seqlen + t0
+    p_pos = POS + o_i.to(tl.int64) * block
     # float64, as the reference: a float argument would arrive rounded to fp32.
     cos_threshold = tl.load(TAU)
     # Sec. 4.1.1: the chunk's first token is the first anchor.
-    anchor = tl.load(p_x, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float64)
-    anchor_norm = tl.sqrt(tl.sum(anchor * anchor, 1))
-    tl.store(p_keep, tl.full([BLOCK_T], 1, tl.int8), mask=m_t)
-    tl.store(p_pos, t0, mask=m_t)
+    anchor = tl.load(p_x, mask=m_i[:, None] & m_d[None, :], other=0.0).to(tl.float64)
+    anchor_norm = tl.load(p_norm, mask=m_i, other=0.0)
+    tl.store(p_keep, tl.full([BLOCK_T], 1, tl.int8), mask=m_i)
+    tl.store(p_pos, t0, mask=m_i)
     count = tl.full([BLOCK_T], 1, tl.int32)
-    # The program's first tile is its longest.
-    for p in range(1, tl.minimum(block, seqlen - i_t * BLOCK_T * block)):
-        m_p = m_t & (t0 + p < seqlen)
-        cur = tl.load(p_x + p * stride_xn, mask=m_p[:, None] & m_d[None, :], other=0.0).to(tl.float64)
-        cur_norm = tl.sqrt(tl.sum(cur * cur, 1))
+    pos = t0
+    for _ in range(1, tl.minimum(block, seqlen)):
+        pos += 1
+        p_x += stride_xn
+        m_p = pos < end
+        cur = tl.load(p_x, mask=m_p[:, None] & m_d[None, :], other=0.0).to(tl.float64)
+        cur_norm = tl.load(p_norm + (pos - t0), mask=m_p, other=0.0)
         # Steps 1-3: a token at cosine >= tau from the anchor is dropped, any other
         # becomes the anchor.
-        similar = tl.sum(cur * anchor, 1) >= cos_threshold * cur_norm * anchor_norm
-        kept = m_p & (similar == 0)
-        tl.store(p_keep + p, kept.to(tl.int8), mask=m_p)
-        tl.store(p_pos + count, t0 + p, mask=kept)
+        kept = m_p & (tl.sum(cur * anchor, 1) < cos_threshold * cur_norm * anchor_norm)
+        tl.store(p_keep + (pos - t0), kept.to(tl.int8), mask=m_p)
+        tl.store(p_pos + count, pos, mask=kept)
         count += kept.to(tl.int32)
         anchor = tl.where(kept[:, None], cur, anchor)
         anchor_norm = tl.where(kept, cur_norm, anchor_norm)
-    tl.store(COUNT + i_bh.to(tl.int64) * num_tiles + o_t, count, mask=m_t)
+    tl.store(COUNT + o_i, count, mask=m_i)
 
 
 @triton.jit
@@ -170,9 +175,13 @@ def delta_anchor_lists(
     pos = torch.empty(b, h, tiles, block, dtype=torch.int32, device=x.device)
     count = torch.empty(b, h, tiles, dtype=torch.int32, device=x.device)
     tau = torch.full((1,), float(cos_threshold), dtype=torch.float64, device=x.device)
-    block_t = 16
-    _delta_anchor_kernel[(triton.cdiv(tiles, block_t), b * h)](
-        x, tau, keep, pos, count, n, d, h, block, tiles, *x.stride(),
+    items = b * h * tiles
+    # Token norms in float64 (as the reference's), one pass before the sequential scan.
+    norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).contiguous()
+    # The interpreter's cost is per operation: there, scan every tile of every head at once.
+    block_t = min(1024, triton.next_power_of_2(items)) if interpreter_active() else 16
+    _delta_anchor_kernel[(triton.cdiv(items, block_t),)](
+        x, norm, tau, keep, pos, count, n, d, h, block, tiles, items, *x.stride(),
         BLOCK_T=block_t, HEAD_DIM=max(16, triton.next_power_of_2(d)), num_warps=4,
     )
     return keep, pos, count
