@@ -46,6 +46,7 @@ from .strategies import (
 from .tolerance import (
     baseline_attention,
     check_attention,
+    check_block_means,
     check_output,
     check_recall,
     golden_attention,
@@ -392,6 +393,106 @@ def _prop_sparse_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> f
     return check_sparse_attention(q, k, v, plan, scale=scale, context=f"{context} scale={scale}")
 
 
+def split_plan(plan: BlockColumnPlan, seed: int) -> tuple[BlockColumnPlan, BlockColumnPlan]:
+    """Two plans over disjoint key sets whose union is `plan`'s (a random split).
+
+    Every listed block goes to one part; every column outside the listed blocks goes
+    to one part (columns inside them are dropped: the union already holds them).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    blocks = plan.block_mask().cpu()
+    in_blocks = blocks.repeat_interleave(plan.block_n, dim=3)[..., : plan.seqlen]
+    columns = plan.column_mask().cpu() & ~in_blocks
+    to_a_blocks = torch.rand(blocks.shape, generator=gen) < 0.5
+    to_a_columns = torch.rand(columns.shape, generator=gen) < 0.5
+    sizes = {"seqlen": plan.seqlen, "block_m": plan.block_m, "block_n": plan.block_n}
+    part_a = BlockColumnPlan.from_masks(blocks & to_a_blocks, columns & to_a_columns, **sizes)
+    part_b = BlockColumnPlan.from_masks(blocks & ~to_a_blocks, columns & ~to_a_columns, **sizes)
+    return part_a.to(plan.device), part_b.to(plan.device)
+
+
+def check_resumed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    seed: int = 0,
+    scale: float | None = None,
+    context: str = "",
+) -> float:
+    """Two `fast.sparse_attention` calls chained through an `AttentionState` equal one pass.
+
+    `plan` is split into two disjoint parts (`split_plan`); the second call resumes
+    from the state the first one left. Its output and lse are checked against the
+    float64 golden of the whole plan, and so are the output and lse of the state it
+    leaves behind.
+
+    Returns:
+        The largest error / allowance ratio.
+
+    Raises:
+        AssertionError: under the tolerance policy.
+    """
+    part_a, part_b = split_plan(plan, seed)
+    mask = plan.to_dense_mask()
+    golden = golden_attention(q, k, v, mask, scale=scale)
+    baseline = baseline_attention(q, k, v, mask, scale=scale)
+    with nan_poisoned_empty():
+        state = reference.AttentionState.like(q)
+        fast.sparse_attention(q, k, v, part_a, scale=scale, state=state)
+        out, lse = fast.sparse_attention(q, k, v, part_b, scale=scale, state=state, return_lse=True)
+    ratio = check_attention(out, lse, golden, baseline, context=f"{context} resumed")
+    left = check_attention(state.output(q.dtype), state.lse(), golden, baseline,
+                           context=f"{context} state left by the resumed call")
+    return max(ratio, left)
+
+
+def check_block_mean_output(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    scale: float | None = None,
+    context: str = "",
+) -> float:
+    """`block_mean_out` of `fast.sparse_attention` against the reference's on float64 inputs.
+
+    Returns:
+        The error / allowance ratio.
+
+    Raises:
+        AssertionError: under `tolerance.check_block_means`.
+    """
+    b, h = q.shape[:2]
+    shape = (b, h, plan.num_query_blocks, plan.num_key_blocks)
+    expected = torch.empty(shape, dtype=torch.float32, device=q.device)
+    q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+    reference.sparse_attention(q64, k64, v64, plan, scale=scale, block_mean_out=expected)
+    got = torch.full(shape, math.nan, dtype=torch.float32, device=q.device)
+    with nan_poisoned_empty():
+        fast.sparse_attention(q, k, v, plan, scale=scale, block_mean_out=got)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    max_logit = float(q64.abs().amax(dim=(-1, -2)).max()) * float(k64.abs().amax(dim=(-1, -2)).max()) \
+        * q.shape[-1] * sm_scale
+    return check_block_means(got, expected, max_abs_logit=max_logit, context=context).ratio
+
+
+def _prop_resumed_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    scale = draw_scale(draw)
+    seed = int(draw(st.integers(0, 2**31 - 1)))
+    return check_resumed_attention(q, k, v, plan, seed=seed, scale=scale,
+                                   context=f"{context} split seed={seed} scale={scale}")
+
+
+def _prop_block_means(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    scale = draw_scale(draw)
+    return check_block_mean_output(q, k, v, plan, scale=scale, context=f"{context} scale={scale}")
+
+
 def _prop_masked_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     shape = draw_shape(draw, caps)
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
@@ -426,6 +527,10 @@ PROPERTIES: tuple[Property, ...] = (
              "fast.attention with a dense mask (or None) vs float64 golden"),
     Property("recall_density_random", False, _prop_recall_random,
              "fast.recall/density on random plans and masks vs reference"),
+    Property("resumed_attention", False, _prop_resumed_attention,
+             "two fast.sparse_attention calls chained through an AttentionState equal one pass"),
+    Property("block_means", False, _prop_block_means,
+             "fast block_mean_out (mean scaled logit per listed block) vs reference"),
 )
 
 

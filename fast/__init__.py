@@ -6,6 +6,7 @@ Inputs are float16/bfloat16 CUDA tensors (or CPU tensors under
 """
 
 from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
+from ..reference.attention import AttentionState
 from ..reference.plan import BlockColumnPlan
 from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
@@ -17,6 +18,7 @@ from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
+    "AttentionState",
     "BlockColumnPlan",
     "HeadPattern",
     "MInferenceConfig",

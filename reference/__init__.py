@@ -4,7 +4,7 @@
 """
 
 from .a_shape import a_shape, a_shape_plan
-from .attention import attention, sparse_attention
+from .attention import AttentionState, attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
 from .metrics import density, recall, relative_error
@@ -21,6 +21,7 @@ from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
+    "AttentionState",
     "BlockColumnPlan",
     "HeadPattern",
     "MInferenceConfig",

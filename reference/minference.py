@@ -241,6 +241,7 @@ def merge_head_plans(plans: Sequence[BlockColumnPlan], owner: Sequence[int]) -> 
     Raises:
         ValueError: plans of different sizes, or `owner` of the wrong length.
     """
+    plans = [p.ungrouped() for p in plans]
     first = plans[0]
     for p in plans:
         if (p.seqlen, p.block_m, p.block_n, tuple(p.block_count.shape)) != (

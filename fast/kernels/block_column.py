@@ -27,8 +27,14 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ...reference._checks import HALF_DTYPES, check_qkv, resolve_scale
-from ...reference.attention import check_mask, check_plan
-from ...reference.plan import BlockColumnPlan
+from ...reference.attention import (
+    AttentionState,
+    check_block_mean_out,
+    check_mask,
+    check_plan,
+    check_state,
+)
+from ...reference.plan import BlockColumnPlan, causal_pairs
 
 LOG2E = 1.4426950408889634
 
@@ -75,26 +81,36 @@ def _load_kv(
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
-                  MASKED: tl.constexpr, DOT_F32: tl.constexpr):
+def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
+                  MASKED: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_MEAN: tl.constexpr):
     """One online-softmax update of `(acc, l_i, m_i)` with a key tile (keep-mask if MASKED).
 
     Scores stay unscaled until `s * qk_scale - m`, which compiles to one FMA per element.
+    In a masked tile a row may skip a key whose value is NaN or infinite: such values
+    are zeroed for the product (0 * NaN would leak into rows that do not keep the key)
+    and the rows that do keep one are recorded in `poison` (set to NaN at the end).
+    Returns the updated state and, if BLOCK_MEAN, the sum of the kept scaled logits.
     """
     b_s = _dot(b_q, b_k, DOT_F32)
+    tile_sum = 0.0
     if MASKED:
+        if BLOCK_MEAN:
+            tile_sum = tl.sum(tl.sum(tl.where(b_keep, b_s, 0.0), 1), 0) * sm_scale
         b_s = tl.where(b_keep, b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-        # A row with nothing kept so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-        m_shift = m_new
+        v_bad = (b_v != b_v) | (tl.abs(b_v.to(tl.float32)) == float("inf"))
+        key_bad = tl.max(v_bad.to(tl.int32), 1)
+        poison = tl.maximum(poison, tl.max((b_keep & (key_bad[None, :] > 0)).to(tl.int32), 1))
+        b_v = tl.where(v_bad, 0.0, b_v)
+    elif BLOCK_MEAN:
+        tile_sum = tl.sum(tl.sum(b_s, 1), 0) * sm_scale
+    m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+    # A row whose kept logits are all -inf so far keeps m = -inf: shift by 0 so exp2 gives 0.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     b_p = tl.math.exp2(b_s * qk_scale - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(b_p, 1)
     acc = acc * alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, DOT_F32)
-    return acc, l_i, m_new
+    return acc, l_i, m_new, poison, tile_sum
 
 
 @triton.jit
@@ -122,8 +138,9 @@ def _listed_block(p_bindex, stride_bik, count, i_blk, SEARCH_STEPS: tl.constexpr
 def _block_column_fwd(
     Q, K, V, O, LSE, MASK,
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX,
-    qk_scale, seqlen, head_dim, num_heads, group,
-    plan_block_m, plan_block_n,
+    M_ST, L_ST, ACC_ST, BSUM,
+    qk_scale, sm_scale, seqlen, head_dim, num_heads, group,
+    plan_block_m, plan_block_n, num_key_blocks, block_width, column_width, column_group,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -134,12 +151,14 @@ def _block_column_fwd(
     stride_bib, stride_bih, stride_bim, stride_bik,
     stride_ccb, stride_cch, stride_ccm,
     stride_cib, stride_cih, stride_cim, stride_cik,
+    stride_sb, stride_sh, stride_sm, stride_sn,
     K_DESC, V_DESC,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     HAS_MASK: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     USE_TMA: tl.constexpr, PREFETCH: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
+    WIN: tl.constexpr, SKIP_COVERED: tl.constexpr, HAS_STATE: tl.constexpr,
+    BLOCK_MEAN: tl.constexpr,
 ):
     # Longest rows first: later query tiles list more blocks.
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -167,19 +186,35 @@ def _block_column_fwd(
     p_mask = MASK + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh \
         + o_m.to(tl.int64)[:, None] * stride_mm
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # State rows: [B, Hq, N] for m and l, [B, Hq, N, D] for acc, all contiguous.
+    o_st = i_bh.to(tl.int64) * seqlen + o_m
+    if HAS_STATE:
+        m_i = tl.load(M_ST + o_st, mask=m_row, other=float("-inf")) * 1.4426950408889634
+        l_i = tl.load(L_ST + o_st, mask=m_row, other=0.0)
+        acc = tl.load(ACC_ST + o_st[:, None] * head_dim + o_d[None, :],
+                      mask=m_row[:, None] & m_d[None, :], other=0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    poison = tl.zeros([BLOCK_M], dtype=tl.int32)
+    p_bsum = BSUM + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh \
+        + i_qb.to(tl.int64) * stride_sm
 
     p_bindex = BLOCK_INDEX + i_b.to(tl.int64) * stride_bib + i_h.to(tl.int64) * stride_bih \
         + i_qb.to(tl.int64) * stride_bim
+    # Counts and indices are clamped into range wherever they are loaded: a plan changed
+    # after validation gives wrong numbers, never an out-of-bounds access.
     count = tl.load(BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm)
+    count = tl.minimum(tl.maximum(count, 0), block_width)
     # Sorted causal lists put every block that reaches past row0 (the diagonal, or the
     # end of the sequence) among the last DIAG entries: count them, mask only those.
     o_tail = count - DIAG + tl.arange(0, DIAG)
     tail = tl.load(p_bindex + o_tail * stride_bik, mask=o_tail >= 0, other=-1)
     n_masked = tl.sum(((tail * plan_block_n + plan_block_n - 1 > row0) & (o_tail >= 0)).to(tl.int32), 0)
-    n_full = (count - n_masked) * SUB_N
+    # Blocks that end before row0: the unmasked loop never takes more, nor a later one.
+    full_blocks = (row0 + 1) // plan_block_n
+    n_full = tl.minimum(count - n_masked, full_blocks) * SUB_N
     # The next block index is loaded one step ahead so the tile loads never wait on it.
     kb_next = tl.load(p_bindex, mask=n_full > 0, other=0)
     for t in range(0, n_full):
@@ -188,6 +223,7 @@ def _block_column_fwd(
             kb_next = tl.load(p_bindex + ((t + 1) // SUB_N) * stride_bik, mask=t + 1 < n_full, other=0)
         else:
             kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
+        kb = tl.minimum(tl.maximum(kb, 0), full_blocks - 1)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
         b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen,
                             stride_kn, stride_vn, m_d, False, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
@@ -195,13 +231,18 @@ def _block_column_fwd(
             o_key = start_n + o_n
             b_keep = tl.load(p_mask + o_key.to(tl.int64)[None, :] * stride_mn,
                              mask=m_row[:, None], other=0) != 0
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
-                                          True, DOT_F32)
+            acc, l_i, m_i, poison, tile_sum = _softmax_step(
+                acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
+                True, DOT_F32, False)
         else:
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_q, qk_scale,
-                                          False, DOT_F32)
+            acc, l_i, m_i, poison, tile_sum = _softmax_step(
+                acc, l_i, m_i, poison, b_q, b_k, b_v, b_q, qk_scale, sm_scale,
+                False, DOT_F32, BLOCK_MEAN)
+            if BLOCK_MEAN:
+                tl.atomic_add(p_bsum + kb.to(tl.int64) * stride_sn, tile_sum)
     for t in range(n_full, count * SUB_N):
         kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
+        kb = tl.minimum(tl.maximum(kb, 0), num_key_blocks - 1)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
         b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen,
                             stride_kn, stride_vn, m_d, True, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
@@ -211,13 +252,19 @@ def _block_column_fwd(
             m_user = tl.load(p_mask + o_key.to(tl.int64)[None, :] * stride_mn,
                              mask=m_row[:, None] & (o_key[None, :] < seqlen), other=0)
             b_keep = b_keep & (m_user != 0)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
-                                      True, DOT_F32)
+        acc, l_i, m_i, poison, tile_sum = _softmax_step(
+            acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
+            True, DOT_F32, BLOCK_MEAN)
+        if BLOCK_MEAN:
+            tl.atomic_add(p_bsum + kb.to(tl.int64) * stride_sn, tile_sum)
 
     if HAS_COLUMNS:
         ccount = tl.load(COLUMN_COUNT + i_b * stride_ccb + i_h * stride_cch + i_qb * stride_ccm)
+        ccount = tl.minimum(tl.maximum(ccount, 0), column_width)
+        # Query blocks of one group share a column list (plan invariant 6).
+        i_crow = i_qb // column_group
         p_cindex = COLUMN_INDEX + i_b.to(tl.int64) * stride_cib + i_h.to(tl.int64) * stride_cih \
-            + i_qb.to(tl.int64) * stride_cim
+            + i_crow.to(tl.int64) * stride_cim
         p_k_cols = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh \
             + o_d[:, None] * stride_kd
         p_v_cols = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh \
@@ -243,6 +290,7 @@ def _block_column_fwd(
                 i_col_next = tl.load(p_cindex + o_next * stride_cik, mask=o_next < ccount, other=0)
             else:
                 i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
+            i_col = tl.minimum(tl.maximum(i_col, 0), seqlen - 1)
             b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn,
                           mask=m_c[None, :] & m_d[:, None], other=0.0)
             b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
@@ -267,20 +315,31 @@ def _block_column_fwd(
                 m_user = tl.load(p_mask + i_col.to(tl.int64)[None, :] * stride_mn,
                                  mask=m_row[:, None] & m_c[None, :], other=0)
                 b_keep = b_keep & (m_user != 0)
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, b_q, b_k, b_v, b_keep, qk_scale,
-                                          True, DOT_F32)
+            acc, l_i, m_i, poison, tile_sum = _softmax_step(
+                acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
+                True, DOT_F32, False)
 
-    # Rows with no kept key: output 0 and lse -inf.
-    has_any = l_i > 0
-    l_safe = tl.where(has_any, l_i, 1.0)
+    # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
+    # output (a convex combination of values), so any infinity is such a row too.
+    acc = tl.where(poison[:, None] > 0, float("nan"), acc)
+    # Rows with no kept key: output 0 and lse -inf; NaN stays NaN.
+    l_zero = l_i == 0.0
+    l_safe = tl.where(l_zero, 1.0, l_i)
     b_o = acc / l_safe[:, None]
+    b_o = tl.where(l_zero[:, None], 0.0, b_o)
+    b_o = tl.where(tl.abs(b_o) == float("inf"), float("nan"), b_o)
     p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh \
         + o_m.to(tl.int64)[:, None] * stride_on + o_d[None, :]
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
     if RETURN_LSE:
-        lse = tl.where(has_any, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(l_zero, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         p_lse = LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + o_m
         tl.store(p_lse, lse, mask=m_row)
+    if HAS_STATE:
+        tl.store(M_ST + o_st, m_i * 0.6931471805599453, mask=m_row)
+        tl.store(L_ST + o_st, l_i, mask=m_row)
+        tl.store(ACC_ST + o_st[:, None] * head_dim + o_d[None, :], acc,
+                 mask=m_row[:, None] & m_d[None, :])
 
 
 def interpreter_active() -> bool:
@@ -361,6 +420,8 @@ def block_column_attention(
     scale: float | None = None,
     return_lse: bool = False,
     validate_plan: bool = True,
+    state: AttentionState | None = None,
+    block_mean_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the kernel for `plan` (optionally also applying a dense bool `mask`).
 
@@ -372,6 +433,10 @@ def block_column_attention(
         return_lse: also return the natural-log lse, float32 `[B, Hq, N]`.
         validate_plan: check every plan invariant first (skip only for plans this
             package built itself).
+        state: a float32 `AttentionState` to start from, updated in place (see
+            `reference.sparse_attention`); None starts from nothing.
+        block_mean_out: float32 `[B, Hq, Qb, Kb]` filled with the mean scaled logit of
+            every listed block and -inf elsewhere (not with `mask`).
 
     Returns:
         (out `[B, Hq, N, D]` in q's dtype, lse or None).
@@ -381,6 +446,7 @@ def block_column_attention(
     """
     shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
     check_kernel_device(q)
+    check_forward_only(q, k, v)
     if shape.head_dim > 256:
         raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
     sm_scale = resolve_scale(scale, shape.head_dim)
@@ -391,6 +457,12 @@ def block_column_attention(
     check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
     b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
     dense_mask = None if mask is None else check_mask(mask, b, hq, n, q.device)
+    if state is not None:
+        check_state(state, b, hq, n, d, q.device, dtypes=(torch.float32,))
+    if block_mean_out is not None:
+        if dense_mask is not None:
+            raise ValueError("block_mean_out cannot be combined with a dense mask")
+        check_block_mean_out(block_mean_out, b, hq, plan, q.device)
 
     head_dim = max(16, triton.next_power_of_2(d))
     out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
@@ -401,6 +473,17 @@ def block_column_attention(
     else:
         mask_arg = dense_mask.view(torch.uint8) if dense_mask.is_contiguous() else dense_mask.to(torch.uint8)
         mstrides = tuple(s if sz > 1 else 0 for s, sz in zip(mask_arg.stride(), mask_arg.shape))
+    # The kernel reads and writes the state rows in place, contiguous.
+    work = state
+    if state is not None and not all(t.is_contiguous() for t in (state.m, state.l, state.acc)):
+        work = AttentionState(state.m.contiguous(), state.l.contiguous(), state.acc.contiguous())
+    sums = None
+    if block_mean_out is not None:
+        sums = torch.zeros(b, hq, plan.num_query_blocks, plan.num_key_blocks, dtype=torch.float32,
+                           device=q.device)
+    st_m, st_l, st_acc = (work.m, work.l, work.acc) if work is not None else (out, out, out)
+    bsum = sums if sums is not None else out
+    bstrides = sums.stride() if sums is not None else (0, 0, 0, 0)
     has_columns = plan.column_index.shape[3] > 0
     use_tma = head_dim == d and _tma_ok(q, k, v)
     key = (q.device, q.dtype, d, plan.block_m, plan.block_n, dense_mask is not None, use_tma,
@@ -423,14 +506,17 @@ def block_column_attention(
             _block_column_fwd[grid](
                 q, k, v, out, lse, mask_arg,
                 plan.block_count, plan.block_index, plan.column_count, plan.column_index,
-                sm_scale * LOG2E, n, d, hq, shape.group,
-                plan.block_m, plan.block_n,
+                st_m, st_l, st_acc, bsum,
+                sm_scale * LOG2E, sm_scale, n, d, hq, shape.group,
+                plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
+                plan.column_index.shape[3], plan.column_group,
                 *q.stride(), *k.stride(), *v.stride(),
                 out.stride(0), out.stride(1), out.stride(2),
                 *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
                 *mstrides,
                 *plan.block_count.stride(), *plan.block_index.stride(),
                 *plan.column_count.stride(), *plan.column_index.stride(),
+                *bstrides,
                 k_desc, v_desc,
                 BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n,
                 DIAG=diag, EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns,
@@ -440,6 +526,7 @@ def block_column_attention(
                 SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
                 WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
                 SKIP_COVERED=has_columns and not plan.columns_disjoint,
+                HAS_STATE=work is not None, BLOCK_MEAN=sums is not None,
                 num_warps=num_warps, num_stages=num_stages,
             )
         except OutOfResources:
@@ -449,11 +536,45 @@ def block_column_attention(
             if smaller is None:
                 raise
             config = smaller
+            if sums is not None:
+                sums.zero_()
             continue
         if config != initial:
             _FITTED[key] = config
         break
+    if state is not None and work is not state:
+        assert work is not None
+        for name in ("m", "l", "acc"):
+            getattr(state, name).copy_(getattr(work, name))
+    if block_mean_out is not None and sums is not None:
+        block_mean_out.copy_(_block_means(plan, sums))
     return out, (lse if return_lse else None)
+
+
+def _block_means(plan: BlockColumnPlan, sums: torch.Tensor) -> torch.Tensor:
+    """Listed blocks' logit sums over their causal pair counts; -inf for the others."""
+    dev = plan.device
+    r0 = (torch.arange(plan.num_query_blocks, device=dev, dtype=torch.int64) * plan.block_m)[:, None]
+    r1 = torch.clamp(r0 + plan.block_m, max=plan.seqlen)
+    k0 = (torch.arange(plan.num_key_blocks, device=dev, dtype=torch.int64) * plan.block_n)[None, :]
+    k1 = torch.clamp(k0 + plan.block_n, max=plan.seqlen)
+    pairs = causal_pairs(r0, r1, k0, k1).to(torch.float32)
+    listed = plan.block_mask() & (pairs > 0)
+    return torch.where(listed, sums / pairs.clamp(min=1), float("-inf"))
+
+
+def check_forward_only(*tensors: torch.Tensor) -> None:
+    """Raise unless no input needs a gradient: the fast kernels have no backward pass.
+
+    Raises:
+        ValueError: grad mode is on and an input requires grad.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError(
+            "sparseprefill.fast is forward-only (no backward kernels) and an input requires grad: "
+            "run it under torch.no_grad() / torch.inference_mode(), or pass detached tensors; "
+            "sparseprefill.reference supports autograd"
+        )
 
 
 def check_kernel_block_sizes(block_m: int, block_n: int, *, prefix: str = "") -> None:

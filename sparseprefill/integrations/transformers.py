@@ -156,6 +156,8 @@ def stack_plans(plans: Sequence[BlockColumnPlan]) -> BlockColumnPlan:
                 f"{(p.seqlen, p.block_m, p.block_n, p.batch)}"
             )
 
+    plans = [p.ungrouped() for p in plans]
+
     def cat(name: str, pad: bool) -> torch.Tensor:
         parts = [getattr(p, name) for p in plans]
         if pad:
