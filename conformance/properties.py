@@ -479,6 +479,58 @@ def check_block_mean_output(
     return check_block_means(got, expected, max_abs_logit=max_logit, context=context).ratio
 
 
+def check_nonfinite_propagation(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    scale: float | None = None,
+    context: str = "",
+) -> float:
+    """`fast` and `reference` agree on non-finite inputs (reference/attention.py's semantics).
+
+    The rows whose output is NaN and the rows whose lse is NaN must be the same in
+    both packages (exactly: a row that keeps a NaN or infinity reads NaN, no other row
+    does), and every other row must be finite in both.
+
+    Returns:
+        0.0 (an exact check).
+
+    Raises:
+        AssertionError: naming the first row where the two differ.
+    """
+    q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+    ref_out, ref_lse = reference.sparse_attention(q64, k64, v64, plan, scale=scale, return_lse=True)
+    with nan_poisoned_empty():
+        out, lse = fast.sparse_attention(q, k, v, plan, scale=scale, return_lse=True)
+    checks = (("output NaN", ref_out.isnan().any(dim=-1), out.isnan().any(dim=-1)),
+              ("output non-finite", (~torch.isfinite(ref_out)).any(dim=-1), (~torch.isfinite(out)).any(dim=-1)),
+              ("lse NaN", ref_lse.isnan(), lse.isnan()))
+    for what, expected, got in checks:
+        if not torch.equal(expected.cpu(), got.cpu()):
+            at = _first_true((expected != got).cpu())
+            raise _fail(context, f"{what} rows differ at (b, h, row) {at}: fast {bool(got[at])}, "
+                                 f"reference {bool(expected[at])}")
+    return 0.0
+
+
+def _prop_nonfinite(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    where = str(draw(st.sampled_from(["q", "k", "v"])))
+    value = float(draw(st.sampled_from([math.nan, math.inf, -math.inf])))
+    target = {"q": q, "k": k, "v": v}[where].clone()
+    count = int(draw(st.integers(1, 3)))
+    seed = int(draw(st.integers(0, 2**31 - 1)))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for _ in range(count):
+        at = tuple(int(torch.randint(0, size, (1,), generator=gen)) for size in target.shape)
+        target[at] = value
+    inputs = {"q": q, "k": k, "v": v, where: target}
+    return check_nonfinite_propagation(inputs["q"], inputs["k"], inputs["v"], plan,
+                                       context=f"{context} {count} x {value} in {where} seed={seed}")
+
+
 def _prop_resumed_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     q, k, v, plan, context = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
@@ -531,6 +583,8 @@ PROPERTIES: tuple[Property, ...] = (
              "two fast.sparse_attention calls chained through an AttentionState equal one pass"),
     Property("block_means", False, _prop_block_means,
              "fast block_mean_out (mean scaled logit per listed block) vs reference"),
+    Property("nonfinite", False, _prop_nonfinite,
+             "NaN/inf in q, k or v reach exactly the same rows in fast and reference"),
 )
 
 

@@ -23,7 +23,7 @@ import torch
 
 from ..fast.vertical_slash import vertical_slash_lines as fast_lines
 from ..reference.block_sparse import block_scores, mean_pooling
-from ..reference.plan import BlockColumnPlan
+from ..reference.plan import BlockColumnPlan, rank_nan_last
 from ..reference.vertical_slash import (
     INIT_COLUMNS,
     LOCAL_DIAGONALS,
@@ -69,7 +69,7 @@ def check_topk_modulo_ties(
     """
     if picked.shape[-1] != count:
         raise _fail(f"{what}: {picked.shape[-1]} picked, expected {count}")
-    scores = scores.to(torch.float64).cpu()
+    scores = rank_nan_last(scores.to(torch.float64).cpu())
     keep = torch.zeros(scores.shape, dtype=torch.bool).scatter_(-1, picked.cpu().to(torch.int64), True)
     if int(keep.sum(dim=-1).min()) != count:
         raise _fail(f"{what}: picked indices are not distinct")
@@ -125,7 +125,7 @@ def block_sparse_tie_check(
     got = got.to("cpu").validate()
     if bool((got.column_count != 0).any()):
         raise _fail("block-sparse plans list no columns")
-    scores = block_scores(mean_pooling(q, bs), mean_pooling(k, bs)).cpu()
+    scores = rank_nan_last(block_scores(mean_pooling(q, bs), mean_pooling(k, bs)).cpu())
     nb = scores.shape[-1]
     keep = got.block_mask()
     diagonal = torch.eye(nb, dtype=torch.bool)

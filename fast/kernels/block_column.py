@@ -82,7 +82,8 @@ def _load_kv(
 
 @triton.jit
 def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
-                  MASKED: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_MEAN: tl.constexpr):
+                  MASKED: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_MEAN: tl.constexpr,
+                  NONFINITE: tl.constexpr):
     """One online-softmax update of `(acc, l_i, m_i)` with a key tile (keep-mask if MASKED).
 
     Scores stay unscaled until `s * qk_scale - m`, which compiles to one FMA per element.
@@ -97,10 +98,13 @@ def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_sca
         if BLOCK_MEAN:
             tile_sum = tl.sum(tl.sum(tl.where(b_keep, b_s, 0.0), 1), 0) * sm_scale
         b_s = tl.where(b_keep, b_s, float("-inf"))
-        v_bad = (b_v != b_v) | (tl.abs(b_v.to(tl.float32)) == float("inf"))
-        key_bad = tl.max(v_bad.to(tl.int32), 1)
-        poison = tl.maximum(poison, tl.max((b_keep & (key_bad[None, :] > 0)).to(tl.int32), 1))
-        b_v = tl.where(v_bad, 0.0, b_v)
+        if NONFINITE:
+            # Compared in fp32: Triton's CPU interpreter holds bf16 as raw bits.
+            b_v32 = b_v.to(tl.float32)
+            v_bad = (b_v32 != b_v32) | (tl.abs(b_v32) == float("inf"))
+            key_bad = tl.max(v_bad.to(tl.int32), 1)
+            poison = tl.maximum(poison, tl.max((b_keep & (key_bad[None, :] > 0)).to(tl.int32), 1))
+            b_v = tl.where(v_bad, 0.0, b_v).to(b_v.dtype)
     elif BLOCK_MEAN:
         tile_sum = tl.sum(tl.sum(b_s, 1), 0) * sm_scale
     m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
@@ -158,7 +162,7 @@ def _block_column_fwd(
     HAS_MASK: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     USE_TMA: tl.constexpr, PREFETCH: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     WIN: tl.constexpr, SKIP_COVERED: tl.constexpr, HAS_STATE: tl.constexpr,
-    BLOCK_MEAN: tl.constexpr,
+    BLOCK_MEAN: tl.constexpr, GUARD: tl.constexpr, NONFINITE: tl.constexpr,
 ):
     # Longest rows first: later query tiles list more blocks.
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -206,7 +210,8 @@ def _block_column_fwd(
     # Counts and indices are clamped into range wherever they are loaded: a plan changed
     # after validation gives wrong numbers, never an out-of-bounds access.
     count = tl.load(BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm)
-    count = tl.minimum(tl.maximum(count, 0), block_width)
+    if GUARD:
+        count = tl.minimum(tl.maximum(count, 0), block_width)
     # Sorted causal lists put every block that reaches past row0 (the diagonal, or the
     # end of the sequence) among the last DIAG entries: count them, mask only those.
     o_tail = count - DIAG + tl.arange(0, DIAG)
@@ -214,7 +219,9 @@ def _block_column_fwd(
     n_masked = tl.sum(((tail * plan_block_n + plan_block_n - 1 > row0) & (o_tail >= 0)).to(tl.int32), 0)
     # Blocks that end before row0: the unmasked loop never takes more, nor a later one.
     full_blocks = (row0 + 1) // plan_block_n
-    n_full = tl.minimum(count - n_masked, full_blocks) * SUB_N
+    n_full = (count - n_masked) * SUB_N
+    if GUARD:
+        n_full = tl.minimum(count - n_masked, full_blocks) * SUB_N
     # The next block index is loaded one step ahead so the tile loads never wait on it.
     kb_next = tl.load(p_bindex, mask=n_full > 0, other=0)
     for t in range(0, n_full):
@@ -223,7 +230,8 @@ def _block_column_fwd(
             kb_next = tl.load(p_bindex + ((t + 1) // SUB_N) * stride_bik, mask=t + 1 < n_full, other=0)
         else:
             kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
-        kb = tl.minimum(tl.maximum(kb, 0), full_blocks - 1)
+        if GUARD:
+            kb = tl.minimum(tl.maximum(kb, 0), full_blocks - 1)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
         b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen,
                             stride_kn, stride_vn, m_d, False, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
@@ -233,16 +241,17 @@ def _block_column_fwd(
                              mask=m_row[:, None], other=0) != 0
             acc, l_i, m_i, poison, tile_sum = _softmax_step(
                 acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
-                True, DOT_F32, False)
+                True, DOT_F32, False, NONFINITE)
         else:
             acc, l_i, m_i, poison, tile_sum = _softmax_step(
                 acc, l_i, m_i, poison, b_q, b_k, b_v, b_q, qk_scale, sm_scale,
-                False, DOT_F32, BLOCK_MEAN)
+                False, DOT_F32, BLOCK_MEAN, NONFINITE)
             if BLOCK_MEAN:
                 tl.atomic_add(p_bsum + kb.to(tl.int64) * stride_sn, tile_sum)
     for t in range(n_full, count * SUB_N):
         kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
-        kb = tl.minimum(tl.maximum(kb, 0), num_key_blocks - 1)
+        if GUARD:
+            kb = tl.minimum(tl.maximum(kb, 0), num_key_blocks - 1)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
         b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen,
                             stride_kn, stride_vn, m_d, True, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
@@ -254,13 +263,14 @@ def _block_column_fwd(
             b_keep = b_keep & (m_user != 0)
         acc, l_i, m_i, poison, tile_sum = _softmax_step(
             acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
-            True, DOT_F32, BLOCK_MEAN)
+            True, DOT_F32, BLOCK_MEAN, NONFINITE)
         if BLOCK_MEAN:
             tl.atomic_add(p_bsum + kb.to(tl.int64) * stride_sn, tile_sum)
 
     if HAS_COLUMNS:
         ccount = tl.load(COLUMN_COUNT + i_b * stride_ccb + i_h * stride_cch + i_qb * stride_ccm)
-        ccount = tl.minimum(tl.maximum(ccount, 0), column_width)
+        if GUARD:
+            ccount = tl.minimum(tl.maximum(ccount, 0), column_width)
         # Query blocks of one group share a column list (plan invariant 6).
         i_crow = i_qb // column_group
         p_cindex = COLUMN_INDEX + i_b.to(tl.int64) * stride_cib + i_h.to(tl.int64) * stride_cih \
@@ -290,7 +300,8 @@ def _block_column_fwd(
                 i_col_next = tl.load(p_cindex + o_next * stride_cik, mask=o_next < ccount, other=0)
             else:
                 i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
-            i_col = tl.minimum(tl.maximum(i_col, 0), seqlen - 1)
+            if GUARD:
+                i_col = tl.minimum(tl.maximum(i_col, 0), seqlen - 1)
             b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn,
                           mask=m_c[None, :] & m_d[:, None], other=0.0)
             b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
@@ -317,7 +328,7 @@ def _block_column_fwd(
                 b_keep = b_keep & (m_user != 0)
             acc, l_i, m_i, poison, tile_sum = _softmax_step(
                 acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
-                True, DOT_F32, False)
+                True, DOT_F32, False, NONFINITE)
 
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
     # output (a convex combination of values), so any infinity is such a row too.
@@ -408,6 +419,11 @@ def _smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, i
 
 
 _PREFETCH = os.environ.get("SPARSEPREFILL_PREFETCH", "1") == "1"
+# Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
+# clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
+# keeps NaN values out of rows that do not keep their key. Never turn them off in use.
+_GUARD = os.environ.get("SPARSEPREFILL_GUARD", "1") == "1"
+_NONFINITE = os.environ.get("SPARSEPREFILL_NONFINITE", "1") == "1"
 
 
 def block_column_attention(
@@ -527,6 +543,7 @@ def block_column_attention(
                 WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
                 SKIP_COVERED=has_columns and not plan.columns_disjoint,
                 HAS_STATE=work is not None, BLOCK_MEAN=sums is not None,
+                GUARD=_GUARD, NONFINITE=_NONFINITE,
                 num_warps=num_warps, num_stages=num_stages,
             )
         except OutOfResources:
@@ -577,12 +594,20 @@ def check_forward_only(*tensors: torch.Tensor) -> None:
         )
 
 
-def check_kernel_block_sizes(block_m: int, block_n: int, *, prefix: str = "") -> None:
+def check_kernel_block_sizes(
+    block_m: int, block_n: int, *, prefix: str = "", names: tuple[str, str] | None = None
+) -> None:
     """Raise ValueError unless both block sizes are multiples of 16 (the kernel's tiles).
 
     Estimators call this before any estimate runs, so a bad size never costs a launch.
+
+    Args:
+        block_m, block_n: the plan's block sizes.
+        prefix: prepended to the default names `block_m`, `block_n` in messages.
+        names: the caller's own argument names for the two sizes (e.g. `block_size`).
     """
-    for name, size in ((f"{prefix}block_m", block_m), (f"{prefix}block_n", block_n)):
+    label_m, label_n = names if names is not None else (f"{prefix}block_m", f"{prefix}block_n")
+    for name, size in ((label_m, block_m), (label_n, block_n)):
         if size % 16 != 0:
             raise ValueError(f"{name} must be a multiple of 16 for the fast kernels, got {size}")
 
