@@ -158,8 +158,8 @@ def check_method_plan(
         AssertionError: plans differ (and no tie explains it), or the fast plan is
             invalid or on another device than q.
     """
-    expected = spec.reference_plan(q, k, **params)
-    got = spec.fast_plan(q, k, **params)
+    expected = spec.plan_fn("reference")(q, k, **params)
+    got = spec.plan_fn("fast")(q, k, **params)
     if got.device != q.device:
         raise _fail(context, f"fast plan is on {got.device}, q on {q.device}")
     if spec.exact_plans:
@@ -292,10 +292,12 @@ def check_method_end_to_end(
     Raises:
         AssertionError: under the tolerance policy.
     """
-    ref_plan = spec.reference_plan(q, k, **params)
+    if not spec.plan_based:
+        return _check_planless_end_to_end(spec, q, k, v, params, context=context)
+    ref_plan = spec.plan_fn("reference")(q, k, **params)
     plan = ref_plan
     if not spec.exact_plans:
-        fast_plan = spec.fast_plan(q, k, **params).to(q.device)
+        fast_plan = spec.plan_fn("fast")(q, k, **params).to(q.device)
         if not ref_plan.equal(fast_plan):
             plan = fast_plan
     mask = plan.to_dense_mask()
@@ -313,6 +315,20 @@ def check_method_end_to_end(
     return ratio
 
 
+def _check_planless_end_to_end(
+    spec: MethodSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any],
+    *, context: str,
+) -> float:
+    """End to end for a method without a plan: the spec's own golden and baseline."""
+    assert spec.golden is not None
+    golden, baseline = spec.golden(q, k, v, params)
+    with nan_poisoned_empty():
+        out = spec.fast_run(q, k, v, **params)
+    ratio = check_output(out, golden, baseline, context=f"{context} fast").ratio
+    check_output(spec.reference_run(q, k, v, **params), golden, baseline, context=f"{context} reference")
+    return ratio
+
+
 # -- properties with their draws -----------------------------------------------
 
 
@@ -327,6 +343,7 @@ class Property:
         name: short name for tables and test ids.
         per_method: True if it runs once per registered method (`run` gets the
             `MethodSpec`), False if it checks the kernel alone (`run` gets None).
+        applies: for per-method properties, which methods it runs on.
         run: `(draw, caps, spec) -> error/allowance ratio`; raises AssertionError.
         summary: one line for `--list` and docs.
     """
@@ -335,6 +352,11 @@ class Property:
     per_method: bool
     run: PropertyFn
     summary: str
+    applies: Callable[[MethodSpec], bool] = lambda spec: True
+
+    def cases(self, methods: dict[str, MethodSpec]) -> list[MethodSpec]:
+        """The registered methods this per-method property runs on."""
+        return [spec for spec in methods.values() if self.applies(spec)]
 
 
 def _method_inputs(
@@ -355,8 +377,15 @@ def _need(spec: MethodSpec | None) -> MethodSpec:
 
 def _prop_method_plan(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
-    q, k, _, params, context = _method_inputs(draw, caps, s)
-    check_method_plan(s, q, k, params, context=context)
+    q, k, v, params, context = _method_inputs(draw, caps, s)
+    if s.plan_based:
+        check_method_plan(s, q, k, params, context=context)
+    else:
+        assert s.structure_check is not None
+        try:
+            s.structure_check(q, k, v, params)
+        except AssertionError as err:
+            raise _fail(context, str(err)) from err
     return 0.0
 
 
@@ -369,8 +398,8 @@ def _prop_method_end_to_end(draw: Draw, caps: Caps, spec: MethodSpec | None) -> 
 def _prop_method_recall(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
     q, k, _, params, context = _method_inputs(draw, caps, s)
-    got_plan = s.fast_plan(q, k, **params)
-    expected_plan = s.reference_plan(q, k, **params)
+    got_plan = s.plan_fn("fast")(q, k, **params)
+    expected_plan = s.plan_fn("reference")(q, k, **params)
     if not s.exact_plans and not expected_plan.equal(got_plan.to(expected_plan.device)):
         expected_plan = got_plan  # a tie; `method_plan` judges it
     return check_recall_density(q, k, got_plan, expected_selection=expected_plan, context=context)
@@ -568,11 +597,14 @@ def _prop_recall_random(draw: Draw, caps: Caps, spec: MethodSpec | None) -> floa
 
 PROPERTIES: tuple[Property, ...] = (
     Property("plan", True, _prop_method_plan,
-             "fast plan equals the reference plan (equal() and to_dense_mask())"),
+             "fast plan equals the reference plan (equal() and to_dense_mask()); for a method "
+             "without a plan, its structures (Delta-KV: keep mask, packing, phase plans)"),
     Property("end_to_end", True, _prop_method_end_to_end,
-             "fast.<method> output vs float64 golden of the reference plan; reference.<method> too"),
+             "fast.<method> output vs float64 golden of the reference plan (or the method's own "
+             "golden); reference.<method> too"),
     Property("recall_density", True, _prop_method_recall,
-             "fast.recall/density of the method's plan vs reference"),
+             "fast.recall/density of the method's plan vs reference",
+             applies=lambda spec: spec.plan_based),
     Property("sparse_attention", False, _prop_sparse_attention,
              "fast.sparse_attention (out, lse) on random valid plans vs float64 golden"),
     Property("masked_attention", False, _prop_masked_attention,

@@ -7,11 +7,20 @@ Inputs are float16/bfloat16 CUDA tensors (or CPU tensors under
 
 from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
 from ..reference.attention import AttentionState
+from ..reference.delta_kv import PackedKV
 from ..reference.plan import BlockColumnPlan
 from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
+from .delta_kv import (
+    delta_keep_mask,
+    delta_kv,
+    delta_kv_attention,
+    delta_kv_density,
+    delta_kv_plans,
+    delta_pack,
+)
 from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
 from .streaming import streaming, streaming_plan
@@ -22,12 +31,19 @@ __all__ = [
     "BlockColumnPlan",
     "HeadPattern",
     "MInferenceConfig",
+    "PackedKV",
     "SearchResult",
     "a_shape",
     "a_shape_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",
+    "delta_keep_mask",
+    "delta_kv",
+    "delta_kv_attention",
+    "delta_kv_density",
+    "delta_kv_plans",
+    "delta_pack",
     "dense",
     "dense_plan",
     "density",

@@ -7,6 +7,15 @@ from .a_shape import a_shape, a_shape_plan
 from .attention import AttentionState, attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
+from .delta_kv import (
+    PackedKV,
+    delta_keep_mask,
+    delta_kv,
+    delta_kv_attention,
+    delta_kv_density,
+    delta_kv_plans,
+    delta_pack,
+)
 from .metrics import density, recall, relative_error
 from .minference import (
     HeadPattern,
@@ -25,12 +34,19 @@ __all__ = [
     "BlockColumnPlan",
     "HeadPattern",
     "MInferenceConfig",
+    "PackedKV",
     "SearchResult",
     "a_shape",
     "a_shape_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",
+    "delta_keep_mask",
+    "delta_kv",
+    "delta_kv_attention",
+    "delta_kv_density",
+    "delta_kv_plans",
+    "delta_pack",
     "dense",
     "dense_plan",
     "density",

@@ -36,14 +36,14 @@ def _qkv(dtype: torch.dtype = torch.float16, n: int = N, seed: int = 0) -> tuple
 
 
 def _count_params() -> list[tuple[str, str, str]]:
-    """(package, method plan function, int parameter) for every registered method's
-    non-block int parameters."""
+    """(package, method, int parameter) for every registered method's non-block int
+    parameters (plan functions; the reference run of methods without a plan)."""
     out = []
     for pkg_name, pkg in PACKAGES.items():
         for spec in METHODS.values():
-            fn = getattr(pkg, f"{spec.name}_plan", None)
-            if fn is None:
+            if not spec.plan_based and pkg_name == "fast":
                 continue
+            fn = spec.plan_fn(pkg_name) if spec.plan_based else spec.reference_run
             for p in inspect.signature(fn).parameters.values():
                 if p.kind is p.KEYWORD_ONLY and p.annotation in ("int", int) and "block" not in p.name:
                     out.append((pkg_name, spec.name, p.name))
@@ -52,14 +52,21 @@ def _count_params() -> list[tuple[str, str, str]]:
 
 @pytest.mark.parametrize("pkg,method,param", _count_params())
 def test_huge_counts_mean_everything(pkg: str, method: str, param: str) -> None:
-    """`param=2**63` (or 2**40) plans exactly what `param=4 N` plans."""
-    q, k, _ = _qkv()
-    fn = getattr(PACKAGES[pkg], f"{method}_plan")
-    params = dict(METHODS[method].demo_params(N))
-    base = fn(q, k, **{**params, param: 4 * N})
+    """`param=2**63` (or 2**40) plans (or computes) exactly what `param=4 N` does."""
+    q, k, v = _qkv()
+    spec = METHODS[method]
+    params = dict(spec.demo_params(N))
+    if spec.plan_based:
+        fn = spec.plan_fn(pkg)
+        base = fn(q, k, **{**params, param: 4 * N})
+        for huge in (2**40, 2**63):
+            got = fn(q, k, **{**params, param: huge})
+            assert got.equal(base), f"{pkg}.{method}_plan({param}={huge}) differs from {param}={4 * N}"
+        return
+    base_out = spec.reference_run(q, k, v, **{**params, param: 4 * N})
     for huge in (2**40, 2**63):
-        got = fn(q, k, **{**params, param: huge})
-        assert got.equal(base), f"{pkg}.{method}_plan({param}={huge}) differs from {param}={4 * N}"
+        got_out = spec.reference_run(q, k, v, **{**params, param: huge})
+        assert torch.equal(got_out, base_out), f"{method}({param}={huge}) differs from {param}={4 * N}"
 
 
 @pytest.mark.parametrize("pkg", PACKAGES)
