@@ -21,6 +21,24 @@ RunFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
+class MethodView:
+    """What the demo, the eval table and the benchmarks report about one method call.
+
+    Attributes:
+        density: float64 `[B, Hq]`, score entries computed over the causal area.
+        recall: float32 `[B, Hq, N]`, the attention mass kept per row, or None where
+            recall does not apply (a method that changes the keys, as Delta-KV).
+        plan: the plan to draw (the keys computed exactly), or None.
+        notes: a short extra (e.g. a keep ratio).
+    """
+
+    density: torch.Tensor
+    recall: torch.Tensor | None
+    plan: BlockColumnPlan | None
+    notes: str = ""
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """How to call one method in both packages, and with which parameters.
 
@@ -37,11 +55,20 @@ class MethodSpec:
         tie_check: for `exact_plans=False`: `(q, k, params, reference_plan, fast_plan)
             -> None`, called only when the two plans differ; it raises AssertionError
             unless every difference is decided by an exactly tied score.
+
+    A method whose output is not the attention of one plan (Delta-KV reads packed
+    keys) has `reference_plan = fast_plan = None` and instead:
+
+        golden: `(q, k, v, params) -> (golden float64 output, baseline output)` for
+            the end-to-end property under the tolerance policy.
+        structure_check: `(q, k, v, params) -> None`, the "plan" property: the fast
+            intermediate structures equal the reference's; raises AssertionError.
+        view: `(impl_name, q, k, v, params) -> MethodView` for reports.
     """
 
     name: str
-    reference_plan: PlanFn
-    fast_plan: PlanFn
+    reference_plan: PlanFn | None
+    fast_plan: PlanFn | None
     reference_run: RunFn
     fast_run: RunFn
     params: Callable[[Callable[[Any], Any], int], dict[str, Any]]
@@ -49,6 +76,43 @@ class MethodSpec:
     exact_plans: bool = True
     notes: str = field(default="")
     tie_check: Callable[..., None] | None = None
+    golden: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    structure_check: Callable[..., None] | None = None
+    view: Callable[..., MethodView] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.reference_plan is None) != (self.fast_plan is None):
+            raise ValueError(f"{self.name}: give both plan functions or neither")
+        if self.reference_plan is None and (self.golden is None or self.structure_check is None
+                                            or self.view is None):
+            raise ValueError(f"{self.name}: a method without plans needs golden, structure_check and view")
+
+    @property
+    def plan_based(self) -> bool:
+        """True when the output is `sparse_attention` of the method's plan."""
+        return self.reference_plan is not None
+
+    def plan_fn(self, impl_name: str) -> PlanFn:
+        """The `fast` or `reference` estimator (plan-based methods only)."""
+        fn = self.fast_plan if impl_name == "fast" else self.reference_plan
+        if fn is None:
+            raise ValueError(f"method {self.name!r} does not produce a plan")
+        return fn
+
+    def run_fn(self, impl_name: str) -> RunFn:
+        """The `fast` or `reference` end-to-end function."""
+        return self.fast_run if impl_name == "fast" else self.reference_run
+
+    def method_view(self, impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    params: dict[str, Any], *, scale: float | None = None,
+                    with_recall: bool = True) -> MethodView:
+        """Density, recall and a plan to draw for one call (see `MethodView`)."""
+        if self.view is not None:
+            return self.view(impl_name, q, k, v, params)
+        impl = fast if impl_name == "fast" else reference
+        plan = self.plan_fn(impl_name)(q, k, **params)
+        recall = impl.recall(q, k, plan, scale=scale) if with_recall else None
+        return MethodView(density=impl.density(plan), recall=recall, plan=plan)
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -192,6 +256,46 @@ register(MethodSpec(
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8))},
     notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
 ))
+
+
+def _delta_kv_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    metric = draw(st.sampled_from(["euclidean", "cosine"]))
+    if metric == "euclidean":
+        # 0 drops only identical neighbours; 1e3 leaves one anchor per chunk.
+        threshold = draw(st.sampled_from([0.0, 2.0, 4.0, 6.0, 1e3]))
+    else:
+        threshold = draw(st.sampled_from([-1.0, 0.0, 0.5, 0.8, 0.95, 1.0]))
+    return {
+        "threshold": threshold, "metric": metric,
+        "chunk": draw(st.sampled_from([1, 7, 16, 64, 512])),
+        "block_m": draw(st.sampled_from([16, 32, 64])),
+        "block_n": draw(st.sampled_from([16, 32, 64])),
+        "count_weighted": draw(st.sampled_from([True, True, False])),
+        "exact_diagonal": draw(st.sampled_from([True, True, False])),
+    }
+
+
+def _register_delta_kv() -> None:
+    from .delta import delta_golden, delta_structure_check, delta_view
+
+    register(MethodSpec(
+        name="delta_kv",
+        reference_plan=None,
+        fast_plan=None,
+        reference_run=reference.delta_kv,
+        fast_run=fast.delta_kv,
+        params=_delta_kv_params,
+        demo_params=lambda n: {"threshold": 0.83, "metric": "cosine"},
+        notes="Delta-KV: anchors of similar-key runs packed with counts; exact critical diagonal",
+        golden=delta_golden,
+        structure_check=delta_structure_check,
+        view=delta_view,
+    ))
+
+
+_register_delta_kv()
 
 
 def _tile_threshold(draw: Callable[[Any], Any]) -> float:

@@ -235,9 +235,11 @@ def draw_plan(
     """A random valid `BlockColumnPlan` for `shape`, and a short description.
 
     Draws a density of key blocks (0 to 1), a density of extra columns (outside the
-    listed blocks, or sometimes also inside them), some emptied query blocks, whether one list is shared by every
-    batch row and head (stride-0 expanded views), the width of padding past the
-    counts and its garbage (zeros, random, int32 max, -1), and strided index storage.
+    listed blocks, or sometimes also inside them), some emptied query blocks, column
+    lists shared by groups of query blocks (`column_group`), whether one list is
+    shared by every batch row and head (stride-0 expanded views), the width of
+    padding past the counts and its garbage (zeros, random, int32 max, -1), and
+    strided index storage.
     """
     seed = int(draw(st.integers(0, 2**31 - 1)))
     p_block = float(draw(st.sampled_from([0.3, 1.0, 0.0, 0.05, 0.6])))
@@ -248,6 +250,7 @@ def draw_plan(
     garbage = str(draw(st.sampled_from(["zero", "random", "huge", "negative"])))
     layout = str(draw(st.sampled_from(["contiguous", "strided"])))
     overlap = bool(draw(st.sampled_from([False, True, False])))
+    group = int(draw(st.sampled_from([1, 1, 1, 2, 3, 1000])))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     n = shape.seqlen
     qb, kb = cdiv(n, block_m), cdiv(n, block_n)
@@ -259,14 +262,30 @@ def draw_plan(
     columns &= ~empty
     compact = BlockColumnPlan.from_masks(blocks, columns, seqlen=n, block_m=block_m, block_n=block_n)
     column_count, column_index = compact.column_count, compact.column_index
+    list_count = column_count
     if overlap:
         # Keep the columns that fall inside listed blocks (invariant 4 allows them; the
         # kernel must skip them so no key counts twice).
         last_row = ((torch.arange(qb) + 1) * block_m - 1).clamp(max=n - 1)
         column_count, column_index = mask_to_list(columns & (torch.arange(n) <= last_row[:, None]))
+        list_count = column_count
+    if group > 1:
+        # One sorted list per group of query blocks (plan invariant 6): each query block
+        # reads the causal prefix of its group's list, which may repeat keys of its blocks.
+        rows = cdiv(qb, group)
+        last_row = ((torch.arange(qb) + 1) * block_m - 1).clamp(max=n - 1)
+        group_last = last_row[torch.clamp((torch.arange(rows) + 1) * group - 1, max=qb - 1)]
+        grouped = (torch.rand(*lead, rows, n, generator=gen) < p_col) & \
+            (torch.arange(n) <= group_last[:, None])
+        list_count, column_index = mask_to_list(grouped)
+        owner = torch.arange(qb) // group
+        listed = column_index[:, :, owner]
+        valid = torch.arange(listed.shape[-1]) < list_count[:, :, owner].unsqueeze(-1)
+        column_count = (valid & (listed <= last_row[:, None])).sum(dim=-1).to(torch.int32)
+        column_count = torch.where(empty.squeeze(-1), 0, column_count)
     block_index = _pack(compact.block_count, compact.block_index, extra=extra, garbage=garbage,
                         layout=layout, gen=gen)
-    column_index = _pack(column_count, column_index, extra=extra, garbage=garbage,
+    column_index = _pack(list_count, column_index, extra=extra, garbage=garbage,
                          layout=layout, gen=gen)
     fields = [compact.block_count, block_index, column_count, column_index]
     fields = [t.to(device) for t in fields]
@@ -274,9 +293,11 @@ def draw_plan(
         full = (shape.batch, shape.q_heads)
         fields = [t.expand(*full, *t.shape[2:]) for t in fields]
     plan = BlockColumnPlan(seqlen=n, block_m=block_m, block_n=block_n, block_count=fields[0],
-                           block_index=fields[1], column_count=fields[2], column_index=fields[3])
+                           block_index=fields[1], column_count=fields[2], column_index=fields[3],
+                           column_group=group)
     what = (f"plan {block_m}x{block_n} seed={seed} p_block={p_block} p_col={p_col} "
-            f"p_empty={p_empty} overlap={overlap} shared={shared} pad+{extra} {garbage} {layout}")
+            f"p_empty={p_empty} overlap={overlap} group={group} shared={shared} pad+{extra} "
+            f"{garbage} {layout}")
     return plan.validate(), what
 
 

@@ -15,9 +15,8 @@ only reason a fast plan differs: it raises AssertionError otherwise.
   `block_tolerance` in the float64 pooled scores.
 * XAttention and DPXA (greedy threshold selection, `check_greedy_modulo_ties`): the
   kept tiles are a greedy selection of the float64 tile weights up to
-  `tile_weight_tolerance` (order and threshold crossing); for DPXA the fast delta
-  anchors must first follow the float64 delta rule except within `ANCHOR_TOLERANCE`
-  of the cosine threshold, and the weights are those of the fast anchors.
+  `tile_weight_tolerance` (order and threshold crossing); DPXA's anchors are
+  Delta-KV's stage 1, bit-identical in both packages.
 """
 
 from __future__ import annotations
@@ -27,11 +26,10 @@ from typing import Any
 
 import torch
 
-from ..fast.dpxa import delta_anchors as fast_delta_anchors
 from ..fast.vertical_slash import vertical_slash_lines as fast_lines
 from ..reference.block_sparse import block_scores, mean_pooling
-from ..reference.dpxa import anchor_tile_scores
-from ..reference.plan import BlockColumnPlan
+from ..reference.dpxa import anchor_tile_scores, dpxa_anchors
+from ..reference.plan import BlockColumnPlan, rank_nan_last
 from ..reference.vertical_slash import (
     INIT_COLUMNS,
     LOCAL_DIAGONALS,
@@ -40,10 +38,6 @@ from ..reference.vertical_slash import (
     vertical_slash_scores,
 )
 from ..reference.xattention import xattention_tile_weights
-
-# Cosine margin within which a delta-anchor decision may go either way: the fast
-# kernel decides in float64 too, summing in another order (~1e-16 relative).
-ANCHOR_TOLERANCE = 1e-9
 
 
 def line_tolerance(rows: int) -> float:
@@ -82,7 +76,7 @@ def check_topk_modulo_ties(
     """
     if picked.shape[-1] != count:
         raise _fail(f"{what}: {picked.shape[-1]} picked, expected {count}")
-    scores = scores.to(torch.float64).cpu()
+    scores = rank_nan_last(scores.to(torch.float64).cpu())
     keep = torch.zeros(scores.shape, dtype=torch.bool).scatter_(-1, picked.cpu().to(torch.int64), True)
     if int(keep.sum(dim=-1).min()) != count:
         raise _fail(f"{what}: picked indices are not distinct")
@@ -138,7 +132,7 @@ def block_sparse_tie_check(
     got = got.to("cpu").validate()
     if bool((got.column_count != 0).any()):
         raise _fail("block-sparse plans list no columns")
-    scores = block_scores(mean_pooling(q, bs), mean_pooling(k, bs)).cpu()
+    scores = rank_nan_last(block_scores(mean_pooling(q, bs), mean_pooling(k, bs)).cpu())
     nb = scores.shape[-1]
     keep = got.block_mask()
     diagonal = torch.eye(nb, dtype=torch.bool)
@@ -247,50 +241,12 @@ def xattention_tie_check(
                              tolerance=tile_weight_tolerance(q, k, scale), what="xattention tiles")
 
 
-def check_anchors_modulo_ties(
-    x: torch.Tensor, anchors: torch.Tensor, *, cos_threshold: float, block: int, tolerance: float, what: str
-) -> None:
-    """`anchors` follow the delta rule of `reference.dpxa.delta_anchors` in float64, except
-    where a token's cosine to its anchor lies within `tolerance` of `cos_threshold`.
-
-    The running anchor is the one `anchors` implies (the last anchor of the tile), so a
-    near-tie decided the other way is followed, not propagated as an error.
-
-    Raises:
-        AssertionError: a decision that no near-tie explains.
-    """
-    b, h, n, d = x.shape
-    tiles = -(-n // block)
-    x64 = torch.zeros(b, h, tiles * block, d, dtype=torch.float64)
-    x64[:, :, :n] = x.to(torch.float64).cpu()
-    got = torch.zeros(b, h, tiles * block, dtype=torch.bool)
-    got[:, :, :n] = anchors.cpu()
-    xt, kt = x64.reshape(b, h, tiles, block, d), got.reshape(b, h, tiles, block)
-    present = (torch.arange(tiles * block) < n).reshape(tiles, block)
-    if not bool(kt[..., 0].all()):
-        raise _fail(f"{what}: the first token of a tile is not an anchor")
-    if bool((kt & ~present).any()):
-        raise _fail(f"{what}: an anchor past the end of the sequence")
-    anchor = xt[..., 0, :]
-    for p in range(1, block):
-        cur = xt[..., p, :]
-        norms = cur.norm(dim=-1) * anchor.norm(dim=-1)
-        margin = ((cur * anchor).sum(-1) - cos_threshold * norms) / norms.clamp(min=1e-300)
-        kept = kt[..., p]
-        bad = present[:, p] & ((kept & (margin > tolerance)) | (~kept & (margin < -tolerance)))
-        if bool(bad.any()):
-            at = tuple(int(i) for i in bad.nonzero()[0].tolist())
-            raise _fail(f"{what} at (b, h, tile) {at}, position {p}: anchor decision "
-                        f"{bool(kept[at])} against a cosine margin of {float(margin[at]):.3g}")
-        anchor = torch.where(kept[..., None], cur, anchor)
-
-
 def dpxa_tie_check(
     q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
 ) -> None:
-    """`MethodSpec.tie_check` of DPXA: the fast anchors follow the delta rule up to
-    near-ties, and the fast tiles are a greedy selection of the float64 tile weights of
-    those anchors, up to `tile_weight_tolerance`."""
+    """`MethodSpec.tie_check` of DPXA: the fast tiles are a greedy selection of the
+    float64 tile weights, up to `tile_weight_tolerance` (the anchors are the same in both
+    packages: Delta-KV's stage 1, bit-identical)."""
     del expected
     got = got.to("cpu").validate()
     if bool((got.column_count != 0).any()):
@@ -298,12 +254,8 @@ def dpxa_tie_check(
     cos_threshold = float(params.get("cos_threshold", 0.75))
     block = int(params.get("block", 128))
     scale = params.get("scale")
-    q_anchors = fast_delta_anchors(q, cos_threshold=cos_threshold, block=block).cpu()
-    k_anchors = fast_delta_anchors(k, cos_threshold=cos_threshold, block=block).cpu()
-    check_anchors_modulo_ties(q, q_anchors, cos_threshold=cos_threshold, block=block,
-                              tolerance=ANCHOR_TOLERANCE, what="dpxa query anchors")
-    check_anchors_modulo_ties(k, k_anchors, cos_threshold=cos_threshold, block=block,
-                              tolerance=ANCHOR_TOLERANCE, what="dpxa key anchors")
+    q_anchors = dpxa_anchors(q, cos_threshold=cos_threshold, block=block).cpu()
+    k_anchors = dpxa_anchors(k, cos_threshold=cos_threshold, block=block).cpu()
     sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
     scores = anchor_tile_scores(q.cpu(), k.cpu(), q_anchors, k_anchors, block=block, scale=sm_scale)
     weights = scores / scores.sum(dim=-1, keepdim=True)

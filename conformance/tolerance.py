@@ -44,6 +44,12 @@ block/column plans with N in 1..200, D in 16..128, |q| scaled 0.5-4, fp16 and bf
   mix-up moves recall by that key's probability, so the check catches any
   mix-up of a key carrying more than about 1e-4 of a row's mass.
 
+* block means (`sparse_attention(..., block_mean_out=)`): the kernel sums exact
+  fp16/bf16 products in fp32 and divides by the pair count; the
+  worst error used 0.03% of its allowance over 100 CPU examples (`TRITON_INTERPRET=1`). Allowed:
+  `BLOCK_MEAN_REL * max(1, max |logit|)` with `BLOCK_MEAN_REL = 2**-16`, the lse's
+  relative floor; -inf must sit exactly where the reference has it (unlisted blocks).
+
 Re-measure with `python -m sparseprefill.conformance --device cuda` (its table
 prints the largest error / allowed ratio of every property).
 """
@@ -64,6 +70,7 @@ LSE_FLOOR_REL = 2.0**-16
 RECALL_FLOOR = 1e-5
 RECALL_PER_LOGIT = 2e-6
 RECALL_PER_TILE = 2.0**-23
+BLOCK_MEAN_REL = 2.0**-16
 
 # Chunks of the baseline's fp32 scores: about 256 MiB, so N = 16K fits anywhere.
 _CHUNK_BYTES = 256 * 2**20
@@ -352,4 +359,43 @@ def check_recall(
         where = tuple(int(i) for i in (diff == diff.max()).nonzero()[0].tolist())
         raise _fail(context, f"{cmp.describe()}; worst at {where}: got {got[where].item():.8f}, "
                              f"reference {expected[where].item():.8f}")
+    return cmp
+
+
+def check_block_means(
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    max_abs_logit: float,
+    context: str = "",
+) -> Comparison:
+    """Check `block_mean_out` of `fast` against the reference's (float32 `[B, Hq, Qb, Kb]`).
+
+    Args:
+        got, expected: block means; -inf marks blocks the plan does not list.
+        max_abs_logit: largest |scaled logit| of the inputs (the fp32 sums' error
+            grows with it).
+        context: prefix for failure messages.
+
+    Raises:
+        AssertionError: shape, NaN/+inf, -inf in other places, or error above allowance.
+    """
+    if got.shape != expected.shape:
+        raise _fail(context, f"block means have shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    if bool((torch.isnan(got) | (got == math.inf)).any()):
+        raise _fail(context, "block means have NaN or +inf")
+    listed = expected != -math.inf
+    mismatch = listed != (got != -math.inf)
+    if bool(mismatch.any()):
+        where = tuple(int(i) for i in mismatch.nonzero()[0].tolist())
+        raise _fail(context, f"block means are -inf exactly on unlisted blocks; at {where} got "
+                             f"{got[where].item()}, reference {expected[where].item()}")
+    error = _max_abs(got, expected, listed)
+    allowed = BLOCK_MEAN_REL * max(1.0, max_abs_logit)
+    cmp = Comparison("block_mean", error, math.nan, allowed)
+    if error > allowed:
+        diff = torch.where(listed, (got.double() - expected.double()).abs(), 0.0)
+        where = tuple(int(i) for i in (diff == diff.max()).nonzero()[0].tolist())
+        raise _fail(context, f"{cmp.describe()}; worst at {where}: got {got[where].item():.8g}, "
+                             f"reference {expected[where].item():.8g}")
     return cmp

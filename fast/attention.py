@@ -6,6 +6,7 @@ from typing import Literal, overload
 
 import torch
 
+from ..reference.attention import AttentionState
 from ..reference.plan import BlockColumnPlan
 from .dense import dense_plan
 from .kernels import block_column_attention
@@ -80,6 +81,8 @@ def sparse_attention(
     *,
     scale: float | None = None,
     return_lse: Literal[False] = False,
+    state: AttentionState | None = None,
+    block_mean_out: torch.Tensor | None = None,
 ) -> torch.Tensor: ...
 
 
@@ -92,6 +95,8 @@ def sparse_attention(
     *,
     scale: float | None = None,
     return_lse: Literal[True],
+    state: AttentionState | None = None,
+    block_mean_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -103,15 +108,25 @@ def sparse_attention(
     *,
     scale: float | None = None,
     return_lse: bool = False,
+    state: AttentionState | None = None,
+    block_mean_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention restricted to a plan (see `reference.sparse_attention`).
 
     The plan is validated before launch; its block sizes must be multiples of 16.
 
+    Args:
+        q, k, v, plan, scale, return_lse: as `reference.sparse_attention`.
+        state: a float32 `AttentionState` to start from, updated in place (one kernel
+            pass reads and writes it); None starts from nothing.
+        block_mean_out: float32 `[B, Hq, Qb, Kb]` filled with the mean scaled logit of
+            every listed block (accumulated in the kernel pass), -inf elsewhere.
+
     Raises:
         TypeError, ValueError: bad inputs or plan, before any kernel launch.
     """
-    out, lse = block_column_attention(q, k, v, plan, scale=scale, return_lse=return_lse)
+    out, lse = block_column_attention(q, k, v, plan, scale=scale, return_lse=return_lse,
+                                      state=state, block_mean_out=block_mean_out)
     if return_lse:
         assert lse is not None
         return out, lse

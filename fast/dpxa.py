@@ -4,8 +4,8 @@ Delta anchors and anchor-pair tile scores: Triton (`fast.kernels.delta_score`);
 selection: `fast.xattention.select_tiles` (the same greedy rule as XAttention); plan:
 the kept tiles as key blocks, then the block kernel.
 
-The anchor decisions are made in float64 like the reference's; the tile scores are
-fp32, so a tile whose weight (nearly) ties another, or whose cumulative weight lands
+The anchors are bit-identical to the reference's (Delta-KV's shared stage 1); the tile
+scores are fp32, so a tile whose weight (nearly) ties another, or whose cumulative weight lands
 on the threshold, may be decided differently: `conformance.ties.dpxa_tie_check`
 shows that every difference is such a case.
 """
@@ -18,11 +18,11 @@ from ..reference._checks import HALF_DTYPES, check_qk, check_qkv
 from ..reference.dpxa import check_dpxa_params
 from ..reference.plan import BlockColumnPlan
 from .kernels import block_column_attention
-from .kernels.delta_score import delta_anchors, dpxa_scoring_ratio, dpxa_tile_weights
+from .kernels.delta_score import dpxa_scoring_ratio, dpxa_tile_weights
 from .kernels.xattention_score import check_fast_block
 from .xattention import select_tiles, tiles_to_plan
 
-__all__ = ["delta_anchors", "dpxa", "dpxa_plan", "dpxa_scoring_ratio", "dpxa_tile_weights"]
+__all__ = ["dpxa", "dpxa_plan", "dpxa_scoring_ratio", "dpxa_tile_weights"]
 
 
 def dpxa_plan(

@@ -14,9 +14,9 @@ import torch
 from ..reference._checks import HALF_DTYPES, check_qk, check_tensor
 from ..reference.attention import check_mask, check_plan
 from ..reference.metrics import relative_error
-from ..reference.plan import BlockColumnPlan, columns_inside_blocks
+from ..reference.plan import BlockColumnPlan, causal_pairs, columns_inside_blocks
 from .dense import dense_plan
-from .kernels import block_column_attention, check_kernel_block_sizes
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 
 __all__ = ["density", "recall", "relative_error"]
 
@@ -34,6 +34,7 @@ def recall(
         float32 `[B, Hq, N]` in `[0, 1]`.
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    check_forward_only(q, k)
     # Check the selection before the full causal pass, so bad input costs no launch.
     if isinstance(mask, BlockColumnPlan):
         check_plan(mask, shape.batch, shape.q_heads, shape.seqlen, q.device)
@@ -51,18 +52,6 @@ def recall(
                                              return_lse=True, validate_plan=False)
     assert lse_full is not None and lse_kept is not None
     return torch.exp(lse_kept - lse_full).clamp_(max=1.0)
-
-
-def _causal_pairs(r0: torch.Tensor, r1: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
-    """Number of (row, key) pairs with `r0 <= row < r1`, `k0 <= key < k1`, `key <= row`."""
-    # Rows in [k0, k1) see a growing prefix of the keys; rows >= k1 see all k1 - k0.
-    a = torch.maximum(r0, k0)
-    b = torch.minimum(r1, k1)
-    ramp_rows = torch.clamp(b - a, min=0)
-    # sum_{row=a}^{b-1} (row + 1 - k0)
-    ramp = ramp_rows * (a + 1 - k0) + ramp_rows * (ramp_rows - 1) // 2
-    flat_rows = torch.clamp(r1 - torch.maximum(r0, k1), min=0)
-    return ramp + flat_rows * (k1 - k0)
 
 
 def density(mask: torch.Tensor | BlockColumnPlan) -> torch.Tensor:
@@ -96,12 +85,12 @@ def density(mask: torch.Tensor | BlockColumnPlan) -> torch.Tensor:
         bvalid = torch.arange(plan.block_index.shape[3], device=dev) < bcount
         k0 = plan.block_index[:, :, s0:s1].to(torch.int64) * bn
         k1 = torch.clamp(k0 + bn, max=n)
-        kept += torch.where(bvalid, _causal_pairs(r0, r1, k0, k1), 0).sum(dim=(-1, -2))
+        kept += torch.where(bvalid, causal_pairs(r0, r1, k0, k1), 0).sum(dim=(-1, -2))
         ccount = plan.column_count[:, :, s0:s1].unsqueeze(-1)
         cvalid = torch.arange(plan.column_index.shape[3], device=dev) < ccount
-        c = plan.column_index[:, :, s0:s1].to(torch.int64)
+        c = plan.query_block_columns(s0, s1).to(torch.int64)
         # A column inside a listed block is already counted with the block.
         cvalid = cvalid & ~columns_inside_blocks(plan.block_count[:, :, s0:s1],
                                                  plan.block_index[:, :, s0:s1], c, block_n=bn)
-        kept += torch.where(cvalid, _causal_pairs(r0, r1, c, c + 1), 0).sum(dim=(-1, -2))
+        kept += torch.where(cvalid, causal_pairs(r0, r1, c, c + 1), 0).sum(dim=(-1, -2))
     return kept.to(torch.float64) / (n * (n + 1) / 2)

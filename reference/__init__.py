@@ -4,10 +4,19 @@
 """
 
 from .a_shape import a_shape, a_shape_plan
-from .attention import attention, sparse_attention
+from .attention import AttentionState, attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
-from .dpxa import delta_anchors, dpxa, dpxa_plan, dpxa_scoring_ratio, dpxa_tile_weights
+from .delta_kv import (
+    PackedKV,
+    delta_keep_mask,
+    delta_kv,
+    delta_kv_attention,
+    delta_kv_density,
+    delta_kv_plans,
+    delta_pack,
+)
+from .dpxa import dpxa, dpxa_plan, dpxa_scoring_ratio, dpxa_tile_weights
 from .metrics import density, recall, relative_error
 from .minference import (
     HeadPattern,
@@ -23,17 +32,24 @@ from .vertical_slash import vertical_slash, vertical_slash_plan
 from .xattention import select_tiles, xattention, xattention_plan, xattention_tile_weights
 
 __all__ = [
+    "AttentionState",
     "BlockColumnPlan",
     "HeadPattern",
     "MInferenceConfig",
+    "PackedKV",
     "SearchResult",
     "a_shape",
     "a_shape_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",
+    "delta_keep_mask",
+    "delta_kv",
+    "delta_kv_attention",
+    "delta_kv_density",
+    "delta_kv_plans",
+    "delta_pack",
     "dense",
-    "delta_anchors",
     "dense_plan",
     "density",
     "dpxa",

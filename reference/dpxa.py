@@ -1,15 +1,13 @@
 """DPXA, delta-based tile scoring (thesis section 4.3), as the specification.
 
 Delta pre-processing (section 4.1.1 with the cosine metric of section 7.1.3) picks
-anchors in Q and in K independently, inside every tile of `block` tokens (the tile
-is the chunk: its first token is an anchor, which makes tiles independent):
-
-* the anchor starts as the tile's first token;
-* token `t` is compared with the current anchor `a`: it is *similar* iff
-  `x_t . a >= cos_threshold * |x_t| |a|` (cosine similarity >= `cos_threshold`,
-  written without a division so that a zero vector counts as similar to anything);
-* a similar token is dropped (the anchor represents it); any other token becomes an
-  anchor and the new current anchor.
+anchors in Q and in K independently, inside every tile of `block` tokens: it is
+Delta-KV's stage 1, `reference.delta_kv.delta_keep_mask(x, threshold=cos_threshold,
+metric="cosine", chunk=block)`, applied to the queries as well as the keys (the tile
+is the chunk, so its first token is an anchor and tiles are independent; walking the
+tile, a token whose cosine similarity to the current anchor is >= `cos_threshold` is
+dropped, any other token becomes the anchor). Both packages share that function's
+bit-identical float64 test, so fast and reference anchors are always equal.
 
 Tile score of query tile `i` and key tile `j` (section 4.3): the sum of `exp` of the
 scaled scores `scale * q_a . k_b` over the Q anchors `a` of tile `i` and the K anchors
@@ -33,8 +31,9 @@ import math
 
 import torch
 
-from ._checks import check_fraction, check_positive_int, check_qk, check_tensor, resolve_scale
+from ._checks import check_fraction, check_positive_int, check_qk, resolve_scale
 from .attention import sparse_attention
+from .delta_kv import delta_keep_mask
 from .plan import BlockColumnPlan, cdiv
 from .xattention import check_threshold, normalize_rows, select_tiles, tiles_to_plan
 
@@ -46,50 +45,9 @@ def check_dpxa_params(*, cos_threshold: float, threshold: float, block: int) -> 
     check_positive_int("block", block)
 
 
-def delta_anchors(x: torch.Tensor, *, cos_threshold: float = 0.75, block: int = 128) -> torch.Tensor:
-    """Section 4.1.1 (cosine metric), per tile of `block` tokens: which tokens are anchors.
-
-    Tiles and heads are independent and processed together; the loop runs over the
-    position inside a tile (the algorithm is sequential there).
-
-    Args:
-        x: `[B, H, N, D]` (queries or keys).
-        cos_threshold: in `[-1, 1]`; a token whose cosine similarity to the current
-            anchor is >= it is dropped.
-        block: tokens per tile; each tile's first token is an anchor.
-
-    Returns:
-        bool `[B, H, N]`, True at anchors.
-
-    Raises:
-        TypeError, ValueError: bad inputs or parameters.
-    """
-    x = check_tensor("x", x, rank=4)
-    if not x.is_floating_point():
-        raise TypeError(f"x must have a floating dtype, got {x.dtype}")
-    if 0 in x.shape:
-        raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
-    tau = check_fraction("cos_threshold", cos_threshold, low=-1.0, high=1.0)
-    bs = check_positive_int("block", block)
-    b, h, n, d = x.shape
-    tiles = cdiv(n, bs)
-    padded = torch.zeros(b, h, tiles * bs, d, dtype=torch.float64, device=x.device)
-    padded[:, :, :n] = x.to(torch.float64)
-    xt = padded.reshape(b, h, tiles, bs, d)
-    present = (torch.arange(tiles * bs, device=x.device) < n).reshape(tiles, bs)
-    keep = torch.zeros(b, h, tiles, bs, dtype=torch.bool, device=x.device)
-    # Sec. 4.1.1: the anchor starts at the chunk's first token, which is kept.
-    keep[..., 0] = True
-    anchor = xt[..., 0, :]
-    for p in range(1, bs):
-        cur = xt[..., p, :]
-        # Sec. 4.1.1 step 1 (cosine): compare the token with the current anchor.
-        similar = (cur * anchor).sum(-1) >= tau * cur.norm(dim=-1) * anchor.norm(dim=-1)
-        # Step 2: a dissimilar token is kept and becomes the anchor; step 3: drop.
-        new = ~similar & present[:, p]
-        keep[..., p] = new
-        anchor = torch.where(new[..., None], cur, anchor)
-    return keep.reshape(b, h, tiles * bs)[..., :n]
+def dpxa_anchors(x: torch.Tensor, *, cos_threshold: float, block: int) -> torch.Tensor:
+    """Section 4.1.1 (cosine) per tile of `block` tokens: bool `[B, H, N]`, True at anchors."""
+    return delta_keep_mask(x, threshold=cos_threshold, metric="cosine", chunk=block)
 
 
 def anchor_tile_scores(
@@ -163,8 +121,8 @@ def dpxa_tile_weights(
     shape = check_qk(q, k)
     check_dpxa_params(cos_threshold=cos_threshold, threshold=1.0, block=block)
     sm_scale = resolve_scale(scale, shape.head_dim)
-    q_anchors = delta_anchors(q, cos_threshold=cos_threshold, block=block)
-    k_anchors = delta_anchors(k, cos_threshold=cos_threshold, block=block)
+    q_anchors = dpxa_anchors(q, cos_threshold=cos_threshold, block=block)
+    k_anchors = dpxa_anchors(k, cos_threshold=cos_threshold, block=block)
     scores = anchor_tile_scores(q, k, q_anchors, k_anchors, block=block, scale=sm_scale)
     return normalize_rows(scores)
 
@@ -190,8 +148,8 @@ def dpxa_scoring_ratio(
     """
     shape = check_qk(q, k)
     check_dpxa_params(cos_threshold=cos_threshold, threshold=1.0, block=block)
-    alpha = delta_anchors(q, cos_threshold=cos_threshold, block=block).to(torch.float64).mean(-1)
-    beta = delta_anchors(k, cos_threshold=cos_threshold, block=block).to(torch.float64).mean(-1)
+    alpha = dpxa_anchors(q, cos_threshold=cos_threshold, block=block).to(torch.float64).mean(-1)
+    beta = dpxa_anchors(k, cos_threshold=cos_threshold, block=block).to(torch.float64).mean(-1)
     return alpha * beta.repeat_interleave(shape.group, dim=1)
 
 

@@ -31,19 +31,32 @@ Invariants (checked by `validate`):
 5. Entries past the counts are padding: their values mean nothing. Compare plans
    with `equal` (same blocks, and same columns once those inside listed blocks
    are removed), never with `torch.equal` on the raw index tensors.
+6. Column lists may be shared by groups of `column_group` consecutive query blocks
+   (default 1: one list per query block): `column_index` is then
+   `[B, Hq, ceil(Qb / column_group), max_columns]` and query block `i` reads the
+   first `column_count[..., i]` entries of row `i // column_group` (counts stay per
+   query block, so each block takes its own causal prefix of the group's sorted
+   list). AnchorAttention's stripes, found once per group of `step` query blocks,
+   are stored this way: a group's list costs memory once, not `step` times.
 
 Index tensors may be expanded views (stride 0 over batch, heads or query
 blocks): a dense or streaming plan shared by every head costs O(N) memory, not
 O(B * H * N^2 / (block_m * block_n)).
+
+Hostile plans: `validate` rejects every invalid plan; the fast kernel also clamps
+every count and index it loads into range, so a plan edited in place after
+validation (or wrongly `mark_valid`-ed) gives wrong numbers, never an
+out-of-bounds memory access.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ._checks import check_positive_int
+from ._checks import check_block_size, check_positive_int
 
 _INDEX_FIELDS = ("block_count", "block_index", "column_count", "column_index")
 
@@ -68,6 +81,8 @@ class BlockColumnPlan:
         columns_disjoint: True promises that no listed column lies inside a listed key
             block of its query block (checked by `validate`); the kernel then skips its
             column-in-block test. False (the default) allows such columns.
+        column_group: query blocks that share one column list (invariant 6); 1 (the
+            default) gives every query block its own list.
     """
 
     seqlen: int
@@ -78,6 +93,7 @@ class BlockColumnPlan:
     column_count: torch.Tensor
     column_index: torch.Tensor
     columns_disjoint: bool = False
+    column_group: int = 1
     # Set once `validate` has passed (or by an estimator that builds valid plans by
     # construction), so launching the same plan again skips the O(plan) check.
     _checked: bool = field(default=False, repr=False, compare=False)
@@ -101,8 +117,32 @@ class BlockColumnPlan:
         return cdiv(self.seqlen, self.block_n)
 
     @property
+    def num_column_rows(self) -> int:
+        """Rows of `column_index`: one per group of `column_group` query blocks."""
+        return cdiv(self.num_query_blocks, self.column_group)
+
+    @property
     def device(self) -> torch.device:
         return self.block_count.device
+
+    def query_block_columns(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The column list of each query block in `[start, stop)`: `[B, Hq, stop - start, W]`.
+
+        With `column_group == 1` this is a view of `column_index`; otherwise each
+        group's row is gathered once per query block (a new tensor).
+        """
+        stop = self.num_query_blocks if stop is None else stop
+        if self.column_group == 1:
+            return self.column_index[:, :, start:stop]
+        rows = torch.arange(start, stop, device=self.device) // self.column_group
+        return self.column_index.index_select(2, rows)
+
+    def ungrouped(self) -> BlockColumnPlan:
+        """The same plan with one column list per query block (`column_group == 1`)."""
+        if self.column_group == 1:
+            return self
+        plan = replace(self, column_index=self.query_block_columns(), column_group=1, _checked=False)
+        return plan.mark_valid() if self._checked else plan
 
     def nbytes(self) -> int:
         """Bytes of index storage actually allocated (expanded views count once)."""
@@ -123,8 +163,8 @@ class BlockColumnPlan:
                 message names the field and the first offending entry.
         """
         n = check_positive_int("plan.seqlen", self.seqlen)
-        bm = check_positive_int("plan.block_m", self.block_m)
-        bn = check_positive_int("plan.block_n", self.block_n)
+        bm = check_block_size("plan.block_m", self.block_m)
+        bn = check_block_size("plan.block_n", self.block_n)
         for name in _INDEX_FIELDS:
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
@@ -143,11 +183,13 @@ class BlockColumnPlan:
                 f"block_m={bm}; got {tuple(self.block_count.shape)}"
             )
         lead = tuple(self.block_count.shape)
-        for name in ("block_index", "column_index"):
+        group = check_positive_int("plan.column_group", self.column_group)
+        rows = cdiv(qb, group)
+        for name, want in (("block_index", lead), ("column_index", (*lead[:2], rows))):
             t = getattr(self, name)
-            if t.dim() != 4 or tuple(t.shape[:3]) != lead:
+            if t.dim() != 4 or tuple(t.shape[:3]) != want:
                 raise ValueError(
-                    f"plan.{name} must have shape [{lead[0]}, {lead[1]}, {lead[2]}, width], "
+                    f"plan.{name} must have shape [{want[0]}, {want[1]}, {want[2]}, width], "
                     f"got {tuple(t.shape)}"
                 )
         if tuple(self.column_count.shape) != lead:
@@ -166,16 +208,38 @@ class BlockColumnPlan:
         _raise_first(bad, "plan.block_index lists a key block that starts after the last row "
                           "of its query block (not causal)")
 
-        cols_valid = _check_list("column", self.column_count, self.column_index, upper=n)
-        cols = self.column_index.to(torch.int64)
-        bad = cols_valid & (cols > last_row)
+        width = self.column_index.shape[3]
+        if group == 1:
+            cols_valid = _check_list("column", self.column_count, self.column_index, upper=n)
+            bad = cols_valid & (self.column_index.to(torch.int64) > last_row)
+        else:
+            # A group's list is checked once, over the longest prefix any of its query
+            # blocks reads; causality per query block needs only its last read entry.
+            bad = (self.column_count < 0) | (self.column_count > width)
+            _raise_first(bad, f"plan.column_count must lie in [0, {width}] (the width of "
+                              "plan.column_index)")
+            owner = torch.arange(qb, device=self.device) // group
+            group_count = torch.zeros(*lead[:2], rows, dtype=torch.int32, device=self.device)
+            group_count.scatter_reduce_(2, owner.expand_as(self.column_count), self.column_count, "amax")
+            _check_list("column", group_count, self.column_index, upper=n)
+            bad = torch.zeros_like(self.column_count, dtype=torch.bool).unsqueeze(-1)
+            if width > 0:
+                last = self.query_block_columns().gather(
+                    3, (self.column_count.to(torch.int64) - 1).clamp(min=0).unsqueeze(-1))
+                bad = (self.column_count.unsqueeze(-1) > 0) & (last.to(torch.int64) > last_row)
         _raise_first(bad, "plan.column_index lists a key column after the last row of its "
                           "query block (not causal)")
-        if self.columns_disjoint and self.column_index.shape[3] > 0:
-            inside = columns_inside_blocks(self.block_count, self.block_index, self.column_index,
-                                           block_n=bn)
-            _raise_first(cols_valid & inside, "plan.columns_disjoint is True but plan.column_index "
-                                              "lists a key column inside a listed key block")
+        if self.columns_disjoint and width > 0:
+            step = max(1, (64 << 20) // max(1, lead[0] * lead[1] * width * 8))
+            for s0 in range(0, qb, step):
+                s1 = min(qb, s0 + step)
+                cols = self.query_block_columns(s0, s1)
+                valid = torch.arange(width, device=self.device) < self.column_count[:, :, s0:s1, None]
+                inside = columns_inside_blocks(self.block_count[:, :, s0:s1],
+                                               self.block_index[:, :, s0:s1], cols, block_n=bn)
+                _raise_first(valid & inside, "plan.columns_disjoint is True but plan.column_index "
+                                             f"lists a key column inside a listed key block (query "
+                                             f"blocks from {s0})")
         object.__setattr__(self, "_checked", True)
         return self
 
@@ -210,7 +274,7 @@ class BlockColumnPlan:
         out = torch.zeros(b, h, qb, self.seqlen + 1, dtype=torch.bool, device=self.device)
         width = self.column_index.shape[3]
         valid = torch.arange(width, device=self.device) < self.column_count.unsqueeze(-1)
-        idx = torch.where(valid, self.column_index.to(torch.int64), self.seqlen)
+        idx = torch.where(valid, self.query_block_columns().to(torch.int64), self.seqlen)
         out.scatter_(3, idx, True)
         return out[..., : self.seqlen]
 
@@ -238,6 +302,7 @@ class BlockColumnPlan:
             column_count=self.column_count.to(device),
             column_index=self.column_index.to(device),
             columns_disjoint=self.columns_disjoint,
+            column_group=self.column_group,
         )
 
     def equal(self, other: BlockColumnPlan) -> bool:
@@ -268,19 +333,21 @@ class BlockColumnPlan:
             kept columns first and in order, padding after the count.
         """
         width = self.column_index.shape[3]
+        columns = self.query_block_columns()
         keep = torch.arange(width, device=self.device) < self.column_count.unsqueeze(-1)
-        keep = keep & ~columns_inside_blocks(self.block_count, self.block_index, self.column_index,
+        keep = keep & ~columns_inside_blocks(self.block_count, self.block_index, columns,
                                              block_n=self.block_n)
         # A stable sort of the dropped flags moves the kept columns first, in order.
         order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
-        index = torch.gather(self.column_index, 3, order)
+        index = torch.gather(columns, 3, order)
         return keep.sum(dim=-1).to(torch.int32), index
 
     def with_disjoint_columns(self) -> BlockColumnPlan:
         """The same attention with `own_columns` as column lists and `columns_disjoint`.
 
-        Costs `[B, Hq, Qb, max_columns]` int32 even where the columns were shared, and
-        saves the kernel its column-in-block test.
+        Costs `[B, Hq, Qb, max_columns]` int32 even where the columns were shared or
+        grouped (the result has `column_group == 1`), and saves the kernel its
+        column-in-block test.
         """
         count, index = self.own_columns()
         plan = BlockColumnPlan(
@@ -314,8 +381,8 @@ class BlockColumnPlan:
             The validated plan, lists as narrow as the fullest query block needs.
         """
         n = check_positive_int("seqlen", seqlen)
-        bm = check_positive_int("block_m", block_m)
-        bn = check_positive_int("block_n", block_n)
+        bm = check_block_size("block_m", block_m)
+        bn = check_block_size("block_n", block_n)
         qb, kb = cdiv(n, bm), cdiv(n, bn)
         if block_mask.dim() != 4 or tuple(block_mask.shape[2:]) != (qb, kb):
             raise ValueError(
@@ -379,6 +446,28 @@ def columns_inside_blocks(
     col_block = col_block.expand(shape).contiguous()
     pos = torch.searchsorted(listed.contiguous(), col_block).clamp_(max=wb - 1)
     return torch.gather(listed, 3, pos) == col_block
+
+
+def causal_pairs(r0: torch.Tensor, r1: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
+    """Number of (row, key) pairs with `r0 <= row < r1`, `k0 <= key < k1`, `key <= row`."""
+    # Rows in [k0, k1) see a growing prefix of the keys; rows >= k1 see all k1 - k0.
+    a = torch.maximum(r0, k0)
+    b = torch.minimum(r1, k1)
+    ramp_rows = torch.clamp(b - a, min=0)
+    # sum_{row=a}^{b-1} (row + 1 - k0)
+    ramp = ramp_rows * (a + 1 - k0) + ramp_rows * (ramp_rows - 1) // 2
+    flat_rows = torch.clamp(r1 - torch.maximum(r0, k1), min=0)
+    return ramp + flat_rows * (k1 - k0)
+
+
+def rank_nan_last(scores: torch.Tensor) -> torch.Tensor:
+    """A copy of `scores` whose NaNs rank below every other score (the lowest finite value).
+
+    Sorting and `topk` put NaN first; an estimate made of NaN in q or k would then pick
+    arbitrary lines ahead of the forced ones. Every estimator ranks through this.
+    """
+    return torch.nan_to_num(scores, nan=torch.finfo(scores.dtype).min, posinf=math.inf,
+                            neginf=-math.inf)
 
 
 def mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

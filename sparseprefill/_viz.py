@@ -66,6 +66,7 @@ def plan_image(plan: BlockColumnPlan, *, batch: int = 0, head: int = 0, size: in
         block_index=plan.block_index[batch : batch + 1, head : head + 1],
         column_count=plan.column_count[batch : batch + 1, head : head + 1],
         column_index=plan.column_index[batch : batch + 1, head : head + 1],
+        column_group=plan.column_group,
     ).to("cpu")
     n = plan.seqlen
     per_block = one.block_mask()[0, 0].repeat_interleave(plan.block_n, dim=1)[:, :n]

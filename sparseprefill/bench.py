@@ -99,7 +99,7 @@ def flex_block_mask(plan: BlockColumnPlan) -> Any:
     if has_columns:
         width = plan.column_index.shape[3]
         valid = torch.arange(width, device=dev) < plan.column_count.unsqueeze(-1)
-        cols = torch.where(valid, plan.column_index.to(torch.int64), n).reshape(b, h, -1)
+        cols = torch.where(valid, plan.query_block_columns().to(torch.int64), n).reshape(b, h, -1)
         vertical.scatter_(2, cols, True)
         vblocks = torch.zeros(b, h, kb + 1, dtype=torch.bool, device=dev)
         vblocks.scatter_(2, torch.where(cols < n, cols // bn, kb), True)

@@ -318,39 +318,47 @@ def run(args: argparse.Namespace) -> int:
         spec = METHODS[name]
         params = spec.demo_params(n)
         ref_plan = None
+        ref_view = None
         if with_reference:
             try:
-                ref_plan = spec.reference_plan(q, k, **params)
+                ref_view = spec.method_view("reference", q, k, v, params)
+                ref_plan = ref_view.plan if spec.plan_based else None
                 ref_out, ms = _timed(lambda: spec.reference_run(q, k, v, **params), device, 1)
                 ref64 = spec.reference_run(q64, k64, v64, **params)
-                rec = reference.recall(q, k, ref_plan)
+                rec = ref_view.recall
                 rows.append(Row(
-                    name, "reference", n, float(reference.density(ref_plan).mean()),
-                    float(rec.mean()), float(rec.min()), None,
+                    name, "reference", n, float(ref_view.density.mean()),
+                    None if rec is None else float(rec.mean()), None if rec is None else float(rec.min()), None,
                     reference.relative_error(ref_out, golden), reference.relative_error(ref_out, ref64), ms,
+                    ref_view.notes,
                 ))
             except Exception as exc:  # a broken method must not hide the others
                 failed = True
                 rows.append(Row(name, "reference", n, None, None, None, None, None, None, None,
                                 f"failed: {type(exc).__name__}: {exc}"))
         try:
-            plan = spec.fast_plan(q, k, **params)
+            view = spec.method_view("fast", q, k, v, params, with_recall=False)
+            plan = view.plan
             out, ms = _timed(lambda: spec.fast_run(q, k, v, **params), device, repeats)
-            rec = reference.recall(q, k, plan) if with_reference else fast.recall(q, k, plan)
-            same = None if ref_plan is None else plan.equal(ref_plan)
-            notes = ""
+            rec = None
+            if spec.plan_based and plan is not None:
+                rec = reference.recall(q, k, plan) if with_reference else fast.recall(q, k, plan)
+            same = None if ref_plan is None or plan is None else plan.equal(ref_plan)
+            notes = view.notes
             if same is False:
                 notes, bad = _explain_difference(spec, q, k, params, ref_plan, plan)
                 failed = failed or bad
             rows.append(Row(
-                name, backend, n, float(fast.density(plan).mean()), float(rec.mean()), float(rec.min()),
+                name, backend, n, float(view.density.mean()),
+                None if rec is None else float(rec.mean()), None if rec is None else float(rec.min()),
                 same, reference.relative_error(out, golden),
-                reference.relative_error(out, ref64) if with_reference and ref_plan is not None else None,
+                reference.relative_error(out, ref64) if with_reference and ref_view is not None else None,
                 ms, notes,
             ))
-            d0 = float(fast.density(plan)[0, 0])
-            panels.append((f"{name}\ndensity {d0:.1%}, recall {float(rec[0, 0].mean()):.3f}",
-                           plan_image(plan)))
+            d0 = float(view.density[0, 0])
+            if plan is not None:
+                what = f"recall {float(rec[0, 0].mean()):.3f}" if rec is not None else "exact keys shown"
+                panels.append((f"{name}\ndensity {d0:.1%}, {what}", plan_image(plan)))
         except Exception as exc:
             failed = True
             rows.append(Row(name, backend, n, None, None, None, None, None, None, None,

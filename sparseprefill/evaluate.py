@@ -205,8 +205,8 @@ class LayerRow:
     layer: int
     seqlen: int
     density: float
-    recall_mean: float
-    recall_min: float
+    recall_mean: float | None
+    recall_min: float | None
     output_error: float
     seconds: float
     params: dict[str, Any]
@@ -246,18 +246,25 @@ def method_table(
         for name in methods:
             spec = METHODS[name]
             params = method_params(name, n, overrides)
-            plan_fn = spec.fast_plan if backend == "fast" else spec.reference_plan
             start = time.perf_counter()
-            plan = plan_fn(q, k, **params)
-            out = impl.sparse_attention(q, k, v, plan, scale=scale)
+            if spec.plan_based:
+                plan = spec.plan_fn(backend)(q, k, **params)
+                out = impl.sparse_attention(q, k, v, plan, scale=scale)
+            else:
+                out = spec.run_fn(backend)(q, k, v, **params, scale=scale)
             if q.is_cuda:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            per_head = impl.recall(q, k, plan, scale=scale).double().mean(dim=2)
+            if spec.plan_based:
+                per_head: torch.Tensor | None = impl.recall(q, k, plan, scale=scale).double().mean(dim=2)
+                density = float(impl.density(plan).mean())
+            else:
+                per_head = None
+                density = float(spec.method_view(backend, q, k, v, params).density.mean())
             rows.append(LayerRow(
-                method=name, layer=int(layer), seqlen=n,
-                density=float(impl.density(plan).mean()),
-                recall_mean=float(per_head.mean()), recall_min=float(per_head.min()),
+                method=name, layer=int(layer), seqlen=n, density=density,
+                recall_mean=None if per_head is None else float(per_head.mean()),
+                recall_min=None if per_head is None else float(per_head.min()),
                 output_error=reference.relative_error(out, exact),
                 seconds=seconds, params=params,
             ))
@@ -268,8 +275,11 @@ def format_table(rows: Sequence[LayerRow]) -> str:
     """Markdown table of `method_table` rows."""
     lines = ["| method | layer | N | density | recall mean | recall min | output error |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r.method} | {r.layer} | {r.seqlen} | {r.density:.3f} | {r.recall_mean:.4f} | "
-              f"{r.recall_min:.4f} | {r.output_error:.2e} |" for r in rows]
+    def num(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.4f}"
+
+    lines += [f"| {r.method} | {r.layer} | {r.seqlen} | {r.density:.3f} | {num(r.recall_mean)} | "
+              f"{num(r.recall_min)} | {r.output_error:.2e} |" for r in rows]
     return "\n".join(lines)
 
 

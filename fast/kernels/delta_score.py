@@ -1,11 +1,9 @@
 """Triton kernels for DPXA (see `reference.dpxa` for the spec).
 
-1. `_delta_anchor_kernel`: per (tile, head), the sequential delta pre-processing of
-   section 4.1.1 over the tile's tokens (the tile's first token is an anchor, so tiles
-   run in parallel). The cosine test `x . a >= tau |x| |a|` is computed in float64, so
-   its decisions are those of the reference except where the two sides agree to
-   ~1e-15 (the token norms come from one float64 torch pass). Writes the anchor flags `[B, H, N]`, and per tile the anchors' positions
-   packed to the front (`[B, H, T, block]`) and their count (`[B, H, T]`).
+1. The anchors: Delta-KV's stage-1 kernel (`fast.kernels.delta_pack.keep_mask`, bit-
+   identical to `reference.delta_kv.delta_keep_mask`) with the tile as the chunk, on the
+   queries and on the keys; each tile's anchor positions are then packed to its front
+   (`[B, H, T, block]`) by a stable sort of the tile's flags, and counted (`[B, H, T]`).
 2. `_anchor_tile_score_kernel`: per (query tile, query head), for every causal key
    tile, the Q anchors of the query tile against the K anchors of the key tile,
    `BLOCK_A` packed anchors at a time (so the work is about `alpha * beta` of a full
@@ -16,7 +14,7 @@
 GQA maps query head `h` to KV head `h // G` (K anchors are computed once per KV
 head). No host synchronisation.
 
-Layout: kernels -> launchers (`delta_anchor_lists`, `dpxa_tile_weights`).
+Layout: kernel -> launchers (`delta_anchor_lists`, `dpxa_tile_weights`).
 """
 
 from __future__ import annotations
@@ -25,17 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...reference._checks import (
-    HALF_DTYPES,
-    check_fraction,
-    check_positive_int,
-    check_qk,
-    check_tensor,
-    resolve_scale,
-)
+from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
 from ...reference.dpxa import check_dpxa_params
 from ...reference.plan import cdiv
 from .block_column import check_kernel_device, interpreter_active
+from .delta_pack import keep_mask
 from .xattention_score import LOG2E, check_fast_block
 
 
@@ -45,57 +37,6 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
-
-
-@triton.jit
-def _delta_anchor_kernel(
-    X, NORM, TAU, KEEP, POS, COUNT,
-    seqlen, head_dim, num_heads, block, num_tiles, num_items,
-    stride_xb, stride_xh, stride_xn, stride_xd,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
-):
-    # BLOCK_T (batch, head, tile) items side by side, one position of each per step of
-    # the sequential scan.
-    o_i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    m_i = o_i < num_items
-    i_bh = o_i // num_tiles
-    i_t = o_i % num_tiles
-    i_b = i_bh // num_heads
-    i_h = i_bh % num_heads
-    o_d = tl.arange(0, HEAD_DIM)
-    m_d = o_d < head_dim
-    t0 = i_t * block
-    # Positions t0 + p < end exist; `end` is t0 for items past the last one.
-    end = tl.where(m_i, tl.minimum(t0 + block, seqlen), t0)
-    p_x = X + i_b.to(tl.int64)[:, None] * stride_xb + i_h.to(tl.int64)[:, None] * stride_xh \
-        + t0.to(tl.int64)[:, None] * stride_xn + o_d[None, :] * stride_xd
-    p_keep = KEEP + i_bh.to(tl.int64) * seqlen + t0
-    p_norm = NORM + i_bh.to(tl.int64) * seqlen + t0
-    p_pos = POS + o_i.to(tl.int64) * block
-    # float64, as the reference: a float argument would arrive rounded to fp32.
-    cos_threshold = tl.load(TAU)
-    # Sec. 4.1.1: the chunk's first token is the first anchor.
-    anchor = tl.load(p_x, mask=m_i[:, None] & m_d[None, :], other=0.0).to(tl.float64)
-    anchor_norm = tl.load(p_norm, mask=m_i, other=0.0)
-    tl.store(p_keep, tl.full([BLOCK_T], 1, tl.int8), mask=m_i)
-    tl.store(p_pos, t0, mask=m_i)
-    count = tl.full([BLOCK_T], 1, tl.int32)
-    pos = t0
-    for _ in range(1, tl.minimum(block, seqlen)):
-        pos += 1
-        p_x += stride_xn
-        m_p = pos < end
-        cur = tl.load(p_x, mask=m_p[:, None] & m_d[None, :], other=0.0).to(tl.float64)
-        cur_norm = tl.load(p_norm + (pos - t0), mask=m_p, other=0.0)
-        # Steps 1-3: a token at cosine >= tau from the anchor is dropped, any other
-        # becomes the anchor.
-        kept = m_p & (tl.sum(cur * anchor, 1) < cos_threshold * cur_norm * anchor_norm)
-        tl.store(p_keep + (pos - t0), kept.to(tl.int8), mask=m_p)
-        tl.store(p_pos + count, pos, mask=kept)
-        count += kept.to(tl.int32)
-        anchor = tl.where(kept[:, None], cur, anchor)
-        anchor_norm = tl.where(kept, cur_norm, anchor_norm)
-    tl.store(COUNT + o_i, count, mask=m_i)
 
 
 @triton.jit
@@ -163,62 +104,23 @@ def _anchor_tile_score_kernel(
 def delta_anchor_lists(
     x: torch.Tensor, *, cos_threshold: float, block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Delta anchors of `x: [B, H, N, D]` per tile of `block` tokens.
+    """Delta anchors of `x: [B, H, N, D]` per tile of `block` tokens, packed per tile.
 
     Returns:
-        (keep int8 `[B, H, N]`, positions int32 `[B, H, T, block]` packed to the front of
-        each tile, counts int32 `[B, H, T]`); positions past a count are unwritten.
+        (anchors bool `[B, H, N]`, positions int32 `[B, H, T, block]` with each tile's
+        anchors first, in order, counts int32 `[B, H, T]`).
     """
-    b, h, n, d = x.shape
+    b, h, n, _ = x.shape
     tiles = cdiv(n, block)
-    keep = torch.empty(b, h, n, dtype=torch.int8, device=x.device)
-    pos = torch.empty(b, h, tiles, block, dtype=torch.int32, device=x.device)
-    count = torch.empty(b, h, tiles, dtype=torch.int32, device=x.device)
-    tau = torch.full((1,), float(cos_threshold), dtype=torch.float64, device=x.device)
-    items = b * h * tiles
-    # Token norms in float64 (as the reference's), one pass before the sequential scan.
-    norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).contiguous()
-    # The interpreter's cost is per operation: there, scan every tile of every head at once.
-    block_t = min(1024, triton.next_power_of_2(items)) if interpreter_active() else 16
-    _delta_anchor_kernel[(triton.cdiv(items, block_t),)](
-        x, norm, tau, keep, pos, count, n, d, h, block, tiles, items, *x.stride(),
-        BLOCK_T=block_t, HEAD_DIM=max(16, triton.next_power_of_2(d)), num_warps=4,
-    )
-    return keep, pos, count
-
-
-def _check_x(x: object, block: int) -> torch.Tensor:
-    x = check_tensor("x", x, rank=4)
-    if x.dtype not in HALF_DTYPES:
-        raise TypeError(f"x must have dtype float16 or bfloat16, got {x.dtype}")
-    if 0 in x.shape:
-        raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
-    if x.shape[3] > 256:
-        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {x.shape[3]}")
-    check_kernel_device(x)
-    check_positive_int("block", block)
-    check_fast_block(block)
-    return x
-
-
-def delta_anchors(x: torch.Tensor, *, cos_threshold: float = 0.75, block: int = 128) -> torch.Tensor:
-    """Delta anchors per tile (see `reference.dpxa.delta_anchors`).
-
-    Args:
-        x: `[B, H, N, D]` float16/bfloat16 (queries or keys).
-        cos_threshold: in `[-1, 1]`.
-        block: tokens per tile, a multiple of 16.
-
-    Returns:
-        bool `[B, H, N]`, True at anchors.
-
-    Raises:
-        TypeError, ValueError: bad inputs or parameters.
-    """
-    x = _check_x(x, block)
-    tau = check_fraction("cos_threshold", cos_threshold, low=-1.0, high=1.0)
-    keep, _, _ = delta_anchor_lists(x, cos_threshold=tau, block=block)
-    return keep.bool()
+    keep, _ = keep_mask(x, threshold=cos_threshold, cosine=True, chunk=min(block, n))
+    padded = torch.zeros(b, h, tiles * block, dtype=torch.int8, device=x.device)
+    padded[:, :, :n] = keep.to(torch.int8)
+    padded = padded.view(b, h, tiles, block)
+    # A stable sort of the dropped flags puts each tile's anchors first, in order.
+    order = torch.sort(1 - padded, dim=-1, stable=True).indices
+    start = torch.arange(tiles, device=x.device, dtype=torch.int64)[:, None] * block
+    pos = (order + start).to(torch.int32)
+    return keep, pos, padded.sum(dim=-1, dtype=torch.int32)
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, threshold: float,

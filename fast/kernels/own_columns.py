@@ -88,14 +88,15 @@ def disjoint_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
         raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
     b, h, qb = plan.batch, plan.num_heads, plan.num_query_blocks
     width = plan.column_index.shape[3]
+    columns = plan.query_block_columns()
     count = torch.zeros(b, h, qb, dtype=torch.int32, device=plan.device)
     index = torch.zeros(b, h, qb, width, dtype=torch.int32, device=plan.device)
     if width > 0 and count.numel() > 0:
         _own_columns_kernel[(qb, b * h)](
-            plan.block_count, plan.block_index, plan.column_count, plan.column_index, count, index,
+            plan.block_count, plan.block_index, plan.column_count, columns, count, index,
             h, plan.block_n, width,
             *plan.block_count.stride(), *plan.block_index.stride(),
-            *plan.column_count.stride(), *plan.column_index.stride(),
+            *plan.column_count.stride(), *columns.stride(),
             CHUNK=_CHUNK, SEARCH_STEPS=max(1, plan.block_index.shape[3].bit_length()), num_warps=4,
         )
     out = BlockColumnPlan(

@@ -109,8 +109,12 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
         for key in params:
             if not isinstance(key, str):
                 raise TypeError(f"{where}: parameter names must be str, got {key!r}")
+        spec_ = METHODS[method]
         try:
-            inspect.signature(METHODS[method].reference_plan).bind(None, None, **params)
+            if spec_.plan_based:
+                inspect.signature(spec_.plan_fn("reference")).bind(None, None, **params)
+            else:
+                inspect.signature(spec_.reference_run).bind(None, None, None, **params)
         except TypeError as exc:
             raise TypeError(f"{where}: bad parameters for {method!r}: {exc}") from None
         return Choice(method, params)
@@ -155,6 +159,8 @@ def stack_plans(plans: Sequence[BlockColumnPlan]) -> BlockColumnPlan:
                 f"{(first.seqlen, first.block_m, first.block_n, first.batch)} and "
                 f"{(p.seqlen, p.block_m, p.block_n, p.batch)}"
             )
+
+    plans = [p.ungrouped() for p in plans]
 
     def cat(name: str, pad: bool) -> torch.Tensor:
         parts = [getattr(p, name) for p in plans]
@@ -359,6 +365,13 @@ class SparsePrefillAttention:
         out_dtype = q.dtype
         if use_fast and q.dtype not in HALF_DTYPES:
             q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
+        first = choices[0]
+        spec = METHODS[first.method]
+        if not spec.plan_based and all(c == first for c in choices):
+            # A method that is not one plan's attention (Delta-KV) runs end to end.
+            run = spec.run_fn("fast" if use_fast else "reference")
+            result: torch.Tensor = run(q, k, v, **_resolve_params(first, int(q.shape[2])), scale=scale)
+            return result.to(out_dtype)
         plan = build_plan(q, k, choices, fast_plans=use_fast)
         impl = fast if use_fast else reference
         out: torch.Tensor = impl.sparse_attention(q, k, v, plan, scale=scale)
@@ -412,7 +425,10 @@ def build_plan(
 
     def plan_fn(choice: Choice) -> Callable[..., BlockColumnPlan]:
         spec = METHODS[choice.method]
-        return spec.fast_plan if fast_plans else spec.reference_plan
+        if not spec.plan_based:
+            raise ValueError(f"method {choice.method!r} has no plan, so it cannot share a layer with other "
+                             "methods per head; give every head of the layer the same method")
+        return spec.plan_fn("fast" if fast_plans else "reference")
 
     first = choices[0]
     if all(c == first for c in choices):
