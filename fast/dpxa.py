@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qk, check_qkv
+from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
 from ..reference.dpxa import check_dpxa_params
 from ..reference.plan import BlockColumnPlan
-from .kernels import block_column_attention
+from .kernels import block_column_attention, check_forward_only, check_kernel_device
 from .kernels.delta_score import dpxa_scoring_ratio, dpxa_tile_weights
 from .kernels.xattention_score import check_fast_block
 from .xattention import select_tiles, tiles_to_plan
@@ -40,7 +40,8 @@ def dpxa_plan(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
+    cos_threshold, threshold, block = check_dpxa_params(cos_threshold=cos_threshold,
+                                                        threshold=threshold, block=block)
     check_fast_block(block)
     weights = dpxa_tile_weights(q, k, cos_threshold=cos_threshold, block=block, scale=scale)
     return tiles_to_plan(select_tiles(weights, threshold), seqlen=shape.seqlen, block=block)
@@ -64,9 +65,12 @@ def dpxa(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
     check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
     check_fast_block(block)
+    check_kernel_device(q)
+    check_forward_only(q, k, v)
+    resolve_scale(scale, shape.head_dim)
     plan = dpxa_plan(q, k, cos_threshold=cos_threshold, threshold=threshold, block=block, scale=scale)
     out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
     return out

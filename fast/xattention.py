@@ -18,11 +18,11 @@ import math
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qk, check_qkv
-from ..reference.plan import BlockColumnPlan, mask_to_list
+from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
+from ..reference.plan import BlockColumnPlan, mask_to_list, rank_nan_last
 from ..reference.xattention import check_threshold, check_xattention_params
 from .dense import empty_columns
-from .kernels import block_column_attention
+from .kernels import block_column_attention, check_forward_only, check_kernel_device
 from .kernels.xattention_score import check_fast_block, xattention_tile_weights
 
 __all__ = ["select_tiles", "xattention", "xattention_plan", "xattention_tile_weights"]
@@ -62,7 +62,9 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
         c = idx[None, :] <= qi[:, None]
         forced = (idx[None, :] == 0) | (idx[None, :] == qi[:, None])
         w = torch.where(c, flat_w[r0:r1], 0.0)
-        ranked = torch.where(forced, math.inf, torch.where(c, w, -math.inf))
+        # NaN weights (NaN in q or k) rank last and count as 0, as in the reference.
+        ranked = torch.where(forced, math.inf, torch.where(c, rank_nan_last(w), -math.inf))
+        w = torch.nan_to_num(w, nan=0.0)
         order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
         taken = torch.gather(w, -1, order).to(torch.float64)
         before = taken.cumsum(dim=-1) - taken
@@ -98,7 +100,8 @@ def xattention_plan(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
+    stride, threshold, block, scoring = check_xattention_params(
+        stride=stride, threshold=threshold, block=block, scoring=scoring)
     check_fast_block(block)
     weights = xattention_tile_weights(q, k, stride=stride, block=block, scoring=scoring, scale=scale)
     return tiles_to_plan(select_tiles(weights, threshold), seqlen=shape.seqlen, block=block)
@@ -123,9 +126,12 @@ def xattention(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
     check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
     check_fast_block(block)
+    check_kernel_device(q)
+    check_forward_only(q, k, v)
+    resolve_scale(scale, shape.head_dim)
     plan = xattention_plan(q, k, stride=stride, threshold=threshold, block=block, scoring=scoring,
                            scale=scale)
     out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)

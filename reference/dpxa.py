@@ -14,7 +14,9 @@ scaled scores `scale * q_a . k_b` over the Q anchors `a` of tile `i` and the K a
 `b` of tile `j` with `b <= a` (each entry is one cell of the full tile, so causality
 is per token). No count weighting. For stability every query tile's scores are
 shifted by their maximum over the whole row of tiles, which the normalisation below
-cancels.
+cancels. A non-finite score (NaN or infinity in q or k) weighs nothing; a query tile
+without any finite score gets a NaN row, and `select_tiles` keeps every causal tile
+there.
 
 Tile weights: each query tile's row of scores divided by its sum (the input of
 XAttention's greedy selection, which normalises by the row total); selection is
@@ -31,18 +33,22 @@ import math
 
 import torch
 
-from ._checks import check_fraction, check_positive_int, check_qk, resolve_scale
+from ._checks import check_block_size, check_fraction, check_qk, resolve_scale
 from .attention import sparse_attention
 from .delta_kv import delta_keep_mask
 from .plan import BlockColumnPlan, cdiv
 from .xattention import check_threshold, normalize_rows, select_tiles, tiles_to_plan
 
 
-def check_dpxa_params(*, cos_threshold: float, threshold: float, block: int) -> None:
-    """Raise TypeError/ValueError naming the first bad DPXA parameter."""
-    check_fraction("cos_threshold", cos_threshold, low=-1.0, high=1.0)
-    check_threshold(threshold)
-    check_positive_int("block", block)
+def check_dpxa_params(*, cos_threshold: object, threshold: object, block: object) -> tuple[float, float, int]:
+    """Check the DPXA parameters; return `(cos_threshold, threshold, block)`.
+
+    Raises:
+        TypeError, ValueError: naming the first bad parameter.
+    """
+    cos = check_fraction("cos_threshold", cos_threshold, low=-1.0, high=1.0)
+    tau = check_threshold(threshold)
+    return cos, tau, check_block_size("block", block)
 
 
 def dpxa_anchors(x: torch.Tensor, *, cos_threshold: float, block: int) -> torch.Tensor:
@@ -75,8 +81,6 @@ def anchor_tile_scores(
     g = hq // hkv
     tiles = cdiv(n, block)
     key_tile = torch.div(torch.arange(n, device=q.device), block, rounding_mode="floor")
-    one_hot = torch.zeros(n, tiles, dtype=torch.float64, device=q.device)
-    one_hot[torch.arange(n, device=q.device), key_tile] = 1.0
     k64 = k.to(torch.float64).unsqueeze(2)
     k_mask = k_anchors.unsqueeze(2)
     out = torch.zeros(b, hkv, g, tiles, tiles, dtype=torch.float64, device=q.device)
@@ -87,11 +91,12 @@ def anchor_tile_scores(
         rows = torch.arange(r0, r1, device=q.device)
         causal = torch.arange(r1, device=q.device)[None, :] <= rows[:, None]
         pair = q_anchors[:, :, r0:r1].reshape(b, hkv, g, r1 - r0, 1) & k_mask[..., :r1].unsqueeze(-2)
-        scores = scores.masked_fill(~(pair & causal), -math.inf)
-        # The row's first query anchor and the tile's first key pair up: the max is finite.
+        # A non-finite score (NaN or infinity in q or k) weighs nothing.
+        scores = scores.masked_fill(~(pair & causal & torch.isfinite(scores)), -math.inf)
+        # Finite unless no pair of the row has a finite score; the row is then NaN.
         row_max = scores.amax(dim=(-2, -1), keepdim=True)
         mass = torch.exp(scores - row_max).sum(dim=-2)
-        out[:, :, :, i] = mass @ one_hot[:r1]
+        out[:, :, :, i] = torch.zeros_like(out[:, :, :, i]).index_add_(-1, key_tile[:r1], mass)
     return out.reshape(b, hq, tiles, tiles)
 
 
@@ -119,7 +124,7 @@ def dpxa_tile_weights(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k)
-    check_dpxa_params(cos_threshold=cos_threshold, threshold=1.0, block=block)
+    cos_threshold, _, block = check_dpxa_params(cos_threshold=cos_threshold, threshold=1.0, block=block)
     sm_scale = resolve_scale(scale, shape.head_dim)
     q_anchors = dpxa_anchors(q, cos_threshold=cos_threshold, block=block)
     k_anchors = dpxa_anchors(k, cos_threshold=cos_threshold, block=block)
@@ -147,7 +152,7 @@ def dpxa_scoring_ratio(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k)
-    check_dpxa_params(cos_threshold=cos_threshold, threshold=1.0, block=block)
+    cos_threshold, _, block = check_dpxa_params(cos_threshold=cos_threshold, threshold=1.0, block=block)
     alpha = dpxa_anchors(q, cos_threshold=cos_threshold, block=block).to(torch.float64).mean(-1)
     beta = dpxa_anchors(k, cos_threshold=cos_threshold, block=block).to(torch.float64).mean(-1)
     return alpha * beta.repeat_interleave(shape.group, dim=1)
@@ -178,7 +183,8 @@ def dpxa_plan(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k)
-    check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
+    cos_threshold, threshold, block = check_dpxa_params(cos_threshold=cos_threshold,
+                                                        threshold=threshold, block=block)
     weights = dpxa_tile_weights(q, k, cos_threshold=cos_threshold, block=block, scale=scale)
     return tiles_to_plan(select_tiles(weights, threshold), seqlen=shape.seqlen, block=block)
 

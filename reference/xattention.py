@@ -16,6 +16,10 @@ Scores, one per (query group, key group), "stride level" (section 2.5, Figure 6)
 * `scoring="naive"`: the thesis's ablation (section 4.3): every group keeps its first
   token only, no head-dim expansion: `scale * q[start_g] . k[start_h]`.
 
+A non-finite score (NaN or infinity in q or k) counts as `-inf`: it weighs nothing.
+A query group left without any finite score makes its query tile's row of weights NaN,
+and `select_tiles` keeps every causal tile there.
+
 Causality is decided per group, as in the authors' code: key group `h` is visible to
 query group `g` iff it starts no later (`start_h <= start_g`), so the diagonal group's
 antidiagonal includes products with keys after the query (the diagonal tile is
@@ -32,6 +36,7 @@ and the diagonal tile are always kept; the other causal tiles are taken in desce
 weight (ties: lower index first), a tile being kept iff the weight of the tiles taken
 before it (forced ones included) is below `threshold` (so the tile that crosses it is
 kept, as in the authors' `find_blocks_chunked`). `threshold = 1` keeps every causal tile.
+NaN weights (from NaN in q or k) rank last and count as 0.
 
 The plan has `block_m = block_n = block` and no columns.
 """
@@ -42,9 +47,9 @@ import math
 
 import torch
 
-from ._checks import check_fraction, check_positive_int, check_qk, resolve_scale
+from ._checks import check_block_size, check_count, check_fraction, check_qk, resolve_scale
 from .attention import sparse_attention
-from .plan import BlockColumnPlan, cdiv
+from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
 SCORINGS = ("antidiagonal", "naive")
 
@@ -57,17 +62,25 @@ def check_threshold(threshold: object) -> float:
     return value
 
 
-def check_xattention_params(*, stride: int, threshold: float, block: int, scoring: str) -> None:
-    """Raise TypeError/ValueError naming the first bad XAttention parameter."""
-    bs = check_positive_int("block", block)
-    s = check_positive_int("stride", stride)
-    if s > bs:
-        raise ValueError(f"stride must be <= block ({bs}), got {s}")
-    check_threshold(threshold)
+def check_xattention_params(
+    *, stride: object, threshold: object, block: object, scoring: object
+) -> tuple[int, float, int, str]:
+    """Check the XAttention parameters; return `(stride, threshold, block, scoring)`.
+
+    A group never outgrows its tile, so strides past `block` mean `block` (and are
+    clamped to it before any arithmetic).
+
+    Raises:
+        TypeError, ValueError: naming the first bad parameter.
+    """
+    bs = check_block_size("block", block)
+    s = check_count("stride", stride, cap=bs)
+    tau = check_threshold(threshold)
     if not isinstance(scoring, str):
         raise TypeError(f"scoring must be a str, got {type(scoring).__name__}")
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    return s, tau, bs, scoring
 
 
 def stride_groups(seqlen: int, *, block: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +130,8 @@ def stride_scores(
 
     Returns:
         float64 `[B, Hq, G, G]`; entry `(g, h)` is query group `g` against key group
-        `h`, `-inf` where key group `h` starts after query group `g`.
+        `h`, `-inf` where key group `h` starts after query group `g` or where the score
+        is not finite.
     """
     b, hq, n, d = q.shape
     hkv = k.shape[1]
@@ -138,6 +152,8 @@ def stride_scores(
     scores = torch.matmul(q_packed.reshape(b, hkv, g, ng, -1),
                           k_packed.unsqueeze(2).transpose(-1, -2)) * logit_scale
     visible = (start[None, :] <= start[:, None]).to(q.device)
+    # A non-finite score (NaN or infinity in q or k) weighs nothing in the estimate.
+    visible = visible & torch.isfinite(scores)
     return scores.masked_fill(~visible, -math.inf).reshape(b, hq, ng, ng)
 
 
@@ -148,11 +164,16 @@ def tile_of_groups(seqlen: int, *, block: int, stride: int) -> torch.Tensor:
 
 
 def sum_into_tiles(probs: torch.Tensor, tile: torch.Tensor, tiles: int) -> torch.Tensor:
-    """Sum stride-level entries `[B, H, G, G]` into tiles: float64 `[B, H, T, T]`."""
+    """Sum stride-level entries `[B, H, G, G]` into tiles: float64 `[B, H, T, T]`.
+
+    (An index sum, not a product with a one-hot matrix: a NaN stays in its own tile.)
+    """
     b, h, ng, _ = probs.shape
-    one_hot = torch.zeros(ng, tiles, dtype=torch.float64, device=probs.device)
-    one_hot[torch.arange(ng), tile.to(probs.device)] = 1.0
-    return one_hot.T @ probs @ one_hot
+    tile = tile.to(probs.device)
+    by_key = torch.zeros(b, h, ng, tiles, dtype=torch.float64, device=probs.device)
+    by_key.index_add_(3, tile, probs.to(torch.float64))
+    out = torch.zeros(b, h, tiles, tiles, dtype=torch.float64, device=probs.device)
+    return out.index_add_(2, tile, by_key)
 
 
 def normalize_rows(sums: torch.Tensor) -> torch.Tensor:
@@ -173,7 +194,7 @@ def xattention_tile_weights(
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]` (GQA: query head `h` uses KV head `h // G`).
-        stride: tokens per group (`1 <= stride <= block`).
+        stride: tokens per group (>= 1; values past `block` mean `block`).
         block: tokens per tile.
         scoring: "antidiagonal" (XAttention) or "naive" (first token of every group).
         scale: softmax scale, `1/sqrt(D)` if None.
@@ -186,7 +207,8 @@ def xattention_tile_weights(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k)
-    check_xattention_params(stride=stride, threshold=1.0, block=block, scoring=scoring)
+    stride, _, block, scoring = check_xattention_params(stride=stride, threshold=1.0, block=block,
+                                                        scoring=scoring)
     sm_scale = resolve_scale(scale, shape.head_dim)
     n = shape.seqlen
     scores = stride_scores(q, k, block=block, stride=stride, scoring=scoring, scale=sm_scale)
@@ -207,7 +229,8 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
     Returns:
         bool `[B, H, T, T]`: per query tile `i`, tile 0, tile `i`, and the other causal
         tiles in descending weight (lower index first at ties) while the weight taken
-        before each is below `threshold`; every causal tile when `threshold == 1`.
+        before each is below `threshold`; every causal tile when `threshold == 1`. A
+        NaN weight (NaN in q or k) ranks last and counts as 0.
 
     Raises:
         TypeError, ValueError: a bad threshold or weights not `[B, H, T, T]`.
@@ -222,7 +245,8 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
     if tau >= 1.0:
         return causal.expand(weights.shape).clone()
     w = torch.where(causal, weights.to(torch.float64), 0.0)
-    ranked = torch.where(forced, math.inf, torch.where(causal, w, -math.inf))
+    ranked = torch.where(forced, math.inf, torch.where(causal, rank_nan_last(w), -math.inf))
+    w = torch.nan_to_num(w, nan=0.0)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     taken = torch.gather(w, -1, order)
     before = taken.cumsum(dim=-1) - taken
@@ -251,7 +275,7 @@ def xattention_plan(
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
-        stride: tokens per group (`1 <= stride <= block`); XAttention uses 8 or 16.
+        stride: tokens per group (>= 1, past `block` means `block`); XAttention uses 8 or 16.
         threshold: cumulative tile weight to reach per query tile, in `(0, 1]`.
         block: tokens per tile (the plan's `block_m` and `block_n`).
         scoring: "antidiagonal" (XAttention) or "naive" (thesis's ablation).
@@ -264,7 +288,8 @@ def xattention_plan(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k)
-    check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
+    stride, threshold, block, scoring = check_xattention_params(
+        stride=stride, threshold=threshold, block=block, scoring=scoring)
     weights = xattention_tile_weights(q, k, stride=stride, block=block, scoring=scoring, scale=scale)
     return tiles_to_plan(select_tiles(weights, threshold), seqlen=shape.seqlen, block=block)
 

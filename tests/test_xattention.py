@@ -254,6 +254,29 @@ def test_end_to_end_nan_poisoned(method: str) -> None:
     assert ratio <= 1.0
 
 
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_nonfinite_inputs_weigh_nothing_in_both_packages(where: str, value: float) -> None:
+    """A NaN or infinite score weighs nothing; a query tile left without a finite score
+    keeps every causal tile; fast and reference plans agree and keep the forced tiles."""
+    q, k, _ = _qk(1, 2, 1, 70, 32, seed=7)
+    (q if where == "q" else k)[0, 0, 37, 3] = value
+    for name, params in (("xattention", {"block": 16, "stride": 4, "threshold": 0.5}),
+                         ("dpxa", {"block": 16, "cos_threshold": 0.5, "threshold": 0.5})):
+        ref = METHODS[name].reference_plan(q, k, **params)
+        got = METHODS[name].fast_plan(q, k, **params)
+        assert ref.equal(got), f"{name}: {value} in {where}"
+        keep = ref.block_mask()
+        assert bool(keep[..., torch.arange(5), torch.arange(5)].all()) and bool(keep[..., 0].all())
+    weights = reference.xattention_tile_weights(q, k, block=16, stride=4)
+    nan_rows = weights.isnan().any(-1)[0, 0].tolist()
+    # Token 37's query group has no finite score only when q itself is non-finite.
+    assert nan_rows == ([False, False, True, False, False] if where == "q" else [False] * 5)
+    if where == "q":
+        plan = reference.xattention_plan(q, k, block=16, stride=4, threshold=0.5)
+        assert plan.block_mask()[0, 0, 2].tolist() == [True, True, True, False, False]
+
+
 # -- the tie checks reject what they must -------------------------------------------
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
 from ...reference.dpxa import check_dpxa_params
 from ...reference.plan import cdiv
-from .block_column import check_kernel_device, interpreter_active
+from .block_column import check_forward_only, check_kernel_device, interpreter_active
 from .delta_pack import keep_mask
 from .xattention_score import LOG2E, check_fast_block
 
@@ -88,8 +88,11 @@ def _anchor_tile_score_kernel(
                 b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn,
                               mask=m_ka[None, :] & m_d[:, None], other=0.0)
                 # Sec. 4.3: one cell of the full tile per anchor pair; causal per token.
-                valid = m_qa[:, None] & m_ka[None, :] & (k_pos[None, :] <= q_pos[:, None])
-                b_s = tl.where(valid, _dot(b_q, b_k, DOT_F32) * qk_scale, float("-inf"))
+                b_s = _dot(b_q, b_k, DOT_F32) * qk_scale
+                # A non-finite score (NaN or infinity in q or k) weighs nothing.
+                valid = m_qa[:, None] & m_ka[None, :] & (k_pos[None, :] <= q_pos[:, None]) \
+                    & (tl.abs(b_s) < float("inf"))
+                b_s = tl.where(valid, b_s, float("-inf"))
                 m_new = tl.maximum(m_run, tl.max(b_s))
                 m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
                 b_p = tl.reshape(tl.math.exp2(b_s - m_shift), (BLOCK_A, BLOCK_J, BLOCK_A))
@@ -124,13 +127,15 @@ def delta_anchor_lists(
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, threshold: float,
-              block: int) -> None:
+              block: int) -> tuple[float, int]:
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_kernel_device(q)
-    check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
-    check_fast_block(block)
+    check_forward_only(q, k)
+    cos, _, bs = check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
+    check_fast_block(bs)
     if shape.head_dim > 256:
         raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
+    return cos, bs
 
 
 def dpxa_tile_weights(
@@ -155,7 +160,7 @@ def dpxa_tile_weights(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    _check_qk(q, k, cos_threshold=cos_threshold, threshold=1.0, block=block)
+    cos_threshold, block = _check_qk(q, k, cos_threshold=cos_threshold, threshold=1.0, block=block)
     sm_scale = resolve_scale(scale, q.shape[3])
     b, hq, n, d = q.shape
     hkv = k.shape[1]
@@ -199,7 +204,7 @@ def dpxa_scoring_ratio(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    _check_qk(q, k, cos_threshold=cos_threshold, threshold=1.0, block=block)
+    cos_threshold, block = _check_qk(q, k, cos_threshold=cos_threshold, threshold=1.0, block=block)
     n = q.shape[2]
     g = q.shape[1] // k.shape[1]
     _, _, q_count = delta_anchor_lists(q, cos_threshold=cos_threshold, block=block)

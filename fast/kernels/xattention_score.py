@@ -30,7 +30,7 @@ import triton.language as tl
 from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
 from ...reference.plan import cdiv
 from ...reference.xattention import check_xattention_params
-from .block_column import check_kernel_device, interpreter_active
+from .block_column import check_forward_only, check_kernel_device, interpreter_active
 
 LOG2E = 1.4426950408889634
 # Largest per-launch [B, H, G, T] fp32 scratch of row-tile log-sum-exps.
@@ -114,8 +114,11 @@ def _row_tile_lse_kernel(
             b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn,
                           mask=m_k[None, :] & m_d[:, None], other=0.0)
             b_s += _dot(b_q, b_k, DOT_F32)
-        visible = m_r[:, None] & m_c[None, :] & (c_start[None, :] <= r_start[:, None])
-        b_s = tl.where(visible, b_s * qk_scale, float("-inf"))
+        b_s = b_s * qk_scale
+        # A non-finite score (NaN or infinity in q or k) weighs nothing, as in the reference.
+        visible = m_r[:, None] & m_c[None, :] & (c_start[None, :] <= r_start[:, None]) \
+            & (tl.abs(b_s) < float("inf"))
+        b_s = tl.where(visible, b_s, float("-inf"))
         b_s3 = tl.reshape(b_s, (BLOCK_R, TILES_PER_STEP, GPT_PAD))
         t_max = tl.max(b_s3, 2)
         t_shift = tl.where(t_max == float("-inf"), 0.0, t_max)
@@ -128,8 +131,8 @@ def _row_tile_lse_kernel(
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.math.exp2(m_i - m_shift) + tl.sum(tl.math.exp2(t_lse - m_shift[:, None]), 1)
         m_i = m_new
-    # Every real group sees its own first key group: l_i > 0 there.
-    row_lse = m_i + tl.math.log2(tl.where(m_r, l_i, 1.0))
+    # l_i > 0 unless a group has no finite score: its lse is then -inf, its weights NaN.
+    row_lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     tl.store(ROW_LSE + i_bh.to(tl.int64) * num_rows + o_r, row_lse, mask=m_r)
 
 
@@ -173,7 +176,7 @@ def xattention_tile_weights(
 
     Args:
         q: `[B, Hq, N, D]` float16/bfloat16; k: `[B, Hkv, N, D]`.
-        stride: tokens per group (`1 <= stride <= block`).
+        stride: tokens per group (>= 1; values past `block` mean `block`).
         block: tokens per tile, a multiple of 16.
         scoring: "antidiagonal" or "naive".
         scale: softmax scale, `1/sqrt(D)` if None.
@@ -188,7 +191,9 @@ def xattention_tile_weights(
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_kernel_device(q)
-    check_xattention_params(stride=stride, threshold=1.0, block=block, scoring=scoring)
+    check_forward_only(q, k)
+    stride, _, block, scoring = check_xattention_params(stride=stride, threshold=1.0, block=block,
+                                                        scoring=scoring)
     check_fast_block(block)
     if shape.head_dim > 256:
         raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
