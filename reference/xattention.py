@@ -114,7 +114,8 @@ def group_tokens(x: torch.Tensor, start: torch.Tensor, size: torch.Tensor, strid
     pos = start[:, None] + torch.arange(stride)[None, :]
     present = torch.arange(stride)[None, :] < size[:, None]
     gathered = x.to(torch.float64)[:, :, pos.clamp(max=n - 1).to(x.device)]
-    return gathered * present.to(x.device)[None, None, :, :, None]
+    # where, not a product: a slot past its group must not carry another token's NaN.
+    return torch.where(present.to(x.device)[None, None, :, :, None], gathered, 0.0)
 
 
 def stride_scores(

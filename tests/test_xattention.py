@@ -268,6 +268,9 @@ def test_nonfinite_inputs_weigh_nothing_in_both_packages(where: str, value: floa
         assert ref.equal(got), f"{name}: {value} in {where}"
         keep = ref.block_mask()
         assert bool(keep[..., torch.arange(5), torch.arange(5)].all()) and bool(keep[..., 0].all())
+    for stride in (3, 5):  # groups that end short at tile ends: padding must stay clean
+        ref = reference.xattention_plan(q, k, block=16, stride=stride, threshold=0.5)
+        assert ref.equal(fast.xattention_plan(q, k, block=16, stride=stride, threshold=0.5))
     weights = reference.xattention_tile_weights(q, k, block=16, stride=4)
     nan_rows = weights.isnan().any(-1)[0, 0].tolist()
     # Token 37's query group has no finite score only when q itself is non-finite.
