@@ -280,6 +280,16 @@ def test_nonfinite_inputs_weigh_nothing_in_both_packages(where: str, value: floa
         assert plan.block_mask()[0, 0, 2].tolist() == [True, True, True, False, False]
 
 
+def test_short_group_padding_does_not_read_the_next_tile() -> None:
+    """Stride 5 in 16-token tiles: tile 2's last group is token 47 alone; its padding slots
+    must not pick up token 48 (tile 3), here NaN."""
+    q, k, _ = _qk(1, 1, 1, 64, 16, seed=8)
+    q[0, 0, 48] = math.nan
+    for pkg in (reference, fast):
+        weights = pkg.xattention_tile_weights(q, k, block=16, stride=5)
+        assert weights.isnan().any(-1)[0, 0].tolist() == [False, False, False, True]
+
+
 # -- the tie checks reject what they must -------------------------------------------
 
 
