@@ -20,7 +20,7 @@ import torch
 
 from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
 from ..reference.plan import BlockColumnPlan, mask_to_list, rank_nan_last
-from ..reference.xattention import check_threshold, check_xattention_params
+from ..reference.xattention import check_threshold, check_weights, check_xattention_params
 from .dense import empty_columns
 from .kernels import block_column_attention, check_forward_only, check_kernel_device
 from .kernels.xattention_score import check_fast_block, xattention_tile_weights
@@ -45,8 +45,7 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
         TypeError, ValueError: a bad threshold or weights not `[B, H, T, T]`.
     """
     tau = check_threshold(threshold)
-    if weights.dim() != 4 or weights.shape[2] != weights.shape[3]:
-        raise ValueError(f"weights must have shape [B, H, T, T], got {tuple(weights.shape)}")
+    check_weights(weights)
     b, h, tiles, _ = weights.shape
     idx = torch.arange(tiles, device=weights.device)
     causal = idx[None, :] <= idx[:, None]

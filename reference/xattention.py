@@ -47,7 +47,14 @@ import math
 
 import torch
 
-from ._checks import check_block_size, check_count, check_fraction, check_qk, resolve_scale
+from ._checks import (
+    check_block_size,
+    check_count,
+    check_fraction,
+    check_qk,
+    check_tensor,
+    resolve_scale,
+)
 from .attention import sparse_attention
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
@@ -60,6 +67,16 @@ def check_threshold(threshold: object) -> float:
     if value <= 0.0:
         raise ValueError(f"threshold must lie in (0, 1], got {threshold}")
     return value
+
+
+def check_weights(weights: object) -> torch.Tensor:
+    """Tile weights: a float tensor `[B, H, T, T]`, else TypeError/ValueError naming `weights`."""
+    weights = check_tensor("weights", weights, rank=4)
+    if not weights.is_floating_point():
+        raise TypeError(f"weights must be a float tensor, got {weights.dtype}")
+    if weights.shape[2] != weights.shape[3]:
+        raise ValueError(f"weights must have shape [B, H, T, T], got {tuple(weights.shape)}")
+    return weights
 
 
 def check_xattention_params(
@@ -237,8 +254,7 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
         TypeError, ValueError: a bad threshold or weights not `[B, H, T, T]`.
     """
     tau = check_threshold(threshold)
-    if weights.dim() != 4 or weights.shape[2] != weights.shape[3]:
-        raise ValueError(f"weights must have shape [B, H, T, T], got {tuple(weights.shape)}")
+    check_weights(weights)
     tiles = weights.shape[-1]
     idx = torch.arange(tiles, device=weights.device)
     causal = idx[None, :] <= idx[:, None]

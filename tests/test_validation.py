@@ -148,6 +148,7 @@ COVERED_ELSEWHERE = {
     "delta_pack": "tests/test_delta_kv.py",
     "delta_kv_plans": "tests/test_delta_kv.py",
     "delta_kv_density": "tests/test_delta_kv.py",
+    "select_tiles": "tests/test_xattention.py",
 }
 
 
