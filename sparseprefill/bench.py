@@ -373,6 +373,104 @@ def run_minference_suite(
     return rows
 
 
+def cudnn_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, log: Callable[[str], None]) -> Row:
+    """cuDNN SDPA (causal, K/V expanded to the query heads outside the timed region)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    b, hq, n, d = q.shape
+    g = hq // k.shape[1]
+    ms = float("nan")
+    try:
+        ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+
+        def cudnn() -> Any:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+
+        ms = _bench_ms(cudnn)
+        del ke, ve
+    except (RuntimeError, torch.OutOfMemoryError) as exc:
+        log(f"cuDNN failed at N={n}: {exc}")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return Row("dense", "cuDNN SDPA", n, 1.0, 1.0, 1.0, ms, None, 4 * d * b * hq * n * (n + 1) / 2 / ms / 1e9, 1.0)
+
+
+DELTA_KV_THRESHOLDS = (0.9, 0.83, 0.78)
+
+
+def run_delta_kv_suite(
+    seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
+    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, with_recall: bool = True,
+    log: Callable[[str], None] = print, thresholds: tuple[float, ...] = DELTA_KV_THRESHOLDS,
+    device: str = "cuda",
+) -> list[Row]:
+    """Delta-KV (issue 12) end to end on the demo's workload, cosine thresholds of the thesis.
+
+    Split: keep mask, packing, phase 1 (packed anchors), phase 2 (critical diagonal);
+    cuDNN SDPA in the same run; density is the score entries both phases compute, so
+    `density x cuDNN` is the floor; the keep ratio is reported beside it.
+    """
+    from . import fast
+    from .demo import Shape, synthetic_qkv
+    from .fast.kernels import block_column_attention
+    from .fast.kernels.block_column import ragged_block_column_attention
+    from .fast.kernels.delta_pack import keep_mask, pack
+    from .reference.attention import AttentionState
+
+    dev = torch.device(device)
+    rows: list[Row] = []
+    for n in seqlens:
+        q, k, v = synthetic_qkv(Shape(batch, q_heads, kv_heads, n, head_dim, dtype), device=dev)
+        base = cudnn_row(q, k, v, log=log)
+        rows.append(base)
+        for threshold in thresholds:
+            def mask() -> Any:
+                return keep_mask(k, threshold=threshold, cosine=True, chunk=512)
+
+            keep, chunk_counts = mask()
+            packed = pack(k, v, keep, chunk_counts, chunk=512, block=64)
+            plan1, plan2 = fast.delta_kv_plans(q, packed, block_m=64)
+            bias = torch.log(packed.counts.to(torch.float32))
+            offsets = packed.offsets[:-1].contiguous()
+
+            def phase1() -> Any:
+                state = AttentionState.like(q)
+                ragged_block_column_attention(q, packed.k, packed.v, offsets, plan1, key_bias=bias, state=state)
+                return state
+
+            state = phase1()
+
+            def phase2() -> Any:
+                return block_column_attention(q, k, v, plan2, state=state.clone(), validate_plan=False)
+
+            def e2e() -> Any:
+                return fast.delta_kv(q, k, v, threshold=threshold, metric="cosine")
+
+            split = {"keep_mask_ms": _bench_ms(mask),
+                     "pack_ms": _bench_ms(lambda: pack(k, v, keep, chunk_counts, chunk=512, block=64)),
+                     "plans_ms": _bench_ms(lambda: fast.delta_kv_plans(q, packed, block_m=64)),
+                     "phase1_ms": _bench_ms(phase1), "phase2_ms": _bench_ms(phase2),
+                     "keep_ratio": float(packed.keep_ratio().mean()), "threshold": threshold}
+            ms = _bench_ms(e2e)
+            dens = float(fast.delta_kv_density(q, packed, block_m=64).mean())
+            out = e2e()
+            exact = block_column_attention(q, k, v, fast.dense_plan(q, k), validate_plan=False)[0]
+            split["rel_err_vs_dense"] = float((out.float() - exact.float()).norm() / exact.float().norm())
+            split["floor_ms"] = dens * base.ms
+            rows.append(Row(f"delta_kv cos {threshold}", "sparseprefill", n, dens, None, None, ms,
+                            split["keep_mask_ms"] + split["pack_ms"] + split["plans_ms"],
+                            4 * head_dim * dens * batch * q_heads * n * (n + 1) / 2 / ms / 1e9,
+                            base.ms / ms, split))
+            log(f"N={n}: delta_kv cos {threshold} {ms:.2f} ms {split}")
+            del keep, packed, plan1, plan2, state
+        del q, k, v
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _flex_row(flex_fn: Any, name: str, plan: BlockColumnPlan, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, add: Callable[..., None],
               kernel: Callable[[BlockColumnPlan], Callable[[], Any]]) -> None:
@@ -419,9 +517,10 @@ def environment() -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `sparseprefill bench`."""
-    parser.add_argument("--method", choices=["kernels", "minference"], default="kernels",
+    parser.add_argument("--method", choices=["kernels", "minference", "delta_kv"], default="kernels",
                         help="kernels: dense/streaming/random plans (default); minference: "
-                             "vertical-slash and block-sparse end to end")
+                             "vertical-slash and block-sparse end to end; delta_kv: keep mask, "
+                             "packing and the two phases (32K, 128K, 256K)")
     parser.add_argument("--seqlens", default=None,
                         help="comma-separated sequence lengths (default: 8K,32K,128K; "
                              "minference: 32K,128K,512K)")
@@ -456,7 +555,8 @@ def run(args: argparse.Namespace) -> int:
         print("sparseprefill bench needs a CUDA GPU (it times kernels against cuDNN SDPA).",
               file=sys.stderr)
         return 2
-    default = "32768,131072,524288" if args.method == "minference" else "8192,32768,131072"
+    default = {"minference": "32768,131072,524288", "delta_kv": "32768,131072,262144"}.get(
+        args.method, "8192,32768,131072")
     seqlens = [int(s) for s in str(args.seqlens or default).split(",") if s]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     def log(line: str) -> None:
@@ -467,6 +567,8 @@ def run(args: argparse.Namespace) -> int:
     if args.method == "minference":
         rows = run_minference_suite(seqlens, flex_max=0 if args.no_flex else 131072,
                                     vs_blocks=_parse_blocks(args.vs_blocks), **common)
+    elif args.method == "delta_kv":
+        rows = run_delta_kv_suite(seqlens, **common)
     else:
         rows = run_suite(seqlens, flex=not args.no_flex, **common)
     print(format_table(rows))
