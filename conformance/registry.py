@@ -64,6 +64,9 @@ class MethodSpec:
         structure_check: `(q, k, v, params) -> None`, the "plan" property: the fast
             intermediate structures equal the reference's; raises AssertionError.
         view: `(impl_name, q, k, v, params) -> MethodView` for reports.
+
+    sweep: `N -> [params, ...]`, the grid of the method's main knob that `sparseprefill
+        compare` measures (docs/compare.md lists them); None: only `demo_params(N)`.
     """
 
     name: str
@@ -79,6 +82,7 @@ class MethodSpec:
     golden: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     structure_check: Callable[..., None] | None = None
     view: Callable[..., MethodView] | None = None
+    sweep: Callable[[int], list[dict[str, Any]]] | None = None
 
     def __post_init__(self) -> None:
         if (self.reference_plan is None) != (self.fast_plan is None):
@@ -165,6 +169,7 @@ register(MethodSpec(
     params=_dense_params,
     demo_params=lambda n: {},
     notes="full causal attention (baseline)",
+    sweep=lambda n: [{}],
 ))
 
 register(MethodSpec(
@@ -176,6 +181,7 @@ register(MethodSpec(
     params=_streaming_params,
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": max(128, n // 8)},
     notes="StreamingLLM / A-shape: sink + local window (baseline)",
+    sweep=lambda n: [{"sink": min(1024, max(64, n // 32)), "window": max(128, n // f)} for f in (32, 16, 8, 4, 2)],
 ))
 
 
@@ -231,6 +237,8 @@ register(MethodSpec(
     exact_plans=False,
     tie_check=vertical_slash_tie_check,
     notes="MInference vertical-slash: last_q estimate, top-k columns and diagonals, Alg. 4 index",
+    sweep=lambda n: [{"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f)}
+                     for f in (256, 128, 64, 32, 16, 8)],
 ))
 
 register(MethodSpec(
@@ -244,6 +252,7 @@ register(MethodSpec(
     exact_plans=False,
     tie_check=block_sparse_tie_check,
     notes="MInference block-sparse: mean-pooled block scores, top-k key blocks per query block",
+    sweep=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (32, 16, 8, 4, 2)],
 ))
 
 register(MethodSpec(
@@ -255,6 +264,7 @@ register(MethodSpec(
     params=_a_shape_params,
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8))},
     notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
+    sweep=lambda n: [{"sink": min(1024, max(64, n // 32)), "window": max(128, n // f)} for f in (32, 16, 8, 4)],
 ))
 
 
@@ -292,6 +302,7 @@ def _register_delta_kv() -> None:
         golden=delta_golden,
         structure_check=delta_structure_check,
         view=delta_view,
+        sweep=lambda n: [{"threshold": t, "metric": "cosine"} for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
     ))
 
 

@@ -55,6 +55,8 @@ COMMANDS: tuple[Command, ...] = (
             "sparseprefill.search"),
     Command("eval", "accuracy on a real model (SmolLM2): q/k/v capture, method table, passkey, perplexity",
             "sparseprefill.evaluate"),
+    Command("compare", "every method's knob sweep on the same attention: recall, density, error, speed vs the oracle",
+            "sparseprefill.compare"),
 )
 
 
