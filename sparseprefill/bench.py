@@ -524,11 +524,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seqlens", default=None,
                         help="comma-separated sequence lengths (default: 8K,32K,128K; "
                              "minference: 32K,128K,512K)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--q-heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
+    parser.add_argument("--q-heads", type=int, default=32, help="query heads Hq (default 32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads Hkv, dividing Hq (default 8)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension D (default 128)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="default bf16")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--vs-blocks", default="64x64",
                         help="minference: comma-separated vertical-slash plan block sizes "
