@@ -176,11 +176,12 @@ def difference_aware_mask(anchor_mean: torch.Tensor, scores: torch.Tensor, theta
 def group_stripes(marks: torch.Tensor, region: torch.Tensor, *, step: int) -> torch.Tensor:
     """Section 3.4: bool `[B, Hq, G, N]`, the union of the marks of a group's query blocks,
     restricted to the group's search region `region: [G, N]`."""
-    b, h, qb, n = marks.shape
+    b, h, _, n = marks.shape
     groups = region.shape[0]
-    padded = torch.zeros(b, h, groups * step, n, dtype=torch.bool, device=marks.device)
-    padded[:, :, :qb] = marks
-    return padded.reshape(b, h, groups, step, n).any(dim=3) & region
+    union = torch.zeros(b, h, groups, n, dtype=torch.bool, device=marks.device)
+    for g in range(groups):
+        union[:, :, g] = marks[:, :, g * step:(g + 1) * step].any(dim=2)
+    return union & region
 
 
 def stripe_sets(

@@ -343,6 +343,14 @@ def test_bad_arguments_are_rejected_before_any_launch() -> None:
         stripe_index(q, k, torch.zeros(1, 2, 39), theta=1.0, step=1, block_m=16, block_n=16, scale=1.0)
 
 
+def test_absurd_step_is_one_group() -> None:
+    q, k, _ = _qkv(n=70, d=16, seed=29)
+    for impl in (reference, fast):
+        huge = impl.anchor_attention_plan(q, k, theta=2.0, step=10**15, block_m=16, block_n=16)
+        assert huge.column_group == 10**15 and huge.equal(
+            impl.anchor_attention_plan(q, k, theta=2.0, step=5, block_m=16, block_n=16))
+
+
 def test_registered() -> None:
     spec = METHODS["anchor_attention"]
     assert spec.fast_run is fast.anchor_attention and not spec.exact_plans
@@ -367,3 +375,26 @@ def test_bench_rows_are_well_formed() -> None:
     assert 0 < extra["anchor_density"] < row.density and extra["stripe_width"] > 0
     assert extra["paper_claim"] == ANCHOR_PAPER_CLAIM and "speedup_vs_flash" in extra
     assert "anchor_attention" in format_table(rows)
+
+
+def test_transformers_patch() -> None:
+    """`patch(model, "anchor_attention")`: theta = inf keeps every key (the logits of SDPA);
+    theta = 0 drops some (logits differ)."""
+    for module in ("transformers", "gguf", "accelerate"):
+        pytest.importorskip(module)
+    from test_integration_transformers import _ids, _logits, _tiny
+
+    from sparseprefill.integrations.transformers import patch, unpatch
+
+    model = _tiny("llama")
+    ids = _ids(1, 96)
+    ref = _logits(model, ids)
+    blocks = {"block_m": 16, "block_n": 16, "step": 1}
+    attn = patch(model, "anchor_attention", {"theta": math.inf, **blocks}, backend="reference",
+                 min_seqlen=1)
+    torch.testing.assert_close(_logits(model, ids), ref, rtol=0, atol=1e-5)
+    assert attn.calls == {"sparse": 2}
+    unpatch(model)
+    patch(model, "anchor_attention", {"theta": 0.0, **blocks}, backend="reference", min_seqlen=1)
+    assert (_logits(model, ids) - ref).abs().max() > 1e-3
+    unpatch(model)

@@ -246,6 +246,8 @@ def stripe_index(
         raise ValueError(f"x_a must be on the device of q ({q.device}), got {x_a.device}")
     if math.isnan(theta) or theta < 0:
         raise ValueError(f"theta must be >= 0, got {theta}")
+    # Groups of more query blocks than exist are one group: keeps the kernel's ints small.
+    step = min(step, cdiv(shape.seqlen, block_m))
     q_hi, q_lo = pooled_queries(q, block_m, k.dtype)
     a_mean = pooled_anchor(x_a, block_m)
     tile_count = count_stripes(q_hi, q_lo, a_mean, k, theta=float(theta), sm_scale=float(scale),
