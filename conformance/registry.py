@@ -14,7 +14,7 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from .ties import block_sparse_tie_check, vertical_slash_tie_check
+from .ties import anchor_attention_tie_check, block_sparse_tie_check, vertical_slash_tie_check
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
@@ -265,6 +265,40 @@ register(MethodSpec(
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8))},
     notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
     sweep=lambda n: [{"sink": min(1024, max(64, n // 32)), "window": max(128, n // f)} for f in (32, 16, 8, 4)],
+))
+
+
+def _anchor_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _minference_blocks(draw)
+    blocks = -(-seqlen // params["block_m"])
+    # theta: 0 (only keys at least as strong as the pooled anchor), typical, and so
+    # large that every search key is kept; step: one block, a few, more than exist.
+    params["theta"] = draw(st.sampled_from([0.0, 1.0, 4.0, 12.0, 1e9]))
+    params["step"] = draw(st.sampled_from([1, 1, 2, 3, 16, blocks, blocks + 1]))
+    return params
+
+
+def _anchor_demo(n: int) -> dict[str, Any]:
+    # The paper's theta and blocks; step 16 from 16K on, smaller below so that a
+    # prompt has at least 8 groups (one group is all window, hence dense).
+    return {"step": max(1, min(16, -(-n // 128) // 8))}
+
+
+register(MethodSpec(
+    name="anchor_attention",
+    reference_plan=reference.anchor_attention_plan,
+    fast_plan=fast.anchor_attention_plan,
+    reference_run=reference.anchor_attention,
+    fast_run=fast.anchor_attention,
+    params=_anchor_params,
+    demo_params=_anchor_demo,
+    exact_plans=False,
+    tie_check=anchor_attention_tie_check,
+    notes="AnchorAttention: initial block + group window as anchor, difference-aware stripes "
+          "per group of step query blocks, stripe pass resuming the anchor state",
+    sweep=lambda n: [{**_anchor_demo(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
 ))
 
 

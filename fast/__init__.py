@@ -10,6 +10,7 @@ from ..reference.attention import AttentionState
 from ..reference.delta_kv import PackedKV
 from ..reference.plan import BlockColumnPlan
 from .a_shape import a_shape, a_shape_plan
+from .anchor_attention import anchor_attention, anchor_attention_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
@@ -35,6 +36,8 @@ __all__ = [
     "SearchResult",
     "a_shape",
     "a_shape_plan",
+    "anchor_attention",
+    "anchor_attention_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",

@@ -4,6 +4,7 @@
 """
 
 from .a_shape import a_shape, a_shape_plan
+from .anchor_attention import anchor_attention, anchor_attention_plan
 from .attention import AttentionState, attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
@@ -38,6 +39,8 @@ __all__ = [
     "SearchResult",
     "a_shape",
     "a_shape_plan",
+    "anchor_attention",
+    "anchor_attention_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",

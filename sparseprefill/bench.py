@@ -488,6 +488,148 @@ def _flex_row(flex_fn: Any, name: str, plan: BlockColumnPlan, q: torch.Tensor, k
         print(f"FlexAttention failed for {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
+# AnchorAttention's headline claim (Zhang et al., 2025, Sections 1 and 4: A100, 128K,
+# Llama-3.1-8B on RULER), quoted beside our measured ratios.
+ANCHOR_PAPER_CLAIM = "4.6x over FlashAttention at 128K (paper, A100)"
+
+
+def run_anchor_suite(
+    seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
+    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, theta: float = 12.0, step: int = 16,
+    block: int = 128, with_recall: bool = True, log: Callable[[str], None] = print,
+    device: str = "cuda", timer: Callable[[Callable[[], Any]], float] | None = None,
+) -> list[Row]:
+    """AnchorAttention benchmark (issue 11) on the demo's structured workload: end to end,
+    and split into anchor pass / stripe identification / stripe kernel, against cuDNN
+    SDPA and flash SDPA in the same run.
+
+    Extras of the AnchorAttention row: the stage times; `anchor_density` (the anchor
+    blocks' share of the causal area); `overhead_vs_cudnn`, the anchor pass and the
+    identification beyond what the anchor blocks' own attention costs at cuDNN's rate,
+    `(anchor_ms + identification_ms - anchor_density * cudnn_ms) / cudnn_ms` (target <=
+    5% at 128K); `vs_floor`, end to end over `density * cudnn_ms` (target <= 1.25);
+    `speedup_vs_flash`; the stripe plan's MB and widest list. The stages run on all
+    heads at once (one plan); `fast.anchor_attention` (the end-to-end row) plans query
+    heads in groups that fit `PLAN_BYTES`.
+
+    `device` and `timer` exist so that the rows can be checked on a CPU (interpreter,
+    tiny sizes, a fake timer); on a GPU leave them.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    from . import fast
+    from .demo import Shape, synthetic_qkv
+    from .fast.anchor_attention import _plans
+    from .fast.kernels import block_column_attention
+    from .fast.kernels.anchor_stripes import stripe_index
+    from .reference.attention import AttentionState
+
+    dev = torch.device(device)
+    bench = timer or _bench_ms
+    rows: list[Row] = []
+    params: dict[str, Any] = {"theta": theta, "step": step, "block_m": block, "block_n": block}
+    for n in seqlens:
+        q, k, v = synthetic_qkv(Shape(batch, q_heads, kv_heads, n, head_dim, dtype), device=dev)
+        causal_pairs = batch * q_heads * n * (n + 1) / 2
+        dense_flops = 4 * head_dim * causal_pairs
+        g = q_heads // kv_heads
+        base_ms: dict[str, float] = {}
+        reference_out = None
+        for name, backend in (("cuDNN SDPA", SDPBackend.CUDNN_ATTENTION),
+                              ("flash SDPA", SDPBackend.FLASH_ATTENTION)):
+            try:
+                ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+
+                def sdpa(backend: SDPBackend = backend) -> Any:
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+
+                out = sdpa()
+                if reference_out is None:
+                    reference_out = out
+                base_ms[name] = bench(sdpa)
+                del ke, ve
+            except (RuntimeError, torch.OutOfMemoryError) as exc:
+                log(f"{name} failed at N={n}: {type(exc).__name__}: {exc}")
+                base_ms[name] = float("nan")
+        cudnn_ms, flash_ms = base_ms["cuDNN SDPA"], base_ms["flash SDPA"]
+        for name, ms in base_ms.items():
+            rows.append(Row("dense", name, n, 1.0, 1.0, 1.0, ms, None, dense_flops / ms / 1e9,
+                            cudnn_ms / ms))
+        log(f"N={n}: cuDNN {cudnn_ms:.2f} ms, flash {flash_ms:.2f} ms")
+
+        sizes = {"step": step, "block_m": block, "block_n": block}
+        anchor_plan = _plans(batch, q_heads, n, **sizes, counts=None, index=None, device=dev,
+                             with_blocks=True)
+
+        def anchor() -> AttentionState:
+            state = AttentionState.like(q)
+            block_column_attention(q, k, v, anchor_plan, state=state, validate_plan=False)
+            return state
+
+        state = anchor()
+
+        def identify() -> tuple[torch.Tensor, torch.Tensor]:
+            return stripe_index(q, k, state.m, theta=theta, scale=head_dim ** -0.5, **sizes)
+
+        counts, index = identify()
+        stripe_plan = _plans(batch, q_heads, n, **sizes, counts=counts, index=index, device=dev,
+                             with_blocks=False)
+        work = state.clone()
+
+        def stripes() -> Any:
+            # Resumes from `work` (each timed call resumes again: the same work every time).
+            return block_column_attention(q, k, v, stripe_plan, state=work, validate_plan=False)
+
+        out_stages, _ = block_column_attention(q, k, v, stripe_plan, state=state.clone(),
+                                               validate_plan=False)
+        anchor_ms, ident_ms, stripe_ms = bench(anchor), bench(identify), bench(stripes)
+
+        def e2e() -> Any:
+            return fast.anchor_attention(q, k, v, **params)
+
+        out = e2e()
+        ms = bench(e2e)
+        plan = _plans(batch, q_heads, n, **sizes, counts=counts, index=index, device=dev,
+                      with_blocks=True)
+        dens = float(fast.density(plan).mean())
+        anchor_dens = float(fast.density(anchor_plan).mean())
+        rec_mean = rec_min = None
+        if with_recall:
+            rec = fast.recall(q, k, plan)
+            rec_mean, rec_min = float(rec.mean()), float(rec.min())
+        err = None
+        if reference_out is not None:
+            err = float((out.float() - reference_out.float()).norm() / reference_out.float().norm())
+        stages_vs_e2e = float((out_stages.float() - out.float()).abs().max())
+        extra = {
+            "params": params, "anchor_ms": anchor_ms, "identification_ms": ident_ms,
+            "stripe_ms": stripe_ms, "stages_sum_ms": anchor_ms + ident_ms + stripe_ms,
+            "anchor_density": anchor_dens,
+            "overhead_vs_cudnn": (anchor_ms + ident_ms - anchor_dens * cudnn_ms) / cudnn_ms,
+            "identification_vs_cudnn": ident_ms / cudnn_ms,
+            "vs_floor": ms / (dens * cudnn_ms),
+            "speedup_vs_flash": flash_ms / ms,
+            "paper_claim": ANCHOR_PAPER_CLAIM,
+            "rel_err_vs_cudnn": err,
+            "stages_vs_e2e_max_abs_diff": stages_vs_e2e,
+            "stripe_plan_mb": (stripe_plan.column_count.untyped_storage().nbytes()
+                               + stripe_plan.column_index.untyped_storage().nbytes()) / 2**20,
+            "stripe_width": int(index.shape[-1]),
+        }
+        rows.append(Row("anchor_attention", "sparseprefill", n, dens, rec_mean, rec_min, ms,
+                        anchor_ms + ident_ms, 4 * head_dim * dens * causal_pairs / ms / 1e9,
+                        cudnn_ms / ms, extra))
+        log(f"N={n}: anchor_attention {ms:.2f} ms (anchor {anchor_ms:.2f}, identification "
+            f"{ident_ms:.2f}, stripes {stripe_ms:.2f}), density {dens:.4f}: {cudnn_ms / ms:.2f}x "
+            f"over cuDNN, {flash_ms / ms:.2f}x over flash SDPA; {ANCHOR_PAPER_CLAIM}")
+        del q, k, v, state, work, plan, stripe_plan, anchor_plan, out, out_stages, reference_out
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def format_table(rows: list[Row]) -> str:
     """A fixed-width table of the rows."""
     head = (f"{'method':<18} {'impl':<14} {'N':>7} {'density':>8} {'recall':>13} "
@@ -515,12 +657,19 @@ def environment() -> dict[str, Any]:
     return info
 
 
+# `--method`: what each suite runs, and its default sequence lengths.
+SUITES: dict[str, tuple[str, str]] = {
+    "kernels": ("dense/streaming/random plans (default)", "8192,32768,131072"),
+    "minference": ("vertical-slash and block-sparse end to end", "32768,131072,524288"),
+    "delta_kv": ("keep mask, packing and the two phases", "32768,131072,262144"),
+    "anchor_attention": ("AnchorAttention end to end and per stage", "32768,131072"),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `sparseprefill bench`."""
-    parser.add_argument("--method", choices=["kernels", "minference", "delta_kv"], default="kernels",
-                        help="kernels: dense/streaming/random plans (default); minference: "
-                             "vertical-slash and block-sparse end to end; delta_kv: keep mask, "
-                             "packing and the two phases (32K, 128K, 256K)")
+    parser.add_argument("--method", choices=list(SUITES), default="kernels",
+                        help="; ".join(f"{name}: {text}" for name, (text, _) in SUITES.items()))
     parser.add_argument("--seqlens", default=None,
                         help="comma-separated sequence lengths (default: 8K,32K,128K; "
                              "minference: 32K,128K,512K)")
@@ -533,6 +682,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vs-blocks", default="64x64",
                         help="minference: comma-separated vertical-slash plan block sizes "
                              "block_mxblock_n (default 64x64, MInference's)")
+    parser.add_argument("--theta", type=float, default=12.0, help="anchor_attention: theta")
+    parser.add_argument("--step", type=int, default=16, help="anchor_attention: step")
     parser.add_argument("--no-recall", action="store_true", help="skip recall columns")
     parser.add_argument("--json", default=None, help="write rows and environment as JSON here")
 
@@ -555,8 +706,7 @@ def run(args: argparse.Namespace) -> int:
         print("sparseprefill bench needs a CUDA GPU (it times kernels against cuDNN SDPA).",
               file=sys.stderr)
         return 2
-    default = {"minference": "32768,131072,524288", "delta_kv": "32768,131072,262144"}.get(
-        args.method, "8192,32768,131072")
+    default = SUITES[args.method][1]
     seqlens = [int(s) for s in str(args.seqlens or default).split(",") if s]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     def log(line: str) -> None:
@@ -564,7 +714,9 @@ def run(args: argparse.Namespace) -> int:
 
     common = dict(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, dtype=dtype, with_recall=not args.no_recall, log=log)
-    if args.method == "minference":
+    if args.method == "anchor_attention":
+        rows = run_anchor_suite(seqlens, theta=args.theta, step=args.step, **common)
+    elif args.method == "minference":
         rows = run_minference_suite(seqlens, flex_max=0 if args.no_flex else 131072,
                                     vs_blocks=_parse_blocks(args.vs_blocks), **common)
     elif args.method == "delta_kv":
