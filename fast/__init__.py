@@ -7,12 +7,14 @@ Inputs are float16/bfloat16 CUDA tensors (or CPU tensors under
 
 from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
 from ..reference.plan import BlockColumnPlan
+from ..reference.sample_attention import SampleAttentionSettings
 from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
 from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
+from .sample_attention import sample_attention, sample_attention_plan
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
@@ -20,6 +22,7 @@ __all__ = [
     "BlockColumnPlan",
     "HeadPattern",
     "MInferenceConfig",
+    "SampleAttentionSettings",
     "SearchResult",
     "a_shape",
     "a_shape_plan",
@@ -33,6 +36,8 @@ __all__ = [
     "minference_plan",
     "recall",
     "relative_error",
+    "sample_attention",
+    "sample_attention_plan",
     "search_patterns",
     "sparse_attention",
     "streaming",

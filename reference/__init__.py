@@ -17,6 +17,7 @@ from .minference import (
     search_patterns,
 )
 from .plan import BlockColumnPlan
+from .sample_attention import SampleAttentionSettings, sample_attention, sample_attention_plan
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
@@ -24,6 +25,7 @@ __all__ = [
     "BlockColumnPlan",
     "HeadPattern",
     "MInferenceConfig",
+    "SampleAttentionSettings",
     "SearchResult",
     "a_shape",
     "a_shape_plan",
@@ -37,6 +39,8 @@ __all__ = [
     "minference_plan",
     "recall",
     "relative_error",
+    "sample_attention",
+    "sample_attention_plan",
     "search_patterns",
     "sparse_attention",
     "streaming",
