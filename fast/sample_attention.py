@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_positive_int, check_qk, check_qkv
+from ..reference._checks import HALF_DTYPES, check_positive_int, check_qk, check_qkv, resolve_scale
 from ..reference.plan import BlockColumnPlan
 from ..reference.sample_attention import (
     DEFAULT_CHUNK_N,
@@ -59,6 +59,7 @@ def sample_attention_scores(
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_positive_int("chunk_n", chunk_n)
     check_block_size(block_size)
+    resolve_scale(scale, shape.head_dim)
     spans = sampled_rows(shape.seqlen, chunk_n, block_size)
     return sampled_block_scores(q, k, spans=spans, block_size=block_size, scale=scale)
 
@@ -122,6 +123,7 @@ def sample_attention_plan(
     resolve_params(shape.seqlen, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
                    block_size=block_size, settings=settings)
     check_block_size(block_size)
+    resolve_scale(scale, shape.head_dim)
     columns, slashes = sample_attention_selection(
         q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n, block_size=block_size,
         settings=settings, scale=scale,
