@@ -312,6 +312,20 @@ def arg_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return rank < k.unsqueeze(-1)
 
 
+def merge_blocks(columns: torch.Tensor, slashes: torch.Tensor) -> torch.Tensor:
+    """Alg. 1 line 11, the extension: bool `[B, H, Kb, Kb]`, query block `i` x key block `j`.
+
+    Key block `j <= i` is kept iff `columns[j]`, `slashes[i - j]` or `j = i` (the
+    diagonal is always kept); `columns`, `slashes` are bool `[B, H, Kb]`.
+    """
+    kb = columns.shape[-1]
+    i = torch.arange(kb, device=columns.device)[:, None]
+    j = torch.arange(kb, device=columns.device)[None, :]
+    diag = (i - j).clamp(min=0)
+    by_slash = slashes[:, :, diag.reshape(-1)].reshape(*slashes.shape[:2], kb, kb)
+    return (columns[:, :, None, :] | by_slash | (i == j)) & (j <= i)
+
+
 def merge_index(columns: torch.Tensor, slashes: torch.Tensor, *, seqlen: int, block_size: int) -> BlockColumnPlan:
     """Alg. 1 line 11, `merge_index(I_c, I_s)`: extend the kept blocks over the matrix.
 
@@ -321,15 +335,10 @@ def merge_index(columns: torch.Tensor, slashes: torch.Tensor, *, seqlen: int, bl
         seqlen: N. block_size: the block grid.
 
     Returns:
-        The plan keeping, for query block `i`, key block `j <= i` iff `columns[j]`,
-        `slashes[i - j]` or `j = i` (the diagonal is always kept).
+        The plan of `merge_blocks`: for query block `i`, key block `j <= i` iff
+        `columns[j]`, `slashes[i - j]` or `j = i`.
     """
-    kb = cdiv(seqlen, block_size)
-    i = torch.arange(kb, device=columns.device)[:, None]
-    j = torch.arange(kb, device=columns.device)[None, :]
-    diag = (i - j).clamp(min=0)
-    by_slash = slashes[:, :, diag.reshape(-1)].reshape(*slashes.shape[:2], kb, kb)
-    keep = (columns[:, :, None, :] | by_slash | (i == j)) & (j <= i)
+    keep = merge_blocks(columns, slashes)
     return BlockColumnPlan.from_masks(keep, None, seqlen=seqlen, block_m=block_size, block_n=block_size)
 
 
