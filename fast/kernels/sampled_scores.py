@@ -94,7 +94,8 @@ def _lse_partial_kernel(
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.math.exp2(m_i - m_shift) + tl.sum(tl.math.exp2(b_s - m_shift[:, None]), 1)
         m_i = m_new
-    # Every slot is written (rows past the tile as (-inf, 0)), so the combine reads no garbage.
+    # Every slot is written, so the combine reads no uninitialised memory; slots of rows past
+    # the tile hold values that the mass kernel masks out.
     p_out = (i_bh.to(tl.int64) * tl.num_programs(0) + i_split) * num_tiles * BLOCK_L \
         + i_t * BLOCK_L + tl.arange(0, BLOCK_L)
     tl.store(M_OUT + p_out, m_i)
