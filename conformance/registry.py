@@ -14,7 +14,12 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from .ties import anchor_attention_tie_check, block_sparse_tie_check, vertical_slash_tie_check
+from .ties import (
+    anchor_attention_tie_check,
+    block_sparse_tie_check,
+    sample_attention_tie_check,
+    vertical_slash_tie_check,
+)
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
@@ -341,3 +346,30 @@ def _register_delta_kv() -> None:
 
 
 _register_delta_kv()
+def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    alpha = st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.95, 1.0]), st.floats(0.0, 1.0))
+    return {
+        "alpha_c": draw(alpha),
+        "alpha_s": draw(alpha),
+        # seqlen + 5 chunks: more chunks than rows, so every row is sampled.
+        "chunk_n": draw(st.sampled_from([1, 2, 3, 4, 7, seqlen + 5])),
+        "block_size": draw(st.sampled_from([16, 32, 48, 64, 128])),
+    }
+
+
+register(MethodSpec(
+    name="sample_attention",
+    reference_plan=reference.sample_attention_plan,
+    fast_plan=fast.sample_attention_plan,
+    reference_run=reference.sample_attention,
+    fast_run=fast.sample_attention,
+    params=_sample_attention_params,
+    # Section 5.4's 32K setting; 64-token blocks below 4K so short prompts keep several blocks.
+    demo_params=lambda n: {"alpha_c": 0.95, "alpha_s": 0.95, "chunk_n": 1,
+                           "block_size": 128 if n >= 4096 else 64},
+    exact_plans=False,
+    tie_check=sample_attention_tie_check,
+    notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
+))

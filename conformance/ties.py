@@ -17,6 +17,12 @@ only reason a fast plan differs: it raises AssertionError otherwise.
   Alg. 1's, and a stripe key may differ between the plans only where, for some
   query block of its group, the float64 difference `avgpool(x_a) - s` lies within
   `anchor_margin` of `theta`.
+* sample-attention: the fast plan must be exactly `merge_index` of the fast
+  selection (`fast.sample_attention.sample_attention_selection`), and each kept
+  set (column blocks, block diagonals) must be a threshold top-k of the float64
+  scores up to `sample_tolerance`: no dropped score above a kept one, the kept mass
+  reaching `alpha` of the total, and the set minimal (without its smallest score
+  it would not reach `alpha`), each within that tolerance.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..fast.sample_attention import sample_attention_selection as fast_selection
 from ..fast.vertical_slash import vertical_slash_lines as fast_lines
 from ..reference._checks import resolve_scale
 from ..reference.anchor_attention import (
@@ -39,6 +46,12 @@ from ..reference.anchor_attention import (
 )
 from ..reference.block_sparse import block_scores, mean_pooling
 from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
+from ..reference.sample_attention import (
+    merge_index,
+    resolve_params,
+    sample_attention_scores,
+    sampled_rows,
+)
 from ..reference.vertical_slash import (
     INIT_COLUMNS,
     LOCAL_DIAGONALS,
@@ -61,6 +74,16 @@ def block_tolerance(scores: torch.Tensor) -> float:
     """Largest fp32-vs-float64 difference of pooled block scores (relative 1e-4)."""
     finite = scores[torch.isfinite(scores)]
     return 1e-4 * (1.0 + (float(finite.abs().max()) if finite.numel() else 0.0))
+
+
+def sample_tolerance(rows: int) -> float:
+    """Largest fp32-vs-float64 difference of sampled block scores (and of their sums).
+
+    Scores of one kind sum `rows` probabilities (each sampled row has mass 1); the
+    fast scores differed by at most 3.5e-6 in total with 63 rows (interpreter, fp16,
+    |q| x 2), so 1e-5 per row leaves ~180x margin.
+    """
+    return 1e-5 * rows
 
 
 def _fail(message: str) -> AssertionError:
@@ -247,3 +270,58 @@ def anchor_attention_tie_check(
         raise _fail(f"stripe key {j} of group {grp} at (b, h) {(b, h)}: reference keeps it "
                     f"{bool(ref_sets[at])}, fast {bool(got_sets[at])}; the nearest difference is "
                     f"{closest:.3g} from theta={theta} (beyond the margin)")
+def check_threshold_topk(
+    scores: torch.Tensor, kept: torch.Tensor, *, alpha: float, tolerance: float, what: str
+) -> None:
+    """`kept` is a SampleAttention threshold top-k of `scores` (Alg. 1 lines 6-9), up to ties.
+
+    Args:
+        scores: float `[B, H, L]`, non-negative. kept: bool `[B, H, L]`.
+        alpha: the CRA threshold. tolerance: the allowed error of a score or a sum.
+        what: name for messages.
+
+    Raises:
+        AssertionError: a dropped score above a kept one, a kept mass below
+            `alpha * total`, or a kept set that still reaches `alpha` without its
+            smallest score, each by more than `tolerance`.
+    """
+    x = scores.to(torch.float64).cpu()
+    keep = kept.cpu().bool()
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    total = x.sum(dim=-1)
+    mass = torch.where(keep, x, 0.0).sum(dim=-1)
+    lowest_kept = torch.where(keep, x, inf).amin(dim=-1)
+    highest_dropped = torch.where(~keep, x, -inf).amax(dim=-1)
+    checks = (
+        (highest_dropped - lowest_kept > tolerance, "a dropped score exceeds a kept one"),
+        (mass < alpha * total - tolerance, f"the kept mass does not reach alpha={alpha}"),
+        (keep.any(dim=-1) & (mass - lowest_kept >= alpha * total + tolerance),
+         f"the kept set reaches alpha={alpha} without its smallest score (not minimal)"),
+    )
+    for bad, message in checks:
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise _fail(f"{what} at (b, h) {at}: {message} (kept mass {float(mass[at]):.6g} of "
+                        f"{float(total[at]):.6g}, tolerance {tolerance:.3g})")
+
+
+def sample_attention_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of sample-attention (see the module doc)."""
+    del expected
+    n = q.shape[2]
+    block_size = int(params.get("block_size", 128))
+    columns, slashes = fast_selection(q, k, **params)
+    rebuilt = merge_index(columns.cpu(), slashes.cpu(), seqlen=n, block_size=block_size)
+    if not rebuilt.equal(got.to("cpu")):
+        raise _fail("the fast plan is not merge_index of the fast selection")
+    alpha_c, alpha_s, chunk_n = resolve_params(
+        n, alpha_c=params.get("alpha_c"), alpha_s=params.get("alpha_s"), chunk_n=params.get("chunk_n"),
+        block_size=block_size, settings=params.get("settings"))
+    column, slash = sample_attention_scores(q, k, chunk_n=chunk_n, block_size=block_size,
+                                            scale=params.get("scale"))
+    rows = sum(stop - start for start, stop in sampled_rows(n, chunk_n, block_size))
+    tol = sample_tolerance(rows)
+    check_threshold_topk(column, columns, alpha=alpha_c, tolerance=tol, what="column blocks")
+    check_threshold_topk(slash, slashes, alpha=alpha_s, tolerance=tol, what="slash blocks")

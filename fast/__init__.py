@@ -9,6 +9,7 @@ from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
 from ..reference.attention import AttentionState
 from ..reference.delta_kv import PackedKV
 from ..reference.plan import BlockColumnPlan
+from ..reference.sample_attention import SampleAttentionSettings
 from .a_shape import a_shape, a_shape_plan
 from .anchor_attention import anchor_attention, anchor_attention_plan
 from .attention import attention, sparse_attention
@@ -24,6 +25,7 @@ from .delta_kv import (
 )
 from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
+from .sample_attention import sample_attention, sample_attention_plan
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
@@ -33,6 +35,7 @@ __all__ = [
     "HeadPattern",
     "MInferenceConfig",
     "PackedKV",
+    "SampleAttentionSettings",
     "SearchResult",
     "a_shape",
     "a_shape_plan",
@@ -54,6 +57,8 @@ __all__ = [
     "minference_plan",
     "recall",
     "relative_error",
+    "sample_attention",
+    "sample_attention_plan",
     "search_patterns",
     "sparse_attention",
     "streaming",

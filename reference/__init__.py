@@ -27,6 +27,7 @@ from .minference import (
     search_patterns,
 )
 from .plan import BlockColumnPlan
+from .sample_attention import SampleAttentionSettings, sample_attention, sample_attention_plan
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
@@ -36,6 +37,7 @@ __all__ = [
     "HeadPattern",
     "MInferenceConfig",
     "PackedKV",
+    "SampleAttentionSettings",
     "SearchResult",
     "a_shape",
     "a_shape_plan",
@@ -57,6 +59,8 @@ __all__ = [
     "minference_plan",
     "recall",
     "relative_error",
+    "sample_attention",
+    "sample_attention_plan",
     "search_patterns",
     "sparse_attention",
     "streaming",
