@@ -372,4 +372,5 @@ register(MethodSpec(
     exact_plans=False,
     tie_check=sample_attention_tie_check,
     notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
+    sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
 ))
