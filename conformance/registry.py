@@ -72,6 +72,9 @@ class MethodSpec:
 
     sweep: `N -> [params, ...]`, the grid of the method's main knob that `sparseprefill
         compare` measures (docs/compare.md lists them); None: only `demo_params(N)`.
+    prepare: `(params, q) -> call parameters` for a method whose parameters depend on
+        the input's shape (MInference's per-head config needs Hq): drawn, demo and sweep
+        parameters go through `call_params` before every call. None: unchanged.
     """
 
     name: str
@@ -88,6 +91,7 @@ class MethodSpec:
     structure_check: Callable[..., None] | None = None
     view: Callable[..., MethodView] | None = None
     sweep: Callable[[int], list[dict[str, Any]]] | None = None
+    prepare: Callable[[dict[str, Any], torch.Tensor], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if (self.reference_plan is None) != (self.fast_plan is None):
@@ -95,6 +99,10 @@ class MethodSpec:
         if self.reference_plan is None and (self.golden is None or self.structure_check is None
                                             or self.view is None):
             raise ValueError(f"{self.name}: a method without plans needs golden, structure_check and view")
+
+    def call_params(self, params: Mapping[str, Any], q: torch.Tensor) -> dict[str, Any]:
+        """The keyword arguments of a call on `q` (`prepare` applied, if any)."""
+        return dict(params) if self.prepare is None else self.prepare(dict(params), q)
 
     @property
     def plan_based(self) -> bool:
@@ -374,3 +382,73 @@ register(MethodSpec(
     notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
     sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
 ))
+
+
+def _minference_patterns(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    """1-3 head patterns with one pair of block sizes (Hypothesis); `prepare` assigns them
+    to the query heads in turn."""
+    from hypothesis import strategies as st
+
+    from ..reference.minference import HeadPattern
+
+    bm = draw(st.sampled_from([16, 32, 64]))
+    bn = draw(st.sampled_from([16, 32, 64]))
+    kinds = ["a_shape", "vertical_slash"] + (["block_sparse"] if bm == bn else [])
+    patterns = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(kinds))
+        if kind == "a_shape":
+            params = {**_sink_window(draw, seqlen), "block_m": bm, "block_n": bn}
+        elif kind == "vertical_slash":
+            params = {"vertical_size": draw(st.integers(1, seqlen + 8)), "slash_size": draw(st.integers(1, seqlen + 8)),
+                      "last_q": draw(st.sampled_from([1, 16, 64])), "block_m": bm, "block_n": bn,
+                      "init_columns": draw(st.sampled_from([0, 1, 5])),
+                      "local_diagonals": draw(st.sampled_from([0, 1, 7]))}
+        else:
+            params = {"top_k": draw(st.integers(1, -(-seqlen // bm) + 2)), "block_size": bm}
+        patterns.append(HeadPattern(kind, params))
+    # block_m / block_n are hints for the strategies' cost cap; `prepare` drops them.
+    return {"patterns": tuple(patterns), "block_m": bm, "block_n": bn}
+
+
+def _minference_demo(n: int) -> dict[str, Any]:
+    from ..reference.minference import HeadPattern
+
+    vs = _vertical_slash_demo(n)
+    return {"patterns": (
+        HeadPattern("vertical_slash", {**vs, "block_m": 64, "block_n": 64}),
+        HeadPattern("a_shape", {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8)),
+                                "block_m": 64, "block_n": 64}),
+        HeadPattern("block_sparse", {"top_k": 100 if n >= 32768 else max(2, n // 512), "block_size": 64}),
+    )}
+
+
+def _minference_prepare(params: dict[str, Any], q: torch.Tensor) -> dict[str, Any]:
+    """Pattern `h % len(patterns)` for query head `h`: a one-layer `MInferenceConfig`."""
+    from ..reference.minference import MInferenceConfig
+
+    patterns = tuple(params["patterns"])
+    heads = tuple(patterns[h % len(patterns)] for h in range(int(q.shape[1])))
+    return {"config": MInferenceConfig((heads,)), "layer": 0}
+
+
+def _register_minference() -> None:
+    from .ties import minference_tie_check
+
+    register(MethodSpec(
+        name="minference",
+        reference_plan=reference.minference_plan,
+        fast_plan=fast.minference_plan,
+        reference_run=reference.minference,
+        fast_run=fast.minference,
+        params=_minference_patterns,
+        demo_params=_minference_demo,
+        exact_plans=False,
+        tie_check=minference_tie_check,
+        notes="MInference per-head dispatch: each head its own pattern (vertical-slash, A-shape, "
+              "block-sparse), one merged plan, one kernel launch",
+        prepare=_minference_prepare,
+    ))
+
+
+_register_minference()

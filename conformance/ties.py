@@ -325,3 +325,44 @@ def sample_attention_tie_check(
     tol = sample_tolerance(rows)
     check_threshold_topk(column, columns, alpha=alpha_c, tolerance=tol, what="column blocks")
     check_threshold_topk(slash, slashes, alpha=alpha_s, tolerance=tol, what="slash blocks")
+
+
+def _head(plan: BlockColumnPlan, h: int) -> BlockColumnPlan:
+    """Query head `h` of a plan (a one-head plan over the same sizes)."""
+    return BlockColumnPlan(
+        seqlen=plan.seqlen, block_m=plan.block_m, block_n=plan.block_n,
+        block_count=plan.block_count[:, h:h + 1], block_index=plan.block_index[:, h:h + 1],
+        column_count=plan.column_count[:, h:h + 1], column_index=plan.column_index[:, h:h + 1],
+        columns_disjoint=plan.columns_disjoint, column_group=plan.column_group,
+    )
+
+
+def minference_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of MInference's dispatch: head by head, its own pattern's check.
+
+    A-shape heads must be equal exactly; vertical-slash and block-sparse heads may differ
+    only as `vertical_slash_tie_check` / `block_sparse_tie_check` allow.
+    """
+    heads = params["config"].layer(int(params.get("layer", 0)))
+    group = q.shape[1] // k.shape[1]
+    got = got.to(expected.device)
+    for h, pattern in enumerate(heads):
+        exp_h, got_h = _head(expected, h), _head(got, h)
+        if exp_h.equal(got_h):
+            continue
+        q_h, k_h = q[:, h:h + 1], k[:, h // group:h // group + 1]
+        where = f"head {h} ({pattern.pattern})"
+        if pattern.pattern == "vertical_slash":
+            try:
+                vertical_slash_tie_check(q_h, k_h, dict(pattern.params), exp_h, got_h)
+            except AssertionError as err:
+                raise _fail(f"{where}: {err}") from err
+        elif pattern.pattern == "block_sparse":
+            try:
+                block_sparse_tie_check(q_h, k_h, dict(pattern.params), exp_h, got_h)
+            except AssertionError as err:
+                raise _fail(f"{where}: {err}") from err
+        else:
+            raise _fail(f"{where}: A-shape plans must be equal")

@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     failed = False
     for name in names:
         spec = METHODS[name]
-        params = spec.demo_params(n)
+        params = spec.call_params(spec.demo_params(n), q)
         ref_plan = None
         ref_view = None
         if with_reference:

@@ -245,7 +245,7 @@ def method_table(
         exact = reference.attention(q.double(), k.double(), v.double(), scale=scale)
         for name in methods:
             spec = METHODS[name]
-            params = method_params(name, n, overrides)
+            params = spec.call_params(method_params(name, n, overrides), q)
             start = time.perf_counter()
             if spec.plan_based:
                 plan = spec.plan_fn(backend)(q, k, **params)
