@@ -366,7 +366,7 @@ def _method_inputs(
     params = draw_method_params(draw, spec, n)
     shape = draw_shape(draw, caps, seqlen=n, tiles=method_tiles(params))
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
-    return q, k, v, params, f"{spec.name} {what} params={params}"
+    return q, k, v, spec.call_params(params, q), f"{spec.name} {what} params={params}"
 
 
 def _need(spec: MethodSpec | None) -> MethodSpec:

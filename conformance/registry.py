@@ -14,7 +14,14 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from .ties import block_sparse_tie_check, dpxa_tie_check, vertical_slash_tie_check, xattention_tie_check
+from .ties import (
+    anchor_attention_tie_check,
+    block_sparse_tie_check,
+    dpxa_tie_check,
+    sample_attention_tie_check,
+    vertical_slash_tie_check,
+    xattention_tie_check,
+)
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
@@ -64,6 +71,12 @@ class MethodSpec:
         structure_check: `(q, k, v, params) -> None`, the "plan" property: the fast
             intermediate structures equal the reference's; raises AssertionError.
         view: `(impl_name, q, k, v, params) -> MethodView` for reports.
+
+    sweep: `N -> [params, ...]`, the grid of the method's main knob that `sparseprefill
+        compare` measures (docs/compare.md lists them); None: only `demo_params(N)`.
+    prepare: `(params, q) -> call parameters` for a method whose parameters depend on
+        the input's shape (MInference's per-head config needs Hq): drawn, demo and sweep
+        parameters go through `call_params` before every call. None: unchanged.
     """
 
     name: str
@@ -79,6 +92,8 @@ class MethodSpec:
     golden: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     structure_check: Callable[..., None] | None = None
     view: Callable[..., MethodView] | None = None
+    sweep: Callable[[int], list[dict[str, Any]]] | None = None
+    prepare: Callable[[dict[str, Any], torch.Tensor], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if (self.reference_plan is None) != (self.fast_plan is None):
@@ -86,6 +101,10 @@ class MethodSpec:
         if self.reference_plan is None and (self.golden is None or self.structure_check is None
                                             or self.view is None):
             raise ValueError(f"{self.name}: a method without plans needs golden, structure_check and view")
+
+    def call_params(self, params: Mapping[str, Any], q: torch.Tensor) -> dict[str, Any]:
+        """The keyword arguments of a call on `q` (`prepare` applied, if any)."""
+        return dict(params) if self.prepare is None else self.prepare(dict(params), q)
 
     @property
     def plan_based(self) -> bool:
@@ -165,6 +184,7 @@ register(MethodSpec(
     params=_dense_params,
     demo_params=lambda n: {},
     notes="full causal attention (baseline)",
+    sweep=lambda n: [{}],
 ))
 
 register(MethodSpec(
@@ -176,6 +196,7 @@ register(MethodSpec(
     params=_streaming_params,
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": max(128, n // 8)},
     notes="StreamingLLM / A-shape: sink + local window (baseline)",
+    sweep=lambda n: [{"sink": min(1024, max(64, n // 32)), "window": max(128, n // f)} for f in (32, 16, 8, 4, 2)],
 ))
 
 
@@ -231,6 +252,8 @@ register(MethodSpec(
     exact_plans=False,
     tie_check=vertical_slash_tie_check,
     notes="MInference vertical-slash: last_q estimate, top-k columns and diagonals, Alg. 4 index",
+    sweep=lambda n: [{"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f)}
+                     for f in (256, 128, 64, 32, 16, 8)],
 ))
 
 register(MethodSpec(
@@ -244,6 +267,7 @@ register(MethodSpec(
     exact_plans=False,
     tie_check=block_sparse_tie_check,
     notes="MInference block-sparse: mean-pooled block scores, top-k key blocks per query block",
+    sweep=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (32, 16, 8, 4, 2)],
 ))
 
 register(MethodSpec(
@@ -255,6 +279,41 @@ register(MethodSpec(
     params=_a_shape_params,
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8))},
     notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
+    sweep=lambda n: [{"sink": min(1024, max(64, n // 32)), "window": max(128, n // f)} for f in (32, 16, 8, 4)],
+))
+
+
+def _anchor_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _minference_blocks(draw)
+    blocks = -(-seqlen // params["block_m"])
+    # theta: 0 (only keys at least as strong as the pooled anchor), typical, and so
+    # large that every search key is kept; step: one block, a few, more than exist.
+    params["theta"] = draw(st.sampled_from([0.0, 1.0, 4.0, 12.0, 1e9]))
+    params["step"] = draw(st.sampled_from([1, 1, 2, 3, 16, blocks, blocks + 1]))
+    return params
+
+
+def _anchor_demo(n: int) -> dict[str, Any]:
+    # The paper's theta and blocks; step 16 from 16K on, smaller below so that a
+    # prompt has at least 8 groups (one group is all window, hence dense).
+    return {"step": max(1, min(16, -(-n // 128) // 8))}
+
+
+register(MethodSpec(
+    name="anchor_attention",
+    reference_plan=reference.anchor_attention_plan,
+    fast_plan=fast.anchor_attention_plan,
+    reference_run=reference.anchor_attention,
+    fast_run=fast.anchor_attention,
+    params=_anchor_params,
+    demo_params=_anchor_demo,
+    exact_plans=False,
+    tie_check=anchor_attention_tie_check,
+    notes="AnchorAttention: initial block + group window as anchor, difference-aware stripes "
+          "per group of step query blocks, stripe pass resuming the anchor state",
+    sweep=lambda n: [{**_anchor_demo(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
 ))
 
 
@@ -292,6 +351,7 @@ def _register_delta_kv() -> None:
         golden=delta_golden,
         structure_check=delta_structure_check,
         view=delta_view,
+        sweep=lambda n: [{"threshold": t, "metric": "cosine"} for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
     ))
 
 
@@ -331,6 +391,10 @@ def _dpxa_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     return {"cos_threshold": float(cos), "threshold": _tile_threshold(draw), "block": _tile_block(draw)}
 
 
+# The greedy threshold, the knob of XAttention and DPXA (`sparseprefill compare`).
+_TILE_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.98)
+
+
 def _tile_demo_block(n: int) -> int:
     # 128 (the papers') once a sequence has a few dozen tiles; smaller below so the demo's
     # short workload still has tiles to skip.
@@ -347,6 +411,7 @@ register(MethodSpec(
     demo_params=lambda n: {"stride": 8, "threshold": 0.9, "block": _tile_demo_block(n)},
     exact_plans=False,
     tie_check=xattention_tie_check,
+    sweep=lambda n: [{"stride": 8, "threshold": t, "block": _tile_demo_block(n)} for t in _TILE_SWEEP],
     notes="XAttention: antidiagonal stride-level scores, row softmax summed into tiles, greedy "
           "threshold selection (thesis sec. 2.5)",
 ))
@@ -361,6 +426,105 @@ register(MethodSpec(
     demo_params=lambda n: {"cos_threshold": 0.75, "threshold": 0.9, "block": _tile_demo_block(n)},
     exact_plans=False,
     tie_check=dpxa_tie_check,
+    sweep=lambda n: [{"cos_threshold": 0.75, "threshold": t, "block": _tile_demo_block(n)} for t in _TILE_SWEEP],
     notes="DPXA: delta anchors of Q and K per tile, anchor-pair tile scores, XAttention's greedy "
           "selection (thesis sec. 4.3)",
 ))
+def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    alpha = st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.95, 1.0]), st.floats(0.0, 1.0))
+    return {
+        "alpha_c": draw(alpha),
+        "alpha_s": draw(alpha),
+        # seqlen + 5 chunks: more chunks than rows, so every row is sampled.
+        "chunk_n": draw(st.sampled_from([1, 2, 3, 4, 7, seqlen + 5])),
+        "block_size": draw(st.sampled_from([16, 32, 48, 64, 128])),
+    }
+
+
+register(MethodSpec(
+    name="sample_attention",
+    reference_plan=reference.sample_attention_plan,
+    fast_plan=fast.sample_attention_plan,
+    reference_run=reference.sample_attention,
+    fast_run=fast.sample_attention,
+    params=_sample_attention_params,
+    # Section 5.4's 32K setting; 64-token blocks below 4K so short prompts keep several blocks.
+    demo_params=lambda n: {"alpha_c": 0.95, "alpha_s": 0.95, "chunk_n": 1,
+                           "block_size": 128 if n >= 4096 else 64},
+    exact_plans=False,
+    tie_check=sample_attention_tie_check,
+    notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
+    sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
+))
+
+
+def _minference_patterns(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    """1-3 head patterns with one pair of block sizes (Hypothesis); `prepare` assigns them
+    to the query heads in turn."""
+    from hypothesis import strategies as st
+
+    from ..reference.minference import HeadPattern
+
+    bm = draw(st.sampled_from([16, 32, 64]))
+    bn = draw(st.sampled_from([16, 32, 64]))
+    kinds = ["a_shape", "vertical_slash"] + (["block_sparse"] if bm == bn else [])
+    patterns = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(kinds))
+        if kind == "a_shape":
+            params = {**_sink_window(draw, seqlen), "block_m": bm, "block_n": bn}
+        elif kind == "vertical_slash":
+            params = {"vertical_size": draw(st.integers(1, seqlen + 8)), "slash_size": draw(st.integers(1, seqlen + 8)),
+                      "last_q": draw(st.sampled_from([1, 16, 64])), "block_m": bm, "block_n": bn,
+                      "init_columns": draw(st.sampled_from([0, 1, 5])),
+                      "local_diagonals": draw(st.sampled_from([0, 1, 7]))}
+        else:
+            params = {"top_k": draw(st.integers(1, -(-seqlen // bm) + 2)), "block_size": bm}
+        patterns.append(HeadPattern(kind, params))
+    # block_m / block_n are hints for the strategies' cost cap; `prepare` drops them.
+    return {"patterns": tuple(patterns), "block_m": bm, "block_n": bn}
+
+
+def _minference_demo(n: int) -> dict[str, Any]:
+    from ..reference.minference import HeadPattern
+
+    vs = _vertical_slash_demo(n)
+    return {"patterns": (
+        HeadPattern("vertical_slash", {**vs, "block_m": 64, "block_n": 64}),
+        HeadPattern("a_shape", {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8)),
+                                "block_m": 64, "block_n": 64}),
+        HeadPattern("block_sparse", {"top_k": 100 if n >= 32768 else max(2, n // 512), "block_size": 64}),
+    )}
+
+
+def _minference_prepare(params: dict[str, Any], q: torch.Tensor) -> dict[str, Any]:
+    """Pattern `h % len(patterns)` for query head `h`: a one-layer `MInferenceConfig`."""
+    from ..reference.minference import MInferenceConfig
+
+    patterns = tuple(params["patterns"])
+    heads = tuple(patterns[h % len(patterns)] for h in range(int(q.shape[1])))
+    return {"config": MInferenceConfig((heads,)), "layer": 0}
+
+
+def _register_minference() -> None:
+    from .ties import minference_tie_check
+
+    register(MethodSpec(
+        name="minference",
+        reference_plan=reference.minference_plan,
+        fast_plan=fast.minference_plan,
+        reference_run=reference.minference,
+        fast_run=fast.minference,
+        params=_minference_patterns,
+        demo_params=_minference_demo,
+        exact_plans=False,
+        tie_check=minference_tie_check,
+        notes="MInference per-head dispatch: each head its own pattern (vertical-slash, A-shape, "
+              "block-sparse), one merged plan, one kernel launch",
+        prepare=_minference_prepare,
+    ))
+
+
+_register_minference()

@@ -78,13 +78,14 @@ def _keep_mask_kernel(
     anchor = tl.load(p_k, mask=m_lane[:, None] & m_d[None, :], other=0.0).to(tl.float64)
     tl.store(p_keep, tl.full([LANES], 1, tl.int8), mask=m_lane)
     kept = m_lane.to(tl.int32)
+    # The anchor's squared norm (cosine): it changes only when the anchor does.
+    na = _tree_sum(anchor * anchor, LANES, HEAD_DIM)
     for t in range(1, chunk):
         m_t = m_lane & (start + t < end)
         x = tl.load(p_k + t * stride_kn, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float64)
         if COSINE:
             dot = _tree_sum(x * anchor, LANES, HEAD_DIM)
             nx = _tree_sum(x * x, LANES, HEAD_DIM)
-            na = _tree_sum(anchor * anchor, LANES, HEAD_DIM)
             norms = nx * na
             # cos >= threshold without a square root (reference.delta_kv.is_dropped).
             dot2 = dot * dot
@@ -101,6 +102,8 @@ def _keep_mask_kernel(
         keep = m_t & ~drop
         tl.store(p_keep + t, keep.to(tl.int8), mask=m_t)
         anchor = tl.where(keep[:, None], x, anchor)
+        if COSINE:
+            na = tl.where(keep, nx, na)
         kept += keep.to(tl.int32)
     tl.store(CHUNK_COUNT + o_lane, kept, mask=m_lane)
 
@@ -149,6 +152,7 @@ def keep_mask(k: torch.Tensor, *, threshold: float, cosine: bool, chunk: int) ->
     """Stage 1 on checked inputs: (keep bool `[B, Hkv, N]`, anchors per chunk int32 `[B * Hkv, C]`)."""
     check_kernel_device(k)
     b, h, n, d = k.shape
+    chunk = min(chunk, n)
     nc = cdiv(n, chunk)
     keep = torch.zeros(b * h, n, dtype=torch.int8, device=k.device)
     counts = torch.empty(b * h, nc, dtype=torch.int32, device=k.device)
@@ -172,6 +176,7 @@ def pack(
     """Stage 2 on checked inputs (see `reference.delta_pack`)."""
     check_kernel_device(k)
     b, h, n, d = k.shape
+    chunk = min(chunk, n)
     nc = cdiv(n, chunk)
     if chunk_counts is None:
         padded = torch.zeros(b * h, nc * chunk, dtype=torch.int32, device=k.device)
