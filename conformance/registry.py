@@ -430,6 +430,57 @@ register(MethodSpec(
     notes="DPXA: delta anchors of Q and K per tile, anchor-pair tile scores, XAttention's greedy "
           "selection (thesis sec. 4.3)",
 ))
+def _delta_xattention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    block = int(draw(st.sampled_from([16, 32, 48, 64, 96, 128])))
+    metric = draw(st.sampled_from(["euclidean", "cosine"]))
+    if metric == "euclidean":
+        # 0 drops only identical neighbours; 1e3 leaves one anchor per tile.
+        delta = draw(st.sampled_from([0.0, 4.0, 6.0, 1e3]))
+    else:
+        delta = draw(st.sampled_from([-1.0, 0.0, 0.5, 0.9, 1.0]))
+    return {
+        "stride": int(draw(st.sampled_from([1, 2, 4, 8, 16, 3]))),
+        "threshold": _tile_threshold(draw),
+        "exact_top": float(draw(st.one_of(st.sampled_from([0.0, 0.1, 1.0]), st.floats(0.0, 1.0)))),
+        "delta_threshold": delta, "metric": metric, "block": block,
+        "packed_block": int(draw(st.sampled_from([p for p in (16, 32, 48, 64, 96, 128) if block % p == 0]))),
+        "unselected": draw(st.sampled_from(["skip", "skip", "packed"])),
+        "count_weighted": draw(st.sampled_from([True, True, False])),
+    }
+
+
+def _register_delta_xattention() -> None:
+    from .delta_xattention import (
+        delta_xattention_golden,
+        delta_xattention_structure_check,
+        delta_xattention_view,
+    )
+
+    register(MethodSpec(
+        name="delta_xattention",
+        reference_plan=None,
+        fast_plan=None,
+        reference_run=reference.delta_xattention,
+        fast_run=fast.delta_xattention,
+        params=_delta_xattention_params,
+        demo_params=lambda n: {"stride": 8, "threshold": 0.9, "exact_top": 0.1, "delta_threshold": 0.83,
+                               "metric": "cosine", "block": _tile_demo_block(n), "packed_block": 32},
+        notes="DeltaXAttention: XAttention's tiles, the diagonal and top tiles exact, the other "
+              "selected tiles through per-tile Delta-KV anchors (thesis sec. 4.2)",
+        golden=delta_xattention_golden,
+        structure_check=delta_xattention_structure_check,
+        view=delta_xattention_view,
+        sweep=lambda n: [{"stride": 8, "threshold": 0.9, "exact_top": 0.1, "delta_threshold": t,
+                          "metric": "cosine", "block": _tile_demo_block(n), "packed_block": 32}
+                         for t in (0.95, 0.9, 0.85, 0.8, 0.75)],
+    ))
+
+
+_register_delta_xattention()
+
+
 def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     from hypothesis import strategies as st
 

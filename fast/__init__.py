@@ -8,6 +8,7 @@ Inputs are float16/bfloat16 CUDA tensors (or CPU tensors under
 from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
 from ..reference.attention import AttentionState
 from ..reference.delta_kv import PackedKV
+from ..reference.delta_xattention import TilePackedKV
 from ..reference.plan import BlockColumnPlan
 from ..reference.sample_attention import SampleAttentionSettings
 from .a_shape import a_shape, a_shape_plan
@@ -22,6 +23,17 @@ from .delta_kv import (
     delta_kv_density,
     delta_kv_plans,
     delta_pack,
+)
+from .delta_xattention import (
+    delta_tile_pack,
+    delta_xattention,
+    delta_xattention_attention,
+    delta_xattention_density,
+    delta_xattention_kv_reduction,
+    delta_xattention_plans,
+    delta_xattention_tiles,
+    exact_tiles,
+    skip_tiles,
 )
 from .dpxa import dpxa, dpxa_plan, dpxa_scoring_ratio, dpxa_tile_weights
 from .metrics import density, recall, relative_error
@@ -39,6 +51,7 @@ __all__ = [
     "PackedKV",
     "SampleAttentionSettings",
     "SearchResult",
+    "TilePackedKV",
     "a_shape",
     "a_shape_plan",
     "anchor_attention",
@@ -52,6 +65,13 @@ __all__ = [
     "delta_kv_density",
     "delta_kv_plans",
     "delta_pack",
+    "delta_tile_pack",
+    "delta_xattention",
+    "delta_xattention_attention",
+    "delta_xattention_density",
+    "delta_xattention_kv_reduction",
+    "delta_xattention_plans",
+    "delta_xattention_tiles",
     "dense",
     "dense_plan",
     "density",
@@ -59,6 +79,7 @@ __all__ = [
     "dpxa_plan",
     "dpxa_scoring_ratio",
     "dpxa_tile_weights",
+    "exact_tiles",
     "minference",
     "minference_plan",
     "recall",
@@ -67,6 +88,7 @@ __all__ = [
     "sample_attention_plan",
     "search_patterns",
     "select_tiles",
+    "skip_tiles",
     "sparse_attention",
     "streaming",
     "streaming_plan",

@@ -17,6 +17,18 @@ from .delta_kv import (
     delta_kv_plans,
     delta_pack,
 )
+from .delta_xattention import (
+    TilePackedKV,
+    delta_tile_pack,
+    delta_xattention,
+    delta_xattention_attention,
+    delta_xattention_density,
+    delta_xattention_kv_reduction,
+    delta_xattention_plans,
+    delta_xattention_tiles,
+    exact_tiles,
+    skip_tiles,
+)
 from .dpxa import dpxa, dpxa_plan, dpxa_scoring_ratio, dpxa_tile_weights
 from .metrics import density, recall, relative_error
 from .minference import (
@@ -41,6 +53,7 @@ __all__ = [
     "PackedKV",
     "SampleAttentionSettings",
     "SearchResult",
+    "TilePackedKV",
     "a_shape",
     "a_shape_plan",
     "anchor_attention",
@@ -54,6 +67,13 @@ __all__ = [
     "delta_kv_density",
     "delta_kv_plans",
     "delta_pack",
+    "delta_tile_pack",
+    "delta_xattention",
+    "delta_xattention_attention",
+    "delta_xattention_density",
+    "delta_xattention_kv_reduction",
+    "delta_xattention_plans",
+    "delta_xattention_tiles",
     "dense",
     "dense_plan",
     "density",
@@ -61,6 +81,7 @@ __all__ = [
     "dpxa_plan",
     "dpxa_scoring_ratio",
     "dpxa_tile_weights",
+    "exact_tiles",
     "minference",
     "minference_plan",
     "recall",
@@ -69,6 +90,7 @@ __all__ = [
     "sample_attention_plan",
     "search_patterns",
     "select_tiles",
+    "skip_tiles",
     "sparse_attention",
     "streaming",
     "streaming_plan",

@@ -98,10 +98,27 @@ def _packed(q: Any, k: Any, v: Any) -> Any:
         return reference.delta_pack(kk, vv, reference.delta_keep_mask(kk, threshold=1.0, chunk=16), block=16)
 
 
+def _tile_modes(q: Any, k: Any, v: Any) -> Any:
+    """DeltaXAttention tile modes of valid inputs (16-token tiles)."""
+    qq, kk, _ = valid_qkv()
+    return reference.delta_xattention_tiles(qq, kk, block=16)
+
+
+def _tile_packing(q: Any, k: Any, v: Any) -> Any:
+    """Per-tile anchors of k, v (of valid inputs when k, v are the bad argument under test)."""
+    try:
+        return reference.delta_tile_pack(k, v, delta_threshold=0.5, metric="cosine", block=16, packed_block=16)
+    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
+        _, kk, vv = valid_qkv()
+        return reference.delta_tile_pack(kk, vv, delta_threshold=0.5, metric="cosine", block=16, packed_block=16)
+
+
 # Valid values of required positional parameters other than tensors, by name.
 FACTORIES: dict[str, Callable[[Any, Any, Any], Any]] = {
     "config": lambda q, k, v: _minference_config(),
     "packed": _packed,
+    "modes": _tile_modes,
+    "packing": _tile_packing,
 }
 
 
@@ -149,6 +166,12 @@ COVERED_ELSEWHERE = {
     "delta_kv_plans": "tests/test_delta_kv.py",
     "delta_kv_density": "tests/test_delta_kv.py",
     "select_tiles": "tests/test_xattention.py",
+    "exact_tiles": "tests/test_delta_xattention.py",
+    "skip_tiles": "tests/test_delta_xattention.py",
+    "delta_tile_pack": "tests/test_delta_xattention.py",
+    "delta_xattention_plans": "tests/test_delta_xattention.py",
+    "delta_xattention_kv_reduction": "tests/test_delta_xattention.py",
+    "delta_xattention_density": "tests/test_delta_xattention.py",
 }
 
 

@@ -1,0 +1,347 @@
+"""DeltaXAttention on the existing kernels (see `reference.delta_xattention` for the spec).
+
+Tiles: XAttention's Triton tile weights and torch selection (`fast.xattention`), then
+the exact/packed split by one float64 sort per head. Packing: Delta-KV's keep-mask
+and packing kernels (`fast/kernels/delta_pack.py`) on the keys viewed as
+`[B * Hkv, T - 1, block, D]` (a view, no copy, for contiguous K/V): every tile one
+chunk, one packed segment, so the masks and buffers are bit-identical to the
+reference's. Attention: two launches of the one block/column kernel chained through
+an `AttentionState`: the packed tiles through `ragged_block_column_attention` (one
+region of tile segments per (batch row, KV head), the log count as a per-key bias),
+then the exact tiles over the original keys, which finishes the softmax.
+
+The fp32 tile weights can decide a (near-)tie differently from the reference's
+float64 ones, in the selection (as `fast.xattention`) and in the top-`exact_top`
+split; `conformance.delta_xattention` shows every such difference is a tie.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..reference._checks import HALF_DTYPES, check_fraction, check_qk, check_qkv, resolve_scale
+from ..reference.attention import AttentionState
+from ..reference.delta_kv import PackedKV, check_flags
+from ..reference.delta_xattention import (
+    EXACT,
+    PACKED,
+    TilePackedKV,
+    check_exact_top,
+    check_modes,
+    check_packing,
+    check_selection,
+    check_tile_pack_inputs,
+    check_unselected,
+    delta_xattention_density,
+    delta_xattention_kv_reduction,
+    empty_packing,
+    exact_tiles as reference_exact_tiles,
+    skip_tiles as reference_skip_tiles,
+    tile_modes,
+    tile_view,
+)
+from ..reference.plan import BlockColumnPlan, cdiv, mask_to_list
+from ..reference.xattention import check_xattention_params
+from .dense import empty_columns
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
+from .kernels.block_column import ragged_block_column_attention
+from .kernels.delta_pack import keep_mask, pack
+from .kernels.xattention_score import check_fast_block
+from .xattention import select_tiles, tiles_to_plan, xattention_tile_weights
+
+__all__ = [
+    "delta_tile_pack",
+    "delta_xattention",
+    "delta_xattention_attention",
+    "delta_xattention_density",
+    "delta_xattention_kv_reduction",
+    "delta_xattention_plans",
+    "delta_xattention_tiles",
+    "exact_tiles",
+    "skip_tiles",
+]
+
+# Tile weights ranked at once (float64 sort keys and int64 indices: ~16 bytes each).
+_RANK_ELEMENTS = 1 << 24
+# Bools of the packed plan's [B, heads, T, key blocks] mask built at once.
+_MASK_ELEMENTS = 1 << 25
+# The packing kernel's grid has one program per tile segment in its second dimension.
+_MAX_GRID_Y = 65535
+
+
+def _by_heads(weights: torch.Tensor, selected: torch.Tensor, fraction: float,
+              fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> torch.Tensor:
+    """Apply the reference's per-(batch row, head) rule to a few heads at a time."""
+    b, h, t, _ = weights.shape
+    flat_w = weights.reshape(1, b * h, t, t)
+    flat_s = selected.reshape(1, b * h, t, t)
+    rows = max(1, _RANK_ELEMENTS // max(1, t * t))
+    out = torch.empty(1, b * h, t, t, dtype=torch.bool, device=weights.device)
+    for r0 in range(0, b * h, rows):
+        out[:, r0:r0 + rows] = fn(flat_w[:, r0:r0 + rows], flat_s[:, r0:r0 + rows], fraction)
+    return out.view(b, h, t, t)
+
+
+def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float) -> torch.Tensor:
+    """The exact tiles (see `reference.delta_xattention.exact_tiles`), a few heads at a time.
+
+    Args:
+        weights: float `[B, H, T, T]`, XAttention tile weights.
+        selected: bool `[B, H, T, T]`, the selected tiles (`select_tiles`).
+        exact_top: fraction in `[0, 1]`.
+
+    Returns:
+        bool `[B, H, T, T]`.
+
+    Raises:
+        TypeError, ValueError: bad arguments.
+    """
+    weights, selected = check_selection(weights, selected)
+    return _by_heads(weights, selected, check_exact_top(exact_top), reference_exact_tiles)
+
+
+def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> torch.Tensor:
+    """4.2.2's tile-skip ablation (see `reference.delta_xattention.skip_tiles`).
+
+    Args:
+        weights: float `[B, H, T, T]`, XAttention tile weights.
+        selected: bool `[B, H, T, T]` (`select_tiles`).
+        skip: fraction in `[0, 1]`.
+
+    Returns:
+        bool `[B, H, T, T]`, a subset of `selected` keeping every diagonal tile.
+
+    Raises:
+        TypeError, ValueError: bad arguments.
+    """
+    weights, selected = check_selection(weights, selected)
+    return _by_heads(weights, selected, check_fraction("skip", skip), reference_skip_tiles)
+
+
+def delta_xattention_tiles(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    stride: int = 8,
+    threshold: float = 0.9,
+    exact_top: float = 0.1,
+    block: int = 128,
+    scoring: str = "antidiagonal",
+    unselected: str = "skip",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The mode of every tile (see `reference.delta_xattention_tiles`).
+
+    Returns:
+        int8 `[B, Hq, T, T]` of `EXACT`, `PACKED`, `SKIPPED`.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    check_qk(q, k, dtypes=HALF_DTYPES)
+    stride, threshold, block, scoring = check_xattention_params(
+        stride=stride, threshold=threshold, block=block, scoring=scoring)
+    top = check_exact_top(exact_top)
+    unselected = check_unselected(unselected)
+    check_fast_block(block)
+    resolve_scale(scale, q.shape[-1])
+    weights = xattention_tile_weights(q, k, stride=stride, block=block, scoring=scoring, scale=scale)
+    selected = select_tiles(weights, threshold)
+    return tile_modes(selected, exact_tiles(weights, selected, top), unselected)
+
+
+def _merge(parts: list[PackedKV]) -> PackedKV:
+    """Concatenate packings of consecutive groups of segments into one."""
+    if len(parts) == 1:
+        return parts[0]
+    offsets = [parts[0].offsets[:1]]
+    base = 0
+    for p in parts:
+        offsets.append(p.offsets[1:] + base)
+        base += int(p.offsets[-1])
+    return PackedKV(
+        k=torch.cat([p.k for p in parts]), v=torch.cat([p.v for p in parts]),
+        counts=torch.cat([p.counts for p in parts]), timestamps=torch.cat([p.timestamps for p in parts]),
+        offsets=torch.cat(offsets), lengths=torch.cat([p.lengths for p in parts]),
+        seqlen=parts[0].seqlen, block=parts[0].block,
+    )
+
+
+def delta_tile_pack(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    delta_threshold: float,
+    metric: str = "euclidean",
+    block: int = 128,
+    packed_block: int = 32,
+) -> TilePackedKV:
+    """Per-tile Stages 1-2 (see `reference.delta_tile_pack`); the same `TilePackedKV`, bit for bit.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    k, v, thr, metric, bs, pb = check_tile_pack_inputs(k, v, delta_threshold, metric, block, packed_block)
+    if k.dtype not in HALF_DTYPES:
+        raise TypeError(f"k must have dtype float16 or bfloat16 for the fast kernels, got {k.dtype}")
+    check_kernel_device(k)
+    b, h, n, _ = k.shape
+    tiles = cdiv(n, bs) - 1
+    if tiles == 0:
+        return empty_packing(k, bs, pb)
+    if tiles > _MAX_GRID_Y:
+        raise ValueError(f"N / block must be at most {_MAX_GRID_Y + 1} tiles for the packing kernel, got "
+                         f"{tiles + 1}; use a larger block")
+    k4, v4 = tile_view(k, bs, tiles), tile_view(v, bs, tiles)
+    rows = max(1, _MAX_GRID_Y // tiles)
+    parts = []
+    for r0 in range(0, b * h, rows):
+        kp, vp = k4[r0:r0 + rows], v4[r0:r0 + rows]
+        keep, counts = keep_mask(kp, threshold=thr, cosine=metric == "cosine", chunk=bs)
+        parts.append(pack(kp, vp, keep, counts, chunk=bs, block=pb))
+    return TilePackedKV(packed=_merge(parts), batch=b, kv_heads=h, seqlen=n, block=bs)
+
+
+def _packed_plan(modes: torch.Tensor, packing: TilePackedKV, seqlen: int) -> BlockColumnPlan:
+    """The packed tiles' key blocks per query tile (see `reference.delta_xattention_plans`)."""
+    b, hq, t, _ = modes.shape
+    dev = modes.device
+    pb, bs = packing.packed_block, packing.block
+    count = torch.zeros(b, hq, t, dtype=torch.int32, device=dev)
+    col_count, col_index = empty_columns(b, hq, t, dev)
+    if packing.tiles == 0:
+        return BlockColumnPlan(seqlen=seqlen, block_m=bs, block_n=pb, block_count=count,
+                               block_index=torch.zeros(b, hq, t, 0, dtype=torch.int32, device=dev),
+                               column_count=col_count, column_index=col_index).mark_valid()
+    first, size = packing.tile_blocks()
+    ends = (first + size).contiguous()  # [B, Hkv, T - 1], non-decreasing along the tiles
+    width = int(ends[..., -1].max())  # key blocks of the largest region
+    blocks = torch.arange(width, device=dev)
+    # The tile of every key block of a region, and whether the region has that block.
+    owner = torch.searchsorted(ends, blocks.expand(*ends.shape[:2], width).contiguous(), right=True)
+    inside = blocks < ends[..., -1:]
+    owner = owner.clamp(max=packing.tiles - 1)
+    group = hq // packing.kv_heads
+    heads = max(1, _MASK_ELEMENTS // max(1, b * t * width))
+    counts, indices = [], []
+    for h0 in range(0, hq, heads):
+        h1 = min(hq, h0 + heads)
+        kv = torch.arange(h0, h1, device=dev) // group
+        packed = modes[:, h0:h1, :, : packing.tiles] == PACKED  # [B, h, T, T - 1]
+        own = owner[:, kv].unsqueeze(2).expand(b, h1 - h0, t, width)
+        mask = torch.gather(packed, -1, own) & inside[:, kv].unsqueeze(2)
+        c, idx = mask_to_list(mask)
+        counts.append(c)
+        indices.append(idx)
+    list_width = max(int(i.shape[-1]) for i in indices)
+    index = torch.zeros(b, hq, t, list_width, dtype=torch.int32, device=dev)
+    h0 = 0
+    for c, idx in zip(counts, indices):
+        index[:, h0:h0 + c.shape[1], :, : idx.shape[-1]] = idx
+        h0 += c.shape[1]
+    return BlockColumnPlan(seqlen=seqlen, block_m=bs, block_n=pb, block_count=torch.cat(counts, dim=1),
+                           block_index=index, column_count=col_count, column_index=col_index).mark_valid()
+
+
+def delta_xattention_plans(
+    q: torch.Tensor,
+    modes: torch.Tensor,
+    packing: TilePackedKV,
+) -> tuple[BlockColumnPlan, BlockColumnPlan]:
+    """The two launches as plans (see `reference.delta_xattention_plans`), built with tensor ops.
+
+    Raises:
+        TypeError, ValueError: bad inputs.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a [B, Hq, N, D] tensor, got {getattr(q, 'shape', type(q).__name__)}")
+    if not isinstance(packing, TilePackedKV):
+        raise TypeError(f"packing must be a TilePackedKV, got {type(packing).__name__}")
+    b, hq, n, _ = q.shape
+    if (packing.batch, packing.seqlen) != (b, n) or hq % packing.kv_heads != 0:
+        raise ValueError(f"packing (B={packing.batch}, Hkv={packing.kv_heads}, N={packing.seqlen}) does not "
+                         f"fit q [B={b}, Hq={hq}, N={n}]")
+    modes = check_modes(modes, tuple(q.shape), packing)
+    exact = tiles_to_plan(modes == EXACT, seqlen=n, block=packing.block)
+    return exact, _packed_plan(modes, packing, n)
+
+
+def delta_xattention_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    modes: torch.Tensor,
+    packing: TilePackedKV,
+    *,
+    count_weighted: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Packed tiles, then exact tiles: two kernel launches sharing one softmax state.
+
+    Raises:
+        TypeError, ValueError: bad inputs, before any launch.
+    """
+    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_kernel_device(q)
+    check_forward_only(q, k, v)
+    resolve_scale(scale, shape.head_dim)
+    check_packing(packing, k)
+    modes = check_modes(modes, tuple(q.shape), packing)
+    check_flags(count_weighted=count_weighted)
+    check_kernel_block_sizes(packing.block, packing.packed_block, names=("block", "packed_block"))
+    exact_plan, packed_plan = delta_xattention_plans(q, modes, packing)
+    state = AttentionState.like(q)
+    if bool((packed_plan.block_count > 0).any()):
+        counts = packing.packed.counts.to(torch.float32)
+        # Eq. 4 as a bias: c exp(s) = exp(s + log c); padding (count 0) weighs nothing.
+        bias = torch.log(counts) if count_weighted else torch.where(counts > 0, 0.0, -math.inf)
+        ragged_block_column_attention(q, packing.packed.k, packing.packed.v, packing.region_offsets(),
+                                      packed_plan, key_bias=bias, scale=scale, state=state)
+    out, _ = block_column_attention(q, k, v, exact_plan, scale=scale, state=state, validate_plan=False)
+    return out
+
+
+def delta_xattention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    stride: int = 8,
+    threshold: float = 0.9,
+    exact_top: float = 0.1,
+    delta_threshold: float,
+    metric: str = "euclidean",
+    block: int = 128,
+    packed_block: int = 32,
+    scoring: str = "antidiagonal",
+    unselected: str = "skip",
+    count_weighted: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """DeltaXAttention end to end (see `reference.delta_xattention`).
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters, before any launch.
+    """
+    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_kernel_device(q)
+    check_forward_only(q, k, v)
+    check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
+    check_exact_top(exact_top)
+    check_unselected(unselected)
+    _, _, _, _, bs, pb = check_tile_pack_inputs(k, v, delta_threshold, metric, block, packed_block)
+    check_fast_block(bs)
+    check_kernel_block_sizes(bs, pb, names=("block", "packed_block"))
+    check_flags(count_weighted=count_weighted)
+    resolve_scale(scale, shape.head_dim)
+    modes = delta_xattention_tiles(q, k, stride=stride, threshold=threshold, exact_top=exact_top, block=block,
+                                   scoring=scoring, unselected=unselected, scale=scale)
+    packing = delta_tile_pack(k, v, delta_threshold=delta_threshold, metric=metric, block=block,
+                              packed_block=packed_block)
+    return delta_xattention_attention(q, k, v, modes, packing, count_weighted=count_weighted, scale=scale)
