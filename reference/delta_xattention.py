@@ -161,9 +161,9 @@ def check_delta_threshold(delta_threshold: object, metric: str) -> float:
 
 
 def check_pack_blocks(block: object, packed_block: object) -> tuple[int, int]:
-    """(block, packed_block): block sizes, `packed_block` dividing `block`."""
+    """(block, packed_block): block sizes, `packed_block` dividing `block` (past it: `block`)."""
     bs = check_block_size("block", block)
-    pb = check_block_size("packed_block", packed_block)
+    pb = min(check_block_size("packed_block", packed_block), bs)
     if bs % pb != 0:
         raise ValueError(f"packed_block must divide block ({bs}), got {pb}")
     return bs, pb
@@ -378,7 +378,8 @@ def delta_tile_pack(
         delta_threshold: Stage 1's threshold (`reference.delta_keep_mask`).
         metric: "euclidean" or "cosine".
         block: tokens per tile (the Stage 1 chunk).
-        packed_block: each tile's anchors are padded to a multiple of it (divides `block`).
+        packed_block: each tile's anchors are padded to a multiple of it (divides `block`;
+            values past `block` mean `block`).
 
     Returns:
         The `TilePackedKV` of tiles `0 .. T - 2`.
@@ -546,7 +547,8 @@ def delta_xattention(
             Delta-KV chunk).
         exact_top: fraction of the selected off-diagonal tiles computed exactly (4.2.1).
         delta_threshold, metric: Delta-KV Stage 1 (`reference.delta_keep_mask`).
-        packed_block: anchors of a tile padded to a multiple of it (divides `block`).
+        packed_block: anchors of a tile padded to a multiple of it (divides `block`; past it,
+            `block`).
         unselected: "skip" (thesis) or "packed".
         count_weighted: the count-weighted softmax (Eq. 4).
         scale: softmax scale of the scoring and the attention, `1/sqrt(D)` if None.

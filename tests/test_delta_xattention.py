@@ -348,7 +348,7 @@ def test_argument_checks(pkg: Any) -> None:
         with pytest.raises(error, match=word):
             pkg.delta_xattention(q, k, v, **args)
 
-    bad(ValueError, "packed_block", packed_block=48)
+    bad(ValueError, "packed_block", packed_block=24, block=32)
     bad(ValueError, "packed_block", packed_block=0)
     bad(ValueError, "exact_top", exact_top=1.5)
     bad(TypeError, "exact_top", exact_top="0.1")
@@ -368,7 +368,7 @@ def test_argument_checks(pkg: Any) -> None:
     with pytest.raises(TypeError, match="weights"):
         pkg.exact_tiles(w.tolist(), sel, 0.1)
     with pytest.raises(ValueError, match="packed_block"):
-        pkg.delta_tile_pack(k, v, delta_threshold=0.5, block=32, packed_block=64)
+        pkg.delta_tile_pack(k, v, delta_threshold=0.5, block=48, packed_block=32)
     with pytest.raises(ValueError, match="v must match"):
         pkg.delta_tile_pack(k, v[..., :8], delta_threshold=0.5)
     tp = reference.delta_tile_pack(k, v, delta_threshold=0.5, metric="cosine", block=16, packed_block=16)
