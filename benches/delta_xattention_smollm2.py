@@ -7,8 +7,10 @@ greedy selection at a few thresholds, then on those tiles
   compare with at matched density;
 * DeltaXAttention (thesis 4.2): per-tile Delta-KV packing (cosine thresholds), the
   diagonal exact, `exact_top` in {0 ("diag kept"), 0.1 ("tw10")} of the selected
-  off-diagonal tiles exact, the rest packed; and the lead's variant
-  `unselected="packed"` (unselected tiles packed instead of dropped);
+  off-diagonal tiles exact, the rest packed; `unselected="packed"` with `exact_top`
+  0.1 ("tw10 fill": unselected tiles packed instead of dropped), and the lead's
+  sketch (`exact_top=1`, `unselected="packed"`: every selected tile exact, every
+  unselected causal tile packed);
 * the thesis's ablation (4.2.2): XAttention skipping its lightest off-diagonal tiles
   (`skip_tiles`), a grid of fractions, interpolated at every DeltaXAttention row's KV
   reduction;
@@ -49,7 +51,8 @@ BLOCK, STRIDE, PACKED_BLOCK = 128, 8, 32
 X_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98)
 DX_THRESHOLDS = (0.8, 0.9, 0.95)
 COSINE = (0.95, 0.9, 0.85, 0.8, 0.75)
-VARIANTS = (("diag", 0.0, "skip"), ("tw10", 0.1, "skip"), ("tw10 fill", 0.1, "packed"))
+VARIANTS = (("diag", 0.0, "skip"), ("tw10", 0.1, "skip"), ("tw10 fill", 0.1, "packed"),
+            ("sketch", 1.0, "packed"))
 SKIPS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 DELTA_KV = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
@@ -242,7 +245,7 @@ def plot(layers: list[dict[str, Any]], path: Path) -> None:
         sk = [r for r in layer["tile_skip"] if r["threshold"] == 0.9]
         ax.plot([r["density"] for r in sk], [r["output_error"] for r in sk], "C2:^", ms=3,
                 label="XAttention 0.9 + tile skip")
-        for (variant, color) in (("diag", "C1"), ("tw10", "C3"), ("tw10 fill", "C0")):
+        for (variant, color) in (("diag", "C1"), ("tw10", "C3"), ("tw10 fill", "C0"), ("sketch", "C4")):
             rows = [r for r in layer["delta_xattention"] if r["variant"] == variant and r["threshold"] == 0.9]
             ax.plot([r["density"] for r in rows], [r["output_error"] for r in rows], "-D", color=color, ms=3,
                     label=f"DeltaXAttention 0.9 {variant}")

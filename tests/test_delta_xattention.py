@@ -246,7 +246,8 @@ CASES = [
     pytest.param(1, 2, 1, 129, 128, 64, 32, "euclidean", 1.0, "packed", 0.1, 0.9, id="N129-d128-packed"),
     pytest.param(1, 2, 2, 63, 64, 16, 16, "cosine", 0.5, "skip", 1.0, 1e-6, id="N63-b16"),
     pytest.param(1, 1, 1, 1, 64, 16, 16, "cosine", 0.5, "skip", 0.1, 0.9, id="N1"),
-    pytest.param(1, 2, 1, 96, 64, 48, 16, "euclidean", 0.0, "skip", 0.0, 1.0, id="N96-b48-dense"),
+    pytest.param(1, 2, 1, 96, 64, 48, 16, "euclidean", 0.0, "skip", 0.0, 1.0, id="N96-b48-dense",
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -398,6 +399,7 @@ def test_fast_specific_checks() -> None:
 # -- the bench suite (CPU, untimed) -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_suite_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """`sparseprefill bench --method delta_xattention` on the CPU with the timer stubbed."""
     from sparseprefill import bench
