@@ -12,8 +12,9 @@ greedy selection at a few thresholds, then on those tiles
   sketch (`exact_top=1`, `unselected="packed"`: every selected tile exact, every
   unselected causal tile packed);
 * the thesis's ablation (4.2.2): XAttention skipping its lightest off-diagonal tiles
-  (`skip_tiles`), a grid of fractions, interpolated at every DeltaXAttention row's KV
-  reduction;
+  (`skip_tiles`, which keeps XAttention's forced first tile), a grid of fractions,
+  interpolated at every DeltaXAttention row's KV reduction; and, to show why the first
+  tile is kept, the literal reading that may skip it too (`"first_tile": "skippable"`);
 * Delta-KV alone (`reference.delta_kv_attention`, chunks of 512, blocks of 128, the
   same cosine thresholds): the curve to compare with at matched density.
 
@@ -44,7 +45,15 @@ from typing import Any
 import torch
 
 from sparseprefill import reference
-from sparseprefill.reference.delta_xattention import EXACT, PACKED, SKIPPED, TilePackedKV, tile_modes
+from sparseprefill.reference.delta_xattention import (
+    EXACT,
+    PACKED,
+    SKIPPED,
+    TilePackedKV,
+    rank_off_diagonal,
+    share_of,
+    tile_modes,
+)
 from sparseprefill.reference.plan import cdiv
 
 BLOCK, STRIDE, PACKED_BLOCK = 128, 8, 32
@@ -96,6 +105,16 @@ def tile_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch
                     vals = torch.cat([ev, pv])
                 out[h, r0:r1] = torch.softmax(s, dim=-1) @ vals
     return out
+
+
+def skip_literal(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> torch.Tensor:
+    """`skip_tiles` with the first key tile a candidate too (the literal reading of 4.2.2)."""
+    b, h, t, _ = weights.shape
+    order, n = rank_off_diagonal(weights, selected, first=True)
+    pos = torch.arange(t * t)
+    dropped = (pos >= (n - share_of(skip, n)).unsqueeze(-1)) & (pos < n.unsqueeze(-1))
+    gone = torch.zeros(b, h, t * t, dtype=torch.bool).scatter_(-1, order, dropped)
+    return selected & ~gone.view(b, h, t, t)
 
 
 def row_tile_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -177,13 +196,14 @@ def run_layer(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         if thr not in DX_THRESHOLDS:
             continue
         base_loads = loads(modes)
-        for frac in SKIPS:
-            kept = reference.skip_tiles(weights, selected, frac)
-            m = tile_modes(kept, kept, "skip")
-            skips.append({"threshold": thr, "skip": frac,
-                          "kv_reduction": float((1 - loads(m) / base_loads).mean()),
-                          "density": _density(m, n), "recall": masses(m, mass)[0],
-                          "output_error": err(tile_outputs(q, k, v, m, None, scale))})
+        for first, skip_fn in (("kept", reference.skip_tiles), ("skippable", skip_literal)):
+            for frac in SKIPS:
+                kept = skip_fn(weights, selected, frac)
+                m = tile_modes(kept, kept, "skip")
+                skips.append({"threshold": thr, "skip": frac, "first_tile": first,
+                              "kv_reduction": float((1 - loads(m) / base_loads).mean()),
+                              "density": _density(m, n), "recall": masses(m, mass)[0],
+                              "output_error": err(tile_outputs(q, k, v, m, None, scale))})
         for cos in COSINE:
             packing = reference.delta_tile_pack(k, v, delta_threshold=cos, metric="cosine", block=BLOCK,
                                                 packed_block=PACKED_BLOCK)
@@ -210,7 +230,7 @@ def run_layer(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     xd, xe = [r["density"] for r in xatt], [r["output_error"] for r in xatt]
     kd, ke = [r["density"] for r in dkv], [r["output_error"] for r in dkv]
     for row in dx:
-        sk = [s for s in skips if s["threshold"] == row["threshold"]]
+        sk = [s for s in skips if s["threshold"] == row["threshold"] and s["first_tile"] == "kept"]
         row["skip_error_at_kv_reduction"] = interpolate(row["kv_reduction"], [s["kv_reduction"] for s in sk],
                                                         [s["output_error"] for s in sk])
         row["skip_density_at_kv_reduction"] = interpolate(row["kv_reduction"], [s["kv_reduction"] for s in sk],
@@ -242,7 +262,7 @@ def plot(layers: list[dict[str, Any]], path: Path) -> None:
         ax.plot([r["density"] for r in xs], [r["output_error"] for r in xs], "k-o", ms=3, label="XAttention s8")
         kv = layer["delta_kv"]
         ax.plot([r["density"] for r in kv], [r["output_error"] for r in kv], "C7--s", ms=3, label="Delta-KV alone")
-        sk = [r for r in layer["tile_skip"] if r["threshold"] == 0.9]
+        sk = [r for r in layer["tile_skip"] if r["threshold"] == 0.9 and r["first_tile"] == "kept"]
         ax.plot([r["density"] for r in sk], [r["output_error"] for r in sk], "C2:^", ms=3,
                 label="XAttention 0.9 + tile skip")
         for (variant, color) in (("diag", "C1"), ("tw10", "C3"), ("tw10 fill", "C0"), ("sketch", "C4")):

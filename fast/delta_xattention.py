@@ -112,7 +112,7 @@ def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> to
         skip: fraction in `[0, 1]`.
 
     Returns:
-        bool `[B, H, T, T]`, a subset of `selected` keeping every diagonal tile.
+        bool `[B, H, T, T]`, a subset of `selected` keeping every diagonal and first tile.
 
     Raises:
         TypeError, ValueError: bad arguments.

@@ -203,8 +203,14 @@ def check_selection(weights: object, selected: object) -> tuple[torch.Tensor, to
     return weights, selected
 
 
-def rank_off_diagonal(weights: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_off_diagonal(
+    weights: torch.Tensor, selected: torch.Tensor, *, first: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The selected off-diagonal tiles of every (batch row, head), heaviest first.
+
+    Args:
+        weights, selected: `[B, H, T, T]`.
+        first: whether the first key tile (`j = 0`) is a candidate.
 
     Returns:
         (order int64 `[B, H, T * T]`: row-major tile indices, the `n` candidates first by
@@ -212,7 +218,8 @@ def rank_off_diagonal(weights: torch.Tensor, selected: torch.Tensor) -> tuple[to
     """
     b, h, t, _ = weights.shape
     idx = torch.arange(t, device=weights.device)
-    candidate = (selected & (idx[None, :] < idx[:, None])).reshape(b, h, t * t)
+    off = (idx[None, :] < idx[:, None]) & ((idx[None, :] > 0) | first)
+    candidate = (selected & off).reshape(b, h, t * t)
     ranked = torch.where(candidate, rank_nan_last(weights.reshape(b, h, t * t).to(torch.float64)), -math.inf)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     return order, candidate.sum(-1)
@@ -252,9 +259,11 @@ def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float)
 def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> torch.Tensor:
     """4.2.2's ablation: XAttention's selection less its `skip` least important off-diagonal tiles.
 
-    Per batch row and head, `round(skip * n)` of its `n` selected off-diagonal tiles are
-    dropped, the lightest first (the exact reverse of `exact_tiles`' order: NaN weights
-    first, ties to the higher index).
+    Per batch row and head, `round(skip * n)` of its `n` selected off-diagonal tiles
+    other than the first key tile are dropped, the lightest first (the exact reverse of
+    `exact_tiles`' order: NaN weights first, ties to the higher index). XAttention
+    forces the first tile (it holds the attention sink, which its antidiagonal weights
+    underrate); the diagonal is never a candidate either.
 
     Args:
         weights: float `[B, H, T, T]`, XAttention tile weights.
@@ -262,7 +271,7 @@ def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> to
         skip: fraction in `[0, 1]`.
 
     Returns:
-        bool `[B, H, T, T]`, a subset of `selected` keeping every diagonal tile.
+        bool `[B, H, T, T]`, a subset of `selected` keeping every diagonal and first tile.
 
     Raises:
         TypeError, ValueError: bad arguments.
@@ -270,7 +279,7 @@ def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> to
     weights, selected = check_selection(weights, selected)
     drop = check_fraction("skip", skip)
     b, h, t, _ = weights.shape
-    order, n = rank_off_diagonal(weights, selected)
+    order, n = rank_off_diagonal(weights, selected, first=False)
     pos = torch.arange(t * t, device=weights.device)
     # Sec. 4.2.2: "skip the alpha% least important off-diagonal tiles".
     dropped = (pos >= (n - share_of(drop, n)).unsqueeze(-1)) & (pos < n.unsqueeze(-1))

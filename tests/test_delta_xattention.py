@@ -83,23 +83,28 @@ def test_exact_top_takes_the_heaviest_selected_off_diagonal_tiles_per_head() -> 
 
 def test_nan_weights_rank_last_for_exact_and_first_for_skipping() -> None:
     w, sel = _weights()
-    w[0, 0, 1, 0] = math.nan
-    ex = reference.exact_tiles(w, sel, 0.2)[0, 0]  # 10 candidates -> 2: .5 and .3, never the NaN
-    assert bool(ex[2, 0]) and bool(ex[4, 0]) and not bool(ex[1, 0])
-    kept = reference.skip_tiles(w, sel, 0.1)[0, 0]  # 1 of 10 dropped: the NaN one
-    assert torch.equal(kept, sel[0, 0] & ~torch.nn.functional.one_hot(torch.tensor(5 * 1 + 0), 25).view(5, 5).bool())
+    w[0, 0, 3, 2] = math.nan
+    ex = reference.exact_tiles(w, sel, 0.2)[0, 0]  # 10 candidates -> 2: .6 and .5, never the NaN
+    assert bool(ex[1, 0]) and bool(ex[2, 0]) and not bool(ex[3, 2])
+    kept = reference.skip_tiles(w, sel, 0.1)[0, 0]  # 6 candidates (not tile 0) -> 1 dropped: the NaN one
+    want = sel[0, 0].clone()
+    want[3, 2] = False
+    assert torch.equal(kept, want)
 
 
-def test_skip_tiles_drops_the_lightest_off_diagonal_tiles() -> None:
+def test_skip_tiles_drops_the_lightest_off_diagonal_tiles_but_never_the_first() -> None:
     w, sel = _weights()
-    # Ten candidates; 0.3 -> drop 3: (4,1) .05, then the .1 tie (3,0) / (4,3): the later
-    # (4,3) goes first (exact reverse of the exact_tiles order), then (3,0).
-    kept = reference.skip_tiles(w, sel, 0.3)[0, 0]
+    w[0, 0, 4, 0] = 0.01  # the lightest tile of all, but the first key tile: XAttention forces it
+    # Candidates (j > 0): (2,1) .2, (3,1) .2, (3,2) .2, (4,1) .05, (4,2) .15, (4,3) .1;
+    # 0.67 -> drop 4: .05, .1, .15, then of the .2 tie the later (3,2) (the reverse of
+    # exact_tiles' order).
+    kept = reference.skip_tiles(w, sel, 0.67)[0, 0]
     gone = sel[0, 0] & ~kept
-    assert sorted(map(tuple, gone.nonzero().tolist())) == [(3, 0), (4, 1), (4, 3)]
+    assert sorted(map(tuple, gone.nonzero().tolist())) == [(3, 2), (4, 1), (4, 2), (4, 3)]
     assert torch.equal(reference.skip_tiles(w, sel, 0.0), sel)
-    assert torch.equal(reference.skip_tiles(w, sel, 1.0)[0, 0], torch.eye(5, dtype=torch.bool))
-    assert torch.equal(fast.skip_tiles(w.float(), sel, 0.3), reference.skip_tiles(w.float(), sel, 0.3))
+    everything = reference.skip_tiles(w, sel, 1.0)[0, 0]
+    assert torch.equal(everything, torch.eye(5, dtype=torch.bool) | (torch.arange(5) == 0)[None, :])
+    assert torch.equal(fast.skip_tiles(w.float(), sel, 0.5), reference.skip_tiles(w.float(), sel, 0.5))
 
 
 def test_tile_modes() -> None:
