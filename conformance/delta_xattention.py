@@ -139,30 +139,35 @@ def _combined(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Te
     tile = torch.zeros(b, hkv, width, dtype=torch.int64, device=k.device)
     for bi in range(b):
         for kv in range(hkv):
-            rows = packing.region(bi, kv)
-            m = rows.stop - rows.start
-            anchors_k[bi, kv, :m] = pk.k[rows]
-            anchors_v[bi, kv, :m] = pk.v[rows]
-            counts = pk.counts[rows].to(torch.float64)
+            region = packing.region(bi, kv)
+            m = region.stop - region.start
+            anchors_k[bi, kv, :m] = pk.k[region]
+            anchors_v[bi, kv, :m] = pk.v[region]
+            counts = pk.counts[region].to(torch.float64)
             bias[bi, kv, :m] = torch.log(counts) if count_weighted else torch.where(counts > 0, 0.0, -math.inf)
             tile[bi, kv, :m] = torch.repeat_interleave(torch.arange(packing.tiles, device=k.device), sizes[bi, kv])
-    row_tile = torch.arange(n, device=q.device) // bs
     pos = torch.arange(n, device=q.device)
-    modes_rows = modes[:, :, row_tile].to(torch.int64)  # [B, Hq, N, T]
-    exact = torch.gather(modes_rows, -1, (pos // bs).expand(b, hq, n, n)) == EXACT
-    exact = exact & (pos[None, :] <= pos[:, None])
-    anchor_tile = tile.repeat_interleave(g, dim=1).unsqueeze(2).expand(b, hq, n, width)
-    packed = torch.gather(modes_rows, -1, anchor_tile) == PACKED
-    mask = torch.cat([exact, packed], dim=-1)  # [B, Hq, N, N + W]
-    keys = torch.cat([k, anchors_k], dim=2).repeat_interleave(g, dim=1)
-    values = torch.cat([v, anchors_v], dim=2).repeat_interleave(g, dim=1)
+    keys = torch.cat([k, anchors_k], dim=2).repeat_interleave(g, dim=1).to(dtype)
+    values = torch.cat([v, anchors_v], dim=2).repeat_interleave(g, dim=1).to(dtype)
     key_bias = torch.cat([torch.zeros(b, hkv, n, dtype=torch.float64, device=k.device), bias], dim=2)
-    key_bias = key_bias.repeat_interleave(g, dim=1)
-    scores = torch.matmul(q.to(dtype), keys.to(dtype).transpose(-1, -2)) * sm_scale
     soft = torch.float64 if dtype == torch.float64 else torch.float32
-    logits = (scores.to(soft) + key_bias.unsqueeze(2).to(soft)).masked_fill(~mask, -math.inf)
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(dtype)
-    return torch.matmul(probs, values.to(dtype))
+    key_bias = key_bias.repeat_interleave(g, dim=1).to(soft)
+    anchor_tile = tile.repeat_interleave(g, dim=1)  # [B, Hq, W]
+    out = torch.empty(b, hq, n, d, dtype=dtype, device=q.device)
+    # Rows in chunks, so that the [rows, N + W] logits stay small at any N.
+    for r0 in range(0, n, 256):
+        r1 = min(n, r0 + 256)
+        rows = pos[r0:r1]
+        modes_rows = modes[:, :, rows // bs].to(torch.int64)  # [B, Hq, R, T]
+        exact = torch.gather(modes_rows, -1, (pos // bs).expand(b, hq, r1 - r0, n)) == EXACT
+        exact = exact & (pos[None, :] <= rows[:, None])
+        packed = torch.gather(modes_rows, -1, anchor_tile.unsqueeze(2).expand(b, hq, r1 - r0, width)) == PACKED
+        mask = torch.cat([exact, packed], dim=-1)  # [B, Hq, R, N + W]
+        scores = torch.matmul(q[:, :, r0:r1].to(dtype), keys.transpose(-1, -2)) * sm_scale
+        logits = (scores.to(soft) + key_bias.unsqueeze(2)).masked_fill(~mask, -math.inf)
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(dtype)
+        out[:, :, r0:r1] = torch.matmul(probs, values)
+    return out
 
 
 def delta_xattention_golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
