@@ -643,6 +643,8 @@ def run_delta_xattention_suite(
                 return tile_modes(selected, fast.exact_tiles(weights, selected, top), "skip")
 
             modes = split()
+            selection_ms = _bench_ms(lambda: select_tiles(weights, threshold))
+            split_ms = _bench_ms(split)
             for pb in packed_blocks:
                 pack_args = {"delta_threshold": params["delta_threshold"], "metric": params["metric"],
                              "block": block, "packed_block": pb}
@@ -672,8 +674,7 @@ def run_delta_xattention_suite(
                 extra: dict[str, Any] = {
                     "params": {**params, "stride": 8, "block": block, "packed_block": pb},
                     "scoring_ms": scoring_ms,
-                    "selection_ms": _bench_ms(lambda: select_tiles(weights, threshold)),
-                    "split_ms": _bench_ms(split),
+                    "selection_ms": selection_ms, "split_ms": split_ms,
                     "packing_ms": _bench_ms(lambda: fast.delta_tile_pack(k, v, **pack_args)),
                     "plans_ms": _bench_ms(lambda: fast.delta_xattention_plans(q, modes, packing)),
                     "packed_ms": _bench_ms(packed_launch), "exact_ms": _bench_ms(exact_launch),
