@@ -14,7 +14,7 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from .ties import block_sparse_tie_check, vertical_slash_tie_check
+from .ties import block_sparse_tie_check, flexprefill_vs_tie_check, vertical_slash_tie_check
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
@@ -191,4 +191,31 @@ register(MethodSpec(
     params=_a_shape_params,
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8))},
     notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
+))
+
+
+def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _minference_blocks(draw)
+    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 0.95, 1.0, 0.99]))
+    everything = [seqlen, seqlen + 7] if seqlen <= 1024 else [1000]
+    params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything]))
+    params["init_columns"] = draw(st.sampled_from([1, 0, 5]))
+    params["local_diagonals"] = draw(st.sampled_from([1, 0, 7]))
+    return params
+
+
+register(MethodSpec(
+    name="flexprefill_vs",
+    reference_plan=reference.flexprefill_vs_plan,
+    fast_plan=fast.flexprefill_vs_plan,
+    reference_run=reference.flexprefill_vs,
+    fast_run=fast.flexprefill_vs,
+    params=_flexprefill_vs_params,
+    demo_params=lambda n: {"gamma": 0.9},
+    exact_plans=False,
+    tie_check=flexprefill_vs_tie_check,
+    notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
+          "estimated mass",
 ))

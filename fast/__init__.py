@@ -12,6 +12,7 @@ from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
+from .flexprefill_vs import flexprefill_vs, flexprefill_vs_plan
 from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
 from .streaming import streaming, streaming_plan
@@ -31,6 +32,8 @@ __all__ = [
     "dense",
     "dense_plan",
     "density",
+    "flexprefill_vs",
+    "flexprefill_vs_plan",
     "minference",
     "minference_plan",
     "recall",

@@ -7,6 +7,7 @@ from .a_shape import a_shape, a_shape_plan
 from .attention import AttentionState, attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
+from .flexprefill_vs import flexprefill_vs, flexprefill_vs_plan
 from .metrics import density, recall, relative_error
 from .minference import (
     HeadPattern,
@@ -34,6 +35,8 @@ __all__ = [
     "dense",
     "dense_plan",
     "density",
+    "flexprefill_vs",
+    "flexprefill_vs_plan",
     "minference",
     "minference_plan",
     "recall",
