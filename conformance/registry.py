@@ -14,7 +14,12 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from .ties import block_sparse_tie_check, flexprefill_vs_tie_check, vertical_slash_tie_check
+from .ties import (
+    block_sparse_tie_check,
+    flexprefill_vs_tie_check,
+    shareprefill_tie_check,
+    vertical_slash_tie_check,
+)
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
@@ -218,4 +223,42 @@ register(MethodSpec(
     tie_check=flexprefill_vs_tie_check,
     notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
           "estimated mass",
+))
+
+
+# Query heads of the drawn layouts: at least the most any conformance shape has.
+_LAYOUT_HEADS = 64
+
+
+def _shareprefill_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _block_sizes(draw)
+    kind = draw(st.sampled_from(["one", "groups", "noise", "none"]))
+    if kind != "none":
+        seed = draw(st.integers(0, 2**31 - 1))
+        gen = torch.Generator().manual_seed(seed)
+        ids = {"one": 1, "groups": 3, "noise": 2}[kind]
+        row = (torch.randint(0, ids, (_LAYOUT_HEADS,), generator=gen) - int(kind == "noise")).tolist()
+        params["layout"] = reference.ClusterLayout((tuple(int(c) for c in row),))
+    params["tau"] = draw(st.sampled_from([0.2, 0.0, 0.5, 1.01]))
+    params["delta"] = draw(st.sampled_from([0.3, 1.01, 0.0, 0.6, 2.0]))
+    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 1.0]))
+    params["init_columns"] = draw(st.sampled_from([1, 0, 5]))
+    params["local_diagonals"] = draw(st.sampled_from([1, 0, 7]))
+    return params
+
+
+register(MethodSpec(
+    name="shareprefill",
+    reference_plan=reference.shareprefill_plan,
+    fast_plan=fast.shareprefill_plan,
+    reference_run=reference.shareprefill,
+    fast_run=fast.shareprefill,
+    params=_shareprefill_params,
+    demo_params=lambda n: {},
+    exact_plans=False,
+    tie_check=shareprefill_tie_check,
+    notes="SharePrefill (one layer, fresh state: first head per cluster dense, others Alg. 5); "
+          "layers share pivots through SharePrefillState",
 ))

@@ -8,6 +8,7 @@ Inputs are float16/bfloat16 CUDA tensors (or CPU tensors under
 from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
 from ..reference.attention import AttentionState
 from ..reference.plan import BlockColumnPlan
+from ..reference.shareprefill import ClusterLayout, LayerDecision, Pivot, SharePattern, SharePrefillState
 from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
@@ -15,15 +16,27 @@ from .dense import dense, dense_plan
 from .flexprefill_vs import flexprefill_vs, flexprefill_vs_plan
 from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
+from .shareprefill import (
+    shareprefill,
+    shareprefill_layer,
+    shareprefill_layer_plan,
+    shareprefill_plan,
+    shareprefill_stack,
+)
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
     "AttentionState",
     "BlockColumnPlan",
+    "ClusterLayout",
     "HeadPattern",
+    "LayerDecision",
     "MInferenceConfig",
+    "Pivot",
     "SearchResult",
+    "SharePattern",
+    "SharePrefillState",
     "a_shape",
     "a_shape_plan",
     "attention",
@@ -39,6 +52,11 @@ __all__ = [
     "recall",
     "relative_error",
     "search_patterns",
+    "shareprefill",
+    "shareprefill_layer",
+    "shareprefill_layer_plan",
+    "shareprefill_plan",
+    "shareprefill_stack",
     "sparse_attention",
     "streaming",
     "streaming_plan",

@@ -18,15 +18,32 @@ from .minference import (
     search_patterns,
 )
 from .plan import BlockColumnPlan
+from .shareprefill import (
+    ClusterLayout,
+    LayerDecision,
+    Pivot,
+    SharePattern,
+    SharePrefillState,
+    shareprefill,
+    shareprefill_layer,
+    shareprefill_layer_plan,
+    shareprefill_plan,
+    shareprefill_stack,
+)
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
     "AttentionState",
     "BlockColumnPlan",
+    "ClusterLayout",
     "HeadPattern",
+    "LayerDecision",
     "MInferenceConfig",
+    "Pivot",
     "SearchResult",
+    "SharePattern",
+    "SharePrefillState",
     "a_shape",
     "a_shape_plan",
     "attention",
@@ -42,6 +59,11 @@ __all__ = [
     "recall",
     "relative_error",
     "search_patterns",
+    "shareprefill",
+    "shareprefill_layer",
+    "shareprefill_layer_plan",
+    "shareprefill_plan",
+    "shareprefill_stack",
     "sparse_attention",
     "streaming",
     "streaming_plan",

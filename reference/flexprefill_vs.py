@@ -141,6 +141,35 @@ def flexprefill_vs_lines(
     return verticals, slashes
 
 
+def lines_masks(
+    verticals: torch.Tensor,
+    slashes: torch.Tensor,
+    *,
+    block_m: int,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 4 of MInference on kept-line masks, as dense selections.
+
+    Args:
+        verticals, slashes: bool `[B, H, N]`, kept columns and kept offsets.
+        block_m, block_n: query rows and keys per block.
+
+    Returns:
+        (blocks bool `[B, H, Qb, Kb]`: the key blocks a kept slash reaches in each query
+        block; columns bool `[B, H, Qb, N]`: the kept columns), for `BlockColumnPlan.from_masks`.
+    """
+    b, h, n = verticals.shape
+    qb, kb = cdiv(n, block_m), cdiv(n, block_n)
+    offsets = torch.arange(n, device=slashes.device).expand(b, h, n)
+    # slash_coverage ignores offset N (its spare slot): pad the ragged lists with it.
+    padded = torch.where(slashes, offsets, n)
+    reached = slash_coverage(padded, seqlen=n, block_m=block_m)
+    wide = torch.zeros(b, h, qb, kb * block_n, dtype=torch.bool, device=reached.device)
+    wide[..., :n] = reached
+    blocks = wide.reshape(b, h, qb, kb, block_n).any(dim=-1)
+    return blocks, verticals.unsqueeze(2).expand(b, h, qb, n)
+
+
 def lines_index(
     verticals: torch.Tensor,
     slashes: torch.Tensor,
@@ -158,16 +187,8 @@ def lines_index(
     Returns:
         The plan (disjoint blocks and columns).
     """
-    b, h, n = verticals.shape
-    qb, kb = cdiv(n, block_m), cdiv(n, block_n)
-    offsets = torch.arange(n, device=slashes.device).expand(b, h, n)
-    # slash_coverage ignores offset N (its spare slot): pad the ragged lists with it.
-    padded = torch.where(slashes, offsets, n)
-    reached = slash_coverage(padded, seqlen=n, block_m=block_m)
-    wide = torch.zeros(b, h, qb, kb * block_n, dtype=torch.bool, device=reached.device)
-    wide[..., :n] = reached
-    blocks = wide.reshape(b, h, qb, kb, block_n).any(dim=-1)
-    columns = verticals.unsqueeze(2).expand(b, h, qb, n)
+    n = verticals.shape[-1]
+    blocks, columns = lines_masks(verticals, slashes, block_m=block_m, block_n=block_n)
     return BlockColumnPlan.from_masks(blocks, columns, seqlen=n, block_m=block_m, block_n=block_n)
 
 
