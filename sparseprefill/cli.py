@@ -55,6 +55,8 @@ COMMANDS: tuple[Command, ...] = (
             "sparseprefill.search"),
     Command("eval", "accuracy on a real model (SmolLM2): q/k/v capture, method table, passkey, perplexity",
             "sparseprefill.evaluate"),
+    Command("cluster", "SharePrefill's offline head clustering (attention maps, autoencoder, fcluster); "
+                       "writes a ClusterLayout JSON", "sparseprefill.cluster"),
 )
 
 
