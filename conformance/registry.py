@@ -42,6 +42,12 @@ class MethodSpec:
         tie_check: for `exact_plans=False`: `(q, k, params, reference_plan, fast_plan)
             -> None`, called only when the two plans differ; it raises AssertionError
             unless every difference is decided by an exactly tied score.
+        new_state, reference_layer, fast_layer: for methods that carry state across the
+            layers of one forward pass (SharePrefill). `new_state(params)` makes the
+            state of one prefill from the method's parameters; `*_layer(q, k, v, state,
+            *, layer, scale) -> out` runs one layer with it (plan, attention, update).
+            The transformers integration uses them instead of `*_plan` when set; the
+            plan functions stay the one-layer, fresh-state view used everywhere else.
     """
 
     name: str
@@ -54,6 +60,9 @@ class MethodSpec:
     exact_plans: bool = True
     notes: str = field(default="")
     tie_check: Callable[..., None] | None = None
+    new_state: Callable[[Mapping[str, Any]], Any] | None = None
+    reference_layer: Callable[..., torch.Tensor] | None = None
+    fast_layer: Callable[..., torch.Tensor] | None = None
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -249,6 +258,19 @@ def _shareprefill_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
     return params
 
 
+_SHARE_STATE_KEYS = ("layout", "tau", "delta", "gamma", "block_m", "block_n", "init_columns",
+                     "local_diagonals")
+
+
+def _shareprefill_state(params: Mapping[str, Any]) -> reference.SharePrefillState:
+    """The per-prefill state from SharePrefill's parameters (the layer comes from the model)."""
+    unknown = sorted(set(params) - set(_SHARE_STATE_KEYS))
+    if unknown:
+        raise ValueError(f"shareprefill in a model takes {_SHARE_STATE_KEYS}; got also {unknown} "
+                         "(the layer index comes from the model)")
+    return reference.SharePrefillState(**params)
+
+
 register(MethodSpec(
     name="shareprefill",
     reference_plan=reference.shareprefill_plan,
@@ -259,6 +281,9 @@ register(MethodSpec(
     demo_params=lambda n: {},
     exact_plans=False,
     tie_check=shareprefill_tie_check,
+    new_state=_shareprefill_state,
+    reference_layer=reference.shareprefill_layer,
+    fast_layer=fast.shareprefill_layer,
     notes="SharePrefill (one layer, fresh state: first head per cluster dense, others Alg. 5); "
           "layers share pivots through SharePrefillState",
 ))

@@ -233,7 +233,7 @@ def _train(x: torch.Tensor, *, epochs: int, patience: int, lr: float, seed: int,
     for epoch in range(1, epochs + 1):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), x)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         value = float(loss.detach())
         if value < best * (1 - 1e-4):
