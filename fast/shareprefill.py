@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -308,7 +309,7 @@ def shareprefill_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    layout: ClusterLayout | None = None,
+    layout: ClusterLayout | str | Path | None = None,
     layer: int = 0,
     tau: float = TAU,
     delta: float = DELTA,
@@ -336,7 +337,7 @@ def shareprefill(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    layout: ClusterLayout | None = None,
+    layout: ClusterLayout | str | Path | None = None,
     layer: int = 0,
     tau: float = TAU,
     delta: float = DELTA,

@@ -263,8 +263,9 @@ class SharePrefillState:
     shape raises (a new prompt needs a new state).
 
     Args:
-        layout: the offline clustering; None puts every head of every layer in one
-            cluster (0).
+        layout: the offline clustering (a `ClusterLayout` or the path of its JSON, as
+            `sparseprefill cluster` writes it); None puts every head of every layer in
+            one cluster (0).
         tau: similarity threshold on `d_sim`, in `[0, 2]` (0: never share).
         delta: sparsity threshold on `d_sparse`, in `[0, 2]` (above 1: no head is
             treated as highly sparse).
@@ -278,7 +279,7 @@ class SharePrefillState:
 
     def __init__(
         self,
-        layout: ClusterLayout | None = None,
+        layout: ClusterLayout | str | Path | None = None,
         *,
         tau: float = TAU,
         delta: float = DELTA,
@@ -288,11 +289,14 @@ class SharePrefillState:
         init_columns: int = 1,
         local_diagonals: int = 1,
     ) -> None:
+        if isinstance(layout, (str, Path)):
+            layout = ClusterLayout.load(layout)
         if layout is not None and not isinstance(layout, ClusterLayout):
-            raise TypeError(f"layout must be a ClusterLayout or None, got {type(layout).__name__}")
+            raise TypeError(f"layout must be a ClusterLayout, a path to its JSON, or None, got "
+                            f"{type(layout).__name__}")
         check_share_params(tau=tau, delta=delta, gamma=gamma, block_m=block_m, block_n=block_n,
                            init_columns=init_columns, local_diagonals=local_diagonals)
-        self.layout = layout
+        self.layout: ClusterLayout | None = layout
         self.tau, self.delta, self.gamma = float(tau), float(delta), float(gamma)
         self.block_m, self.block_n = block_m, block_n
         self.init_columns, self.local_diagonals = init_columns, local_diagonals
@@ -738,7 +742,7 @@ def shareprefill_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    layout: ClusterLayout | None = None,
+    layout: ClusterLayout | str | Path | None = None,
     layer: int = 0,
     tau: float = TAU,
     delta: float = DELTA,
@@ -757,9 +761,9 @@ def shareprefill_plan(
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
-        layout: the cluster layout; its layer `layer` gives the heads' clusters (a
-            layout with more heads than q is allowed, the extra ones are unused).
-            None: all heads in one cluster.
+        layout: the cluster layout (or the path of its JSON); its layer `layer` gives
+            the heads' clusters (a layout with more heads than q is allowed, the extra
+            ones are unused). None: all heads in one cluster.
         layer: which layer of `layout` these heads are.
         tau, delta, gamma: the thresholds (see `SharePrefillState`).
         block_m, block_n: query rows and keys per block.
@@ -784,7 +788,7 @@ def shareprefill(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    layout: ClusterLayout | None = None,
+    layout: ClusterLayout | str | Path | None = None,
     layer: int = 0,
     tau: float = TAU,
     delta: float = DELTA,
