@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if wanted and prop.name not in wanted:
             continue
         if prop.per_method:
-            jobs += [(prop, METHODS[m]) for m in names]
+            jobs += [(prop, METHODS[m]) for m in names if prop.applies(METHODS[m])]
         elif not args.no_kernel:
             jobs.append((prop, None))
     results = []

@@ -158,8 +158,8 @@ def check_method_plan(
         AssertionError: plans differ (and no tie explains it), or the fast plan is
             invalid or on another device than q.
     """
-    expected = spec.reference_plan(q, k, **params)
-    got = spec.fast_plan(q, k, **params)
+    expected = spec.plan_fn("reference")(q, k, **params)
+    got = spec.plan_fn("fast")(q, k, **params)
     if got.device != q.device:
         raise _fail(context, f"fast plan is on {got.device}, q on {q.device}")
     if spec.exact_plans:
@@ -292,10 +292,12 @@ def check_method_end_to_end(
     Raises:
         AssertionError: under the tolerance policy.
     """
-    ref_plan = spec.reference_plan(q, k, **params)
+    if not spec.plan_based:
+        return _check_planless_end_to_end(spec, q, k, v, params, context=context)
+    ref_plan = spec.plan_fn("reference")(q, k, **params)
     plan = ref_plan
     if not spec.exact_plans:
-        fast_plan = spec.fast_plan(q, k, **params).to(q.device)
+        fast_plan = spec.plan_fn("fast")(q, k, **params).to(q.device)
         if not ref_plan.equal(fast_plan):
             plan = fast_plan
     mask = plan.to_dense_mask()
@@ -313,6 +315,20 @@ def check_method_end_to_end(
     return ratio
 
 
+def _check_planless_end_to_end(
+    spec: MethodSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any],
+    *, context: str,
+) -> float:
+    """End to end for a method without a plan: the spec's own golden and baseline."""
+    assert spec.golden is not None
+    golden, baseline = spec.golden(q, k, v, params)
+    with nan_poisoned_empty():
+        out = spec.fast_run(q, k, v, **params)
+    ratio = check_output(out, golden, baseline, context=f"{context} fast").ratio
+    check_output(spec.reference_run(q, k, v, **params), golden, baseline, context=f"{context} reference")
+    return ratio
+
+
 # -- properties with their draws -----------------------------------------------
 
 
@@ -327,6 +343,7 @@ class Property:
         name: short name for tables and test ids.
         per_method: True if it runs once per registered method (`run` gets the
             `MethodSpec`), False if it checks the kernel alone (`run` gets None).
+        applies: for per-method properties, which methods it runs on.
         run: `(draw, caps, spec) -> error/allowance ratio`; raises AssertionError.
         summary: one line for `--list` and docs.
     """
@@ -335,6 +352,11 @@ class Property:
     per_method: bool
     run: PropertyFn
     summary: str
+    applies: Callable[[MethodSpec], bool] = lambda spec: True
+
+    def cases(self, methods: dict[str, MethodSpec]) -> list[MethodSpec]:
+        """The registered methods this per-method property runs on."""
+        return [spec for spec in methods.values() if self.applies(spec)]
 
 
 def _method_inputs(
@@ -344,7 +366,7 @@ def _method_inputs(
     params = draw_method_params(draw, spec, n)
     shape = draw_shape(draw, caps, seqlen=n, tiles=method_tiles(params))
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
-    return q, k, v, params, f"{spec.name} {what} params={params}"
+    return q, k, v, spec.call_params(params, q), f"{spec.name} {what} params={params}"
 
 
 def _need(spec: MethodSpec | None) -> MethodSpec:
@@ -355,8 +377,15 @@ def _need(spec: MethodSpec | None) -> MethodSpec:
 
 def _prop_method_plan(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
-    q, k, _, params, context = _method_inputs(draw, caps, s)
-    check_method_plan(s, q, k, params, context=context)
+    q, k, v, params, context = _method_inputs(draw, caps, s)
+    if s.plan_based:
+        check_method_plan(s, q, k, params, context=context)
+    else:
+        assert s.structure_check is not None
+        try:
+            s.structure_check(q, k, v, params)
+        except AssertionError as err:
+            raise _fail(context, str(err)) from err
     return 0.0
 
 
@@ -369,8 +398,8 @@ def _prop_method_end_to_end(draw: Draw, caps: Caps, spec: MethodSpec | None) -> 
 def _prop_method_recall(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
     q, k, _, params, context = _method_inputs(draw, caps, s)
-    got_plan = s.fast_plan(q, k, **params)
-    expected_plan = s.reference_plan(q, k, **params)
+    got_plan = s.plan_fn("fast")(q, k, **params)
+    expected_plan = s.plan_fn("reference")(q, k, **params)
     if not s.exact_plans and not expected_plan.equal(got_plan.to(expected_plan.device)):
         expected_plan = got_plan  # a tie; `method_plan` judges it
     return check_recall_density(q, k, got_plan, expected_selection=expected_plan, context=context)
@@ -479,6 +508,58 @@ def check_block_mean_output(
     return check_block_means(got, expected, max_abs_logit=max_logit, context=context).ratio
 
 
+def check_nonfinite_propagation(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    scale: float | None = None,
+    context: str = "",
+) -> float:
+    """`fast` and `reference` agree on non-finite inputs (reference/attention.py's semantics).
+
+    The rows whose output is NaN and the rows whose lse is NaN must be the same in
+    both packages (exactly: a row that keeps a NaN or infinity reads NaN, no other row
+    does), and every other row must be finite in both.
+
+    Returns:
+        0.0 (an exact check).
+
+    Raises:
+        AssertionError: naming the first row where the two differ.
+    """
+    q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+    ref_out, ref_lse = reference.sparse_attention(q64, k64, v64, plan, scale=scale, return_lse=True)
+    with nan_poisoned_empty():
+        out, lse = fast.sparse_attention(q, k, v, plan, scale=scale, return_lse=True)
+    checks = (("output NaN", ref_out.isnan().any(dim=-1), out.isnan().any(dim=-1)),
+              ("output non-finite", (~torch.isfinite(ref_out)).any(dim=-1), (~torch.isfinite(out)).any(dim=-1)),
+              ("lse NaN", ref_lse.isnan(), lse.isnan()))
+    for what, expected, got in checks:
+        if not torch.equal(expected.cpu(), got.cpu()):
+            at = _first_true((expected != got).cpu())
+            raise _fail(context, f"{what} rows differ at (b, h, row) {at}: fast {bool(got[at])}, "
+                                 f"reference {bool(expected[at])}")
+    return 0.0
+
+
+def _prop_nonfinite(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    where = str(draw(st.sampled_from(["q", "k", "v"])))
+    value = float(draw(st.sampled_from([math.nan, math.inf, -math.inf])))
+    target = {"q": q, "k": k, "v": v}[where].clone()
+    count = int(draw(st.integers(1, 3)))
+    seed = int(draw(st.integers(0, 2**31 - 1)))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for _ in range(count):
+        at = tuple(int(torch.randint(0, size, (1,), generator=gen)) for size in target.shape)
+        target[at] = value
+    inputs = {"q": q, "k": k, "v": v, where: target}
+    return check_nonfinite_propagation(inputs["q"], inputs["k"], inputs["v"], plan,
+                                       context=f"{context} {count} x {value} in {where} seed={seed}")
+
+
 def _prop_resumed_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     q, k, v, plan, context = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
@@ -516,11 +597,14 @@ def _prop_recall_random(draw: Draw, caps: Caps, spec: MethodSpec | None) -> floa
 
 PROPERTIES: tuple[Property, ...] = (
     Property("plan", True, _prop_method_plan,
-             "fast plan equals the reference plan (equal() and to_dense_mask())"),
+             "fast plan equals the reference plan (equal() and to_dense_mask()); for a method "
+             "without a plan, its structures (Delta-KV: keep mask, packing, phase plans)"),
     Property("end_to_end", True, _prop_method_end_to_end,
-             "fast.<method> output vs float64 golden of the reference plan; reference.<method> too"),
+             "fast.<method> output vs float64 golden of the reference plan (or the method's own "
+             "golden); reference.<method> too"),
     Property("recall_density", True, _prop_method_recall,
-             "fast.recall/density of the method's plan vs reference"),
+             "fast.recall/density of the method's plan vs reference",
+             applies=lambda spec: spec.plan_based),
     Property("sparse_attention", False, _prop_sparse_attention,
              "fast.sparse_attention (out, lse) on random valid plans vs float64 golden"),
     Property("masked_attention", False, _prop_masked_attention,
@@ -531,6 +615,8 @@ PROPERTIES: tuple[Property, ...] = (
              "two fast.sparse_attention calls chained through an AttentionState equal one pass"),
     Property("block_means", False, _prop_block_means,
              "fast block_mean_out (mean scaled logit per listed block) vs reference"),
+    Property("nonfinite", False, _prop_nonfinite,
+             "NaN/inf in q, k or v reach exactly the same rows in fast and reference"),
 )
 
 

@@ -15,14 +15,34 @@ import torch
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
 from .ties import (
+    anchor_attention_tie_check,
     block_sparse_tie_check,
     flexprefill_vs_tie_check,
+    sample_attention_tie_check,
     shareprefill_tie_check,
     vertical_slash_tie_check,
 )
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MethodView:
+    """What the demo, the eval table and the benchmarks report about one method call.
+
+    Attributes:
+        density: float64 `[B, Hq]`, score entries computed over the causal area.
+        recall: float32 `[B, Hq, N]`, the attention mass kept per row, or None where
+            recall does not apply (a method that changes the keys, as Delta-KV).
+        plan: the plan to draw (the keys computed exactly), or None.
+        notes: a short extra (e.g. a keep ratio).
+    """
+
+    density: torch.Tensor
+    recall: torch.Tensor | None
+    plan: BlockColumnPlan | None
+    notes: str = ""
 
 
 @dataclass(frozen=True)
@@ -48,11 +68,26 @@ class MethodSpec:
             *, layer, scale) -> out` runs one layer with it (plan, attention, update).
             The transformers integration uses them instead of `*_plan` when set; the
             plan functions stay the one-layer, fresh-state view used everywhere else.
+
+    A method whose output is not the attention of one plan (Delta-KV reads packed
+    keys) has `reference_plan = fast_plan = None` and instead:
+
+        golden: `(q, k, v, params) -> (golden float64 output, baseline output)` for
+            the end-to-end property under the tolerance policy.
+        structure_check: `(q, k, v, params) -> None`, the "plan" property: the fast
+            intermediate structures equal the reference's; raises AssertionError.
+        view: `(impl_name, q, k, v, params) -> MethodView` for reports.
+
+    sweep: `N -> [params, ...]`, the grid of the method's main knob that `sparseprefill
+        compare` measures (docs/compare.md lists them); None: only `demo_params(N)`.
+    prepare: `(params, q) -> call parameters` for a method whose parameters depend on
+        the input's shape (MInference's per-head config needs Hq): drawn, demo and sweep
+        parameters go through `call_params` before every call. None: unchanged.
     """
 
     name: str
-    reference_plan: PlanFn
-    fast_plan: PlanFn
+    reference_plan: PlanFn | None
+    fast_plan: PlanFn | None
     reference_run: RunFn
     fast_run: RunFn
     params: Callable[[Callable[[Any], Any], int], dict[str, Any]]
@@ -63,6 +98,49 @@ class MethodSpec:
     new_state: Callable[[Mapping[str, Any]], Any] | None = None
     reference_layer: Callable[..., torch.Tensor] | None = None
     fast_layer: Callable[..., torch.Tensor] | None = None
+    golden: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    structure_check: Callable[..., None] | None = None
+    view: Callable[..., MethodView] | None = None
+    sweep: Callable[[int], list[dict[str, Any]]] | None = None
+    prepare: Callable[[dict[str, Any], torch.Tensor], dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.reference_plan is None) != (self.fast_plan is None):
+            raise ValueError(f"{self.name}: give both plan functions or neither")
+        if self.reference_plan is None and (self.golden is None or self.structure_check is None
+                                            or self.view is None):
+            raise ValueError(f"{self.name}: a method without plans needs golden, structure_check and view")
+
+    def call_params(self, params: Mapping[str, Any], q: torch.Tensor) -> dict[str, Any]:
+        """The keyword arguments of a call on `q` (`prepare` applied, if any)."""
+        return dict(params) if self.prepare is None else self.prepare(dict(params), q)
+
+    @property
+    def plan_based(self) -> bool:
+        """True when the output is `sparse_attention` of the method's plan."""
+        return self.reference_plan is not None
+
+    def plan_fn(self, impl_name: str) -> PlanFn:
+        """The `fast` or `reference` estimator (plan-based methods only)."""
+        fn = self.fast_plan if impl_name == "fast" else self.reference_plan
+        if fn is None:
+            raise ValueError(f"method {self.name!r} does not produce a plan")
+        return fn
+
+    def run_fn(self, impl_name: str) -> RunFn:
+        """The `fast` or `reference` end-to-end function."""
+        return self.fast_run if impl_name == "fast" else self.reference_run
+
+    def method_view(self, impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    params: dict[str, Any], *, scale: float | None = None,
+                    with_recall: bool = True) -> MethodView:
+        """Density, recall and a plan to draw for one call (see `MethodView`)."""
+        if self.view is not None:
+            return self.view(impl_name, q, k, v, params)
+        impl = fast if impl_name == "fast" else reference
+        plan = self.plan_fn(impl_name)(q, k, **params)
+        recall = impl.recall(q, k, plan, scale=scale) if with_recall else None
+        return MethodView(density=impl.density(plan), recall=recall, plan=plan)
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -115,6 +193,7 @@ register(MethodSpec(
     params=_dense_params,
     demo_params=lambda n: {},
     notes="full causal attention (baseline)",
+    sweep=lambda n: [{}],
 ))
 
 register(MethodSpec(
@@ -126,6 +205,7 @@ register(MethodSpec(
     params=_streaming_params,
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": max(128, n // 8)},
     notes="StreamingLLM / A-shape: sink + local window (baseline)",
+    sweep=lambda n: [{"sink": min(1024, max(64, n // 32)), "window": max(128, n // f)} for f in (32, 16, 8, 4, 2)],
 ))
 
 
@@ -181,6 +261,8 @@ register(MethodSpec(
     exact_plans=False,
     tie_check=vertical_slash_tie_check,
     notes="MInference vertical-slash: last_q estimate, top-k columns and diagonals, Alg. 4 index",
+    sweep=lambda n: [{"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f)}
+                     for f in (256, 128, 64, 32, 16, 8)],
 ))
 
 register(MethodSpec(
@@ -194,6 +276,7 @@ register(MethodSpec(
     exact_plans=False,
     tie_check=block_sparse_tie_check,
     notes="MInference block-sparse: mean-pooled block scores, top-k key blocks per query block",
+    sweep=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (32, 16, 8, 4, 2)],
 ))
 
 register(MethodSpec(
@@ -205,7 +288,197 @@ register(MethodSpec(
     params=_a_shape_params,
     demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8))},
     notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
+    sweep=lambda n: [{"sink": min(1024, max(64, n // 32)), "window": max(128, n // f)} for f in (32, 16, 8, 4)],
 ))
+
+
+def _anchor_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _minference_blocks(draw)
+    blocks = -(-seqlen // params["block_m"])
+    # theta: 0 (only keys at least as strong as the pooled anchor), typical, and so
+    # large that every search key is kept; step: one block, a few, more than exist.
+    params["theta"] = draw(st.sampled_from([0.0, 1.0, 4.0, 12.0, 1e9]))
+    params["step"] = draw(st.sampled_from([1, 1, 2, 3, 16, blocks, blocks + 1]))
+    return params
+
+
+def _anchor_demo(n: int) -> dict[str, Any]:
+    # The paper's theta and blocks; step 16 from 16K on, smaller below so that a
+    # prompt has at least 8 groups (one group is all window, hence dense).
+    return {"step": max(1, min(16, -(-n // 128) // 8))}
+
+
+register(MethodSpec(
+    name="anchor_attention",
+    reference_plan=reference.anchor_attention_plan,
+    fast_plan=fast.anchor_attention_plan,
+    reference_run=reference.anchor_attention,
+    fast_run=fast.anchor_attention,
+    params=_anchor_params,
+    demo_params=_anchor_demo,
+    exact_plans=False,
+    tie_check=anchor_attention_tie_check,
+    notes="AnchorAttention: initial block + group window as anchor, difference-aware stripes "
+          "per group of step query blocks, stripe pass resuming the anchor state",
+    sweep=lambda n: [{**_anchor_demo(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
+))
+
+
+def _delta_kv_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    metric = draw(st.sampled_from(["euclidean", "cosine"]))
+    if metric == "euclidean":
+        # 0 drops only identical neighbours; 1e3 leaves one anchor per chunk.
+        threshold = draw(st.sampled_from([0.0, 2.0, 4.0, 6.0, 1e3]))
+    else:
+        threshold = draw(st.sampled_from([-1.0, 0.0, 0.5, 0.8, 0.95, 1.0]))
+    return {
+        "threshold": threshold, "metric": metric,
+        "chunk": draw(st.sampled_from([1, 7, 16, 64, 512])),
+        "block_m": draw(st.sampled_from([16, 32, 64])),
+        "block_n": draw(st.sampled_from([16, 32, 64])),
+        "count_weighted": draw(st.sampled_from([True, True, False])),
+        "exact_diagonal": draw(st.sampled_from([True, True, False])),
+    }
+
+
+def _register_delta_kv() -> None:
+    from .delta import delta_golden, delta_structure_check, delta_view
+
+    register(MethodSpec(
+        name="delta_kv",
+        reference_plan=None,
+        fast_plan=None,
+        reference_run=reference.delta_kv,
+        fast_run=fast.delta_kv,
+        params=_delta_kv_params,
+        demo_params=lambda n: {"threshold": 0.83, "metric": "cosine"},
+        notes="Delta-KV: anchors of similar-key runs packed with counts; exact critical diagonal",
+        golden=delta_golden,
+        structure_check=delta_structure_check,
+        view=delta_view,
+        sweep=lambda n: [{"threshold": t, "metric": "cosine"} for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
+    ))
+
+
+_register_delta_kv()
+def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    alpha = st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.95, 1.0]), st.floats(0.0, 1.0))
+    return {
+        "alpha_c": draw(alpha),
+        "alpha_s": draw(alpha),
+        # seqlen + 5 chunks: more chunks than rows, so every row is sampled.
+        "chunk_n": draw(st.sampled_from([1, 2, 3, 4, 7, seqlen + 5])),
+        "block_size": draw(st.sampled_from([16, 32, 48, 64, 128])),
+    }
+
+
+register(MethodSpec(
+    name="sample_attention",
+    reference_plan=reference.sample_attention_plan,
+    fast_plan=fast.sample_attention_plan,
+    reference_run=reference.sample_attention,
+    fast_run=fast.sample_attention,
+    params=_sample_attention_params,
+    # Section 5.4's 32K setting; 64-token blocks below 4K so short prompts keep several blocks.
+    demo_params=lambda n: {"alpha_c": 0.95, "alpha_s": 0.95, "chunk_n": 1,
+                           "block_size": 128 if n >= 4096 else 64},
+    exact_plans=False,
+    tie_check=sample_attention_tie_check,
+    notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
+    sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
+))
+
+
+def _minference_patterns(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    """1-3 head patterns with one pair of block sizes (Hypothesis); `prepare` assigns them
+    to the query heads in turn."""
+    from hypothesis import strategies as st
+
+    from ..reference.minference import HeadPattern
+
+    bm = draw(st.sampled_from([16, 32, 64]))
+    bn = draw(st.sampled_from([16, 32, 64]))
+    kinds = ["a_shape", "vertical_slash"] + (["block_sparse"] if bm == bn else [])
+    patterns = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(kinds))
+        if kind == "a_shape":
+            params = {**_sink_window(draw, seqlen), "block_m": bm, "block_n": bn}
+        elif kind == "vertical_slash":
+            params = {"vertical_size": draw(st.integers(1, seqlen + 8)), "slash_size": draw(st.integers(1, seqlen + 8)),
+                      "last_q": draw(st.sampled_from([1, 16, 64])), "block_m": bm, "block_n": bn,
+                      "init_columns": draw(st.sampled_from([0, 1, 5])),
+                      "local_diagonals": draw(st.sampled_from([0, 1, 7]))}
+        else:
+            params = {"top_k": draw(st.integers(1, -(-seqlen // bm) + 2)), "block_size": bm}
+        patterns.append(HeadPattern(kind, params))
+    # block_m / block_n are hints for the strategies' cost cap; `prepare` drops them.
+    return {"patterns": tuple(patterns), "block_m": bm, "block_n": bn}
+
+
+def _minference_demo(n: int) -> dict[str, Any]:
+    from ..reference.minference import HeadPattern
+
+    vs = _vertical_slash_demo(n)
+    return {"patterns": (
+        HeadPattern("vertical_slash", {**vs, "block_m": 64, "block_n": 64}),
+        HeadPattern("a_shape", {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8)),
+                                "block_m": 64, "block_n": 64}),
+        HeadPattern("block_sparse", {"top_k": 100 if n >= 32768 else max(2, n // 512), "block_size": 64}),
+    )}
+
+
+def _minference_sweep(n: int) -> list[dict[str, Any]]:
+    """The demo's three patterns with budgets scaled together: vertical-slash as its own grid,
+    the A-shape window N/f, block-sparse top_k Kb/f (blocks of 64)."""
+    from ..reference.minference import HeadPattern
+
+    blocks = -(-n // 64)
+    return [{"patterns": (
+        HeadPattern("vertical_slash", {"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f),
+                                       "block_m": 64, "block_n": 64}),
+        HeadPattern("a_shape", {"sink": min(1024, max(64, n // 32)), "window": max(128, n // f),
+                                "block_m": 64, "block_n": 64}),
+        HeadPattern("block_sparse", {"top_k": max(2, blocks * 8 // f), "block_size": 64}),
+    )} for f in (128, 64, 32, 16, 8)]
+
+
+def _minference_prepare(params: dict[str, Any], q: torch.Tensor) -> dict[str, Any]:
+    """Pattern `h % len(patterns)` for query head `h`: a one-layer `MInferenceConfig`."""
+    from ..reference.minference import MInferenceConfig
+
+    patterns = tuple(params["patterns"])
+    heads = tuple(patterns[h % len(patterns)] for h in range(int(q.shape[1])))
+    return {"config": MInferenceConfig((heads,)), "layer": 0}
+
+
+def _register_minference() -> None:
+    from .ties import minference_tie_check
+
+    register(MethodSpec(
+        name="minference",
+        reference_plan=reference.minference_plan,
+        fast_plan=fast.minference_plan,
+        reference_run=reference.minference,
+        fast_run=fast.minference,
+        params=_minference_patterns,
+        demo_params=_minference_demo,
+        exact_plans=False,
+        tie_check=minference_tie_check,
+        notes="MInference per-head dispatch: each head its own pattern (vertical-slash, A-shape, "
+              "block-sparse), one merged plan, one kernel launch",
+        prepare=_minference_prepare,
+        sweep=_minference_sweep,
+    ))
+
+
+_register_minference()
 
 
 def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
@@ -232,6 +505,7 @@ register(MethodSpec(
     tie_check=flexprefill_vs_tie_check,
     notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
           "estimated mass",
+    sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
 ))
 
 
@@ -286,4 +560,5 @@ register(MethodSpec(
     fast_layer=fast.shareprefill_layer,
     notes="SharePrefill (one layer, fresh state: first head per cluster dense, others Alg. 5); "
           "layers share pivots through SharePrefillState",
+    sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
 ))

@@ -7,15 +7,27 @@ Inputs are float16/bfloat16 CUDA tensors (or CPU tensors under
 
 from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
 from ..reference.attention import AttentionState
+from ..reference.delta_kv import PackedKV
 from ..reference.plan import BlockColumnPlan
+from ..reference.sample_attention import SampleAttentionSettings
 from ..reference.shareprefill import ClusterLayout, LayerDecision, Pivot, SharePattern, SharePrefillState
 from .a_shape import a_shape, a_shape_plan
+from .anchor_attention import anchor_attention, anchor_attention_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
+from .delta_kv import (
+    delta_keep_mask,
+    delta_kv,
+    delta_kv_attention,
+    delta_kv_density,
+    delta_kv_plans,
+    delta_pack,
+)
 from .flexprefill_vs import flexprefill_vs, flexprefill_vs_plan
 from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
+from .sample_attention import sample_attention, sample_attention_plan
 from .shareprefill import (
     shareprefill,
     shareprefill_layer,
@@ -33,15 +45,25 @@ __all__ = [
     "HeadPattern",
     "LayerDecision",
     "MInferenceConfig",
+    "PackedKV",
     "Pivot",
+    "SampleAttentionSettings",
     "SearchResult",
     "SharePattern",
     "SharePrefillState",
     "a_shape",
     "a_shape_plan",
+    "anchor_attention",
+    "anchor_attention_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",
+    "delta_keep_mask",
+    "delta_kv",
+    "delta_kv_attention",
+    "delta_kv_density",
+    "delta_kv_plans",
+    "delta_pack",
     "dense",
     "dense_plan",
     "density",
@@ -51,6 +73,8 @@ __all__ = [
     "minference_plan",
     "recall",
     "relative_error",
+    "sample_attention",
+    "sample_attention_plan",
     "search_patterns",
     "shareprefill",
     "shareprefill_layer",

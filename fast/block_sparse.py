@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_positive_int, check_qk
-from ..reference.plan import BlockColumnPlan, cdiv
+from ..reference._checks import HALF_DTYPES, check_block_size, check_positive_int, check_qk, check_qkv
+from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
 from .dense import empty_columns
-from .kernels import block_column_attention, check_kernel_device
+from .kernels import (
+    block_column_attention,
+    check_forward_only,
+    check_kernel_block_sizes,
+    check_kernel_device,
+)
 
 _SCORE_BYTES = 256 << 20
 
@@ -52,7 +57,8 @@ def block_sparse_plan(
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_kernel_device(q)
     check_positive_int("top_k", top_k)
-    bs = check_positive_int("block_size", block_size)
+    bs = check_block_size("block_size", block_size)
+    check_kernel_block_sizes(bs, bs, names=("block_size", "block_size"))
     b, hq, hkv, g = shape.batch, shape.q_heads, shape.kv_heads, shape.group
     nb = cdiv(shape.seqlen, bs)
     width = min(top_k, nb)
@@ -65,7 +71,7 @@ def block_sparse_plan(
     for i0 in range(0, nb, rows):
         i1 = min(i0 + rows, nb)
         query_block = torch.arange(i0, i1, device=dev)[:, None]
-        scores = torch.matmul(q_pooled[:, :, :, i0:i1], k_pooled)
+        scores = rank_nan_last(torch.matmul(q_pooled[:, :, :, i0:i1], k_pooled))
         scores = scores.masked_fill(key_block > query_block, float("-inf"))
         scores = scores.masked_fill(key_block == query_block, float("inf"))
         picked = torch.topk(scores, width, dim=-1, sorted=False).indices
@@ -100,6 +106,8 @@ def block_sparse(
     Returns:
         `[B, Hq, N, D]` in q's dtype.
     """
+    check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_forward_only(q, k, v)
     plan = block_sparse_plan(q, k, top_k=top_k, block_size=block_size)
     out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import check_positive_int, check_qk
+from ..reference._checks import check_block_size, check_positive_int, check_qk
 from ..reference.plan import BlockColumnPlan, cdiv
 from .kernels import block_column_attention
 
@@ -25,8 +25,8 @@ def dense_plan(
     batch, heads and query blocks serves as the index: O(N) memory.
     """
     shape = check_qk(q, k)
-    bm = check_positive_int("block_m", block_m)
-    bn = check_positive_int("block_n", block_n)
+    bm = check_block_size("block_m", block_m)
+    bn = check_block_size("block_n", block_n)
     n, b, h = shape.seqlen, shape.batch, shape.q_heads
     qb, kb = cdiv(n, bm), cdiv(n, bn)
     last_row = ((torch.arange(qb, device=q.device) + 1) * bm - 1).clamp(max=n - 1)

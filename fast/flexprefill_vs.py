@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qk, check_qkv
+from ..reference._checks import HALF_DTYPES, check_count, check_qk, check_qkv
 from ..reference.flexprefill_vs import (
     GAMMA,
     check_flexprefill_vs_params,
@@ -25,7 +25,7 @@ from ..reference.flexprefill_vs import (
     first_lines,
 )
 from ..reference.plan import BlockColumnPlan
-from .kernels import block_column_attention, check_kernel_block_sizes
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 from .kernels.last_q_estimate import last_q_scores
 from .kernels.vertical_slash_index import vertical_slash_index
 from .vertical_slash import with_own_columns
@@ -52,8 +52,11 @@ def flexprefill_vs_lines(
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=1, block_n=1,
                                 init_columns=init_columns, local_diagonals=local_diagonals)
-    vertical, slash = last_q_scores(q, k, last_q=last_q, scale=scale)
     n = shape.seqlen
+    last_q = check_count("last_q", last_q, cap=n)
+    init_columns = check_count("init_columns", init_columns, cap=n, minimum=0)
+    local_diagonals = check_count("local_diagonals", local_diagonals, cap=n, minimum=0)
+    vertical, slash = last_q_scores(q, k, last_q=last_q, scale=scale)
     a_v = vertical.to(torch.float64)
     a_s = slash.to(torch.float64)
     # Alg. 5 lines 2-3: both sums hold the same total mass (L rows of one each).
@@ -149,6 +152,7 @@ def flexprefill_vs(
         TypeError, ValueError: bad inputs or parameters.
     """
     check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_forward_only(q, k, v)
     plan = flexprefill_vs_plan(
         q, k, gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
         init_columns=init_columns, local_diagonals=local_diagonals, scale=scale,

@@ -16,7 +16,7 @@ from ..reference.attention import check_mask, check_plan
 from ..reference.metrics import relative_error
 from ..reference.plan import BlockColumnPlan, causal_pairs, columns_inside_blocks
 from .dense import dense_plan
-from .kernels import block_column_attention, check_kernel_block_sizes
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 
 __all__ = ["density", "recall", "relative_error"]
 
@@ -34,6 +34,7 @@ def recall(
         float32 `[B, Hq, N]` in `[0, 1]`.
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    check_forward_only(q, k)
     # Check the selection before the full causal pass, so bad input costs no launch.
     if isinstance(mask, BlockColumnPlan):
         check_plan(mask, shape.batch, shape.q_heads, shape.seqlen, q.device)

@@ -25,14 +25,19 @@ from ..reference.plan import BlockColumnPlan
 from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
-from .kernels import block_column_attention
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 from .vertical_slash import vertical_slash, vertical_slash_plan
+
+def _kernel_blocks(block_m: int, block_n: int, names: tuple[str, str]) -> None:
+    check_kernel_block_sizes(block_m, block_n, names=names)
+
 
 FAST_METHODS = Methods(
     plans={"a_shape": a_shape_plan, "vertical_slash": vertical_slash_plan, "block_sparse": block_sparse_plan},
     runs={"a_shape": a_shape, "vertical_slash": vertical_slash, "block_sparse": block_sparse},
     sparse_attention=sparse_attention,
     attention=attention,
+    check_blocks=_kernel_blocks,
 )
 
 
@@ -67,6 +72,7 @@ def minference(
         `[B, Hq, N, D]` in q's dtype.
     """
     check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_forward_only(q, k, v)
     plan = minference_plan(q, k, config, layer=layer, scale=scale)
     out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
     return out

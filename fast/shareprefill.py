@@ -50,7 +50,7 @@ from ..reference.shareprefill import (
     js_distance,
 )
 from .flexprefill_vs import flexprefill_vs_lines, padded_lines
-from .kernels import block_column_attention, check_kernel_block_sizes
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 from .kernels.own_columns import disjoint_columns
 from .kernels.vertical_slash_index import vertical_slash_index
 
@@ -265,6 +265,7 @@ def shareprefill_layer(
         TypeError, ValueError: bad inputs, or a layer that does not fit the state.
     """
     shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_forward_only(q, k, v)
     state = check_state(state)
     check_kernel_block_sizes(state.block_m, state.block_n)
     sm_scale = resolve_scale(scale, shape.head_dim)
@@ -357,6 +358,7 @@ def shareprefill(
         TypeError, ValueError: bad inputs or parameters.
     """
     check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_forward_only(q, k, v)
     state = SharePrefillState(layout, tau=tau, delta=delta, gamma=gamma, block_m=block_m,
                               block_n=block_n, init_columns=init_columns, local_diagonals=local_diagonals)
     return shareprefill_layer(q, k, v, state, layer=layer, scale=scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import check_positive_int, check_qk
+from ..reference._checks import check_block_size, check_count, check_qk
 from ..reference.plan import BlockColumnPlan, cdiv
 from .dense import empty_columns
 from .kernels import block_column_attention
@@ -26,10 +26,10 @@ def streaming_plan(
     `[Qb, width]` index is shared (expanded) by every batch row and head.
     """
     shape = check_qk(q, k)
-    sink = check_positive_int("sink", sink, minimum=0)
-    window = check_positive_int("window", window)
-    bm = check_positive_int("block_m", block_m)
-    bn = check_positive_int("block_n", block_n)
+    sink = check_count("sink", sink, cap=shape.seqlen, minimum=0)
+    window = check_count("window", window, cap=shape.seqlen)
+    bm = check_block_size("block_m", block_m)
+    bn = check_block_size("block_n", block_n)
     n, b, h = shape.seqlen, shape.batch, shape.q_heads
     qb = cdiv(n, bm)
     dev = q.device

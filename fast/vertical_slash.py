@@ -25,14 +25,14 @@ import math
 import torch
 
 from ..reference._checks import HALF_DTYPES, check_qk, check_qkv
-from ..reference.plan import BlockColumnPlan, cdiv
+from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
 from ..reference.vertical_slash import (
     INIT_COLUMNS,
     LOCAL_DIAGONALS,
     check_vertical_slash_params,
     kept_lines,
 )
-from .kernels import block_column_attention, check_kernel_block_sizes
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 from .kernels.last_q_estimate import last_q_scores
 from .kernels.own_columns import disjoint_columns
 from .kernels.vertical_slash_index import (
@@ -65,7 +65,11 @@ def vertical_slash_scores(
 
 
 def top_lines(scores: torch.Tensor, count: int, forced: int) -> torch.Tensor:
-    """`argtopk` with the first `forced` indices kept: int32 `[B, H, count]`, ascending."""
+    """`argtopk` with the first `forced` indices kept: int32 `[B, H, count]`, ascending.
+
+    NaN scores rank below every number (`rank_nan_last`); forced indices stay kept.
+    """
+    scores = rank_nan_last(scores)
     scores[..., :forced] = math.inf
     picked = torch.topk(scores, count, dim=-1, sorted=False).indices
     return torch.sort(picked.to(torch.int32), dim=-1).values
@@ -185,6 +189,7 @@ def vertical_slash(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_forward_only(q, k, v)
     check_vertical_slash_params(
         vertical_size=vertical_size, slash_size=slash_size, last_q=last_q, block_m=block_m,
         block_n=block_n, init_columns=init_columns, local_diagonals=local_diagonals,

@@ -4,9 +4,19 @@
 """
 
 from .a_shape import a_shape, a_shape_plan
+from .anchor_attention import anchor_attention, anchor_attention_plan
 from .attention import AttentionState, attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
+from .delta_kv import (
+    PackedKV,
+    delta_keep_mask,
+    delta_kv,
+    delta_kv_attention,
+    delta_kv_density,
+    delta_kv_plans,
+    delta_pack,
+)
 from .flexprefill_vs import flexprefill_vs, flexprefill_vs_plan
 from .metrics import density, recall, relative_error
 from .minference import (
@@ -18,6 +28,7 @@ from .minference import (
     search_patterns,
 )
 from .plan import BlockColumnPlan
+from .sample_attention import SampleAttentionSettings, sample_attention, sample_attention_plan
 from .shareprefill import (
     ClusterLayout,
     LayerDecision,
@@ -40,15 +51,25 @@ __all__ = [
     "HeadPattern",
     "LayerDecision",
     "MInferenceConfig",
+    "PackedKV",
     "Pivot",
+    "SampleAttentionSettings",
     "SearchResult",
     "SharePattern",
     "SharePrefillState",
     "a_shape",
     "a_shape_plan",
+    "anchor_attention",
+    "anchor_attention_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",
+    "delta_keep_mask",
+    "delta_kv",
+    "delta_kv_attention",
+    "delta_kv_density",
+    "delta_kv_plans",
+    "delta_pack",
     "dense",
     "dense_plan",
     "density",
@@ -58,6 +79,8 @@ __all__ = [
     "minference_plan",
     "recall",
     "relative_error",
+    "sample_attention",
+    "sample_attention_plan",
     "search_patterns",
     "shareprefill",
     "shareprefill_layer",

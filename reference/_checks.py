@@ -15,6 +15,15 @@ import torch
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# Largest block (rows or keys per block) any method accepts. Real methods use 16 to
+# 512; past a few thousand the kernel's tail bookkeeping (DIAG entries per tile) and
+# int32 index arithmetic stop being sane, and a block that large is dense attention.
+MAX_BLOCK_SIZE = 4096
+# Largest softmax scale: 1/sqrt(D) <= 1 for every real model. Past about 1e6 the fp32
+# logits of the kernels (|q . k| up to 65504^2 * D in fp16) can overflow to inf, where
+# the float64 reference would not, so the two packages would disagree.
+MAX_SCALE = 1e6
+
 
 @dataclass(frozen=True)
 class QKVShape:
@@ -56,6 +65,12 @@ def check_qk(
     """
     q = check_tensor("q", q, rank=4)
     k = check_tensor("k", k, rank=4)
+    if q.device.type == "meta":
+        raise ValueError(
+            "q is a meta tensor: sparse methods choose their keys from the values of q and k, "
+            "so they need real tensors (under torch.compile, call the registered custom ops, "
+            "whose fake implementations take meta inputs)"
+        )
     if q.dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"q must have dtype in ({names}), got {q.dtype}")
@@ -107,16 +122,34 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be finite and > 0, got {scale}")
+    if scale > MAX_SCALE:
+        raise ValueError(f"scale must be <= {MAX_SCALE:g} (fp32 logits would overflow), got {scale}")
     return float(scale)
 
 
-def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """Return `value` if it is an int >= `minimum`, else raise TypeError/ValueError."""
+def check_positive_int(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """Return `value` if it is an int in `[minimum, maximum]`, else raise TypeError/ValueError."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def check_block_size(name: str, value: object) -> int:
+    """Return a block size (rows or keys per block) in `[1, MAX_BLOCK_SIZE]`, else raise."""
+    return check_positive_int(name, value, maximum=MAX_BLOCK_SIZE)
+
+
+def check_count(name: str, value: object, *, cap: int, minimum: int = 1) -> int:
+    """Check an int `>= minimum` whose values past `cap` all mean the same ("everything").
+
+    Returns `min(value, cap)`, so that no later arithmetic sees a huge Python int
+    (2**63 would overflow an int64 tensor and silently change the meaning).
+    """
+    return min(check_positive_int(name, value, minimum=minimum), cap)
 
 
 def check_fraction(name: str, value: object, *, low: float = 0.0, high: float = 1.0) -> float:

@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from ._checks import check_positive_int, check_qk
+from ._checks import check_block_size, check_positive_int, check_qk
 from .attention import sparse_attention
-from .plan import BlockColumnPlan, cdiv
+from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
 
 def mean_pooling(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -59,13 +59,15 @@ def argtopk_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     key blocks; a stable descending sort makes the lower index win ties.
     """
     nb = scores.shape[-1]
-    ranked = scores.clone()
+    causal = torch.ones(nb, nb, dtype=torch.bool, device=scores.device).tril_()
+    # NaN scores (NaN in q or k) rank below every number but above non-causal blocks.
+    ranked = torch.where(causal, rank_nan_last(scores), -math.inf)
     ranked.diagonal(dim1=-2, dim2=-1).fill_(math.inf)
     count = min(top_k, nb)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :count]
     keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
     # Non-causal blocks fill the budget of early query blocks; they are not kept.
-    return keep & (scores > -math.inf)
+    return keep & causal
 
 
 def block_sparse_plan(
@@ -91,7 +93,7 @@ def block_sparse_plan(
     """
     shape = check_qk(q, k)
     check_positive_int("top_k", top_k)
-    bs = check_positive_int("block_size", block_size)
+    bs = check_block_size("block_size", block_size)
     scores = block_scores(mean_pooling(q, bs), mean_pooling(k, bs))
     blocks = argtopk_blocks(scores, top_k)
     return BlockColumnPlan.from_masks(blocks, None, seqlen=shape.seqlen, block_m=bs, block_n=bs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_positive_int, check_qk
+from ._checks import check_block_size, check_positive_int, check_qk
 from .attention import sparse_attention
 from .plan import BlockColumnPlan, cdiv
 
@@ -26,8 +26,8 @@ def dense_plan(
         TypeError, ValueError: bad inputs.
     """
     shape = check_qk(q, k)
-    bm = check_positive_int("block_m", block_m)
-    bn = check_positive_int("block_n", block_n)
+    bm = check_block_size("block_m", block_m)
+    bn = check_block_size("block_n", block_n)
     n = shape.seqlen
     blocks = torch.ones(
         shape.batch, shape.q_heads, cdiv(n, bm), cdiv(n, bn), dtype=torch.bool, device=q.device

@@ -34,9 +34,9 @@ import math
 
 import torch
 
-from ._checks import check_fraction, check_positive_int, check_qk, resolve_scale
+from ._checks import check_block_size, check_count, check_fraction, check_positive_int, check_qk, resolve_scale
 from .attention import sparse_attention
-from .plan import BlockColumnPlan, cdiv
+from .plan import BlockColumnPlan, cdiv, rank_nan_last
 from .vertical_slash import approximate_attention, slash_coverage, sum_slash, sum_vertical
 
 # FlexPrefill's and SharePrefill's cumulative attention threshold.
@@ -55,8 +55,8 @@ def check_flexprefill_vs_params(
     """Raise TypeError/ValueError naming the first bad parameter."""
     check_fraction("gamma", gamma)
     check_positive_int("last_q", last_q)
-    check_positive_int("block_m", block_m)
-    check_positive_int("block_n", block_n)
+    check_block_size("block_m", block_m)
+    check_block_size("block_n", block_n)
     check_positive_int("init_columns", init_columns, minimum=0)
     check_positive_int("local_diagonals", local_diagonals, minimum=0)
 
@@ -83,6 +83,10 @@ def cover_threshold(scores: torch.Tensor, gamma: float, forced: torch.Tensor) ->
     `gamma`. With nothing forced, that keeps the `K = min{k : sum of the k largest
     >= gamma}` largest entries, and all of them if the sum never reaches `gamma`.
 
+    A NaN score (from NaN in q or k) ranks below every number (`rank_nan_last`) and,
+    once reached, stops the cumulative sum: only the forced entries and the numbers
+    ranked before it are kept.
+
     Args:
         scores: float64 `[..., L]`, non-negative shares (summing to about 1).
         gamma: the threshold in `[0, 1]`.
@@ -92,7 +96,7 @@ def cover_threshold(scores: torch.Tensor, gamma: float, forced: torch.Tensor) ->
         bool `[..., L]`, the kept entries.
     """
     forced = forced.expand(scores.shape)
-    ranked = torch.where(forced, math.inf, scores)
+    ranked = torch.where(forced, math.inf, rank_nan_last(scores))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     mass = torch.gather(scores, -1, order)
     before = torch.cumsum(mass, dim=-1) - mass
@@ -134,6 +138,10 @@ def flexprefill_vs_lines(
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=1, block_n=1,
                                 init_columns=init_columns, local_diagonals=local_diagonals)
     n = shape.seqlen
+    # Counts past N mean "all": clamp before any arithmetic.
+    last_q = check_count("last_q", last_q, cap=n)
+    init_columns = check_count("init_columns", init_columns, cap=n, minimum=0)
+    local_diagonals = check_count("local_diagonals", local_diagonals, cap=n, minimum=0)
     a_hat = approximate_attention(q, k, last_q=last_q, scale=resolve_scale(scale, shape.head_dim))
     a_v, a_s = normalized_lines(a_hat)
     verticals = cover_threshold(a_v, gamma, first_lines(init_columns, n, q.device))

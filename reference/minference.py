@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_positive_int, check_qk, check_qkv, resolve_scale
+from ._checks import check_block_size, check_positive_int, check_qk, check_qkv, resolve_scale
 from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
@@ -41,6 +41,9 @@ PATTERNS: dict[str, tuple[str, ...]] = {
     "block_sparse": ("top_k", "block_size"),
 }
 _REQUIRED = {"a_shape": (), "vertical_slash": ("vertical_size", "slash_size"), "block_sparse": ("top_k",)}
+# Parameters that may be 0; every other one must be >= 1. Block sizes are capped too.
+_MAY_BE_ZERO = ("sink", "init_columns", "local_diagonals")
+_BLOCK_PARAMS = ("block_m", "block_n", "block_size")
 _FORMAT = "sparseprefill.minference"
 
 
@@ -63,8 +66,11 @@ class HeadPattern:
             if name not in PATTERNS[self.pattern]:
                 raise ValueError(f"{self.pattern} has no parameter {name!r}; "
                                  f"it takes {PATTERNS[self.pattern]}")
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{self.pattern} parameter {name} must be an int, got {value!r}")
+            label = f"{self.pattern} parameter {name}"
+            if name in _BLOCK_PARAMS:
+                check_block_size(label, value)
+            else:
+                check_positive_int(label, value, minimum=0 if name in _MAY_BE_ZERO else 1)
         for name in _REQUIRED[self.pattern]:
             if name not in self.params:
                 raise ValueError(f"{self.pattern} needs the parameter {name!r}")
@@ -102,6 +108,18 @@ class MInferenceConfig:
 
     layers: tuple[tuple[HeadPattern, ...], ...]
 
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if not isinstance(layers, (tuple, list)):
+            raise TypeError(f"layers must be a sequence of layers, got {type(layers).__name__}")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, (tuple, list)) or not layer:
+                raise TypeError(f"layers[{i}] must be a non-empty sequence of HeadPattern, got {layer!r}")
+            for h, head in enumerate(layer):
+                if not isinstance(head, HeadPattern):
+                    raise TypeError(f"layers[{i}][{h}] must be a HeadPattern, got {type(head).__name__}")
+        object.__setattr__(self, "layers", tuple(tuple(layer) for layer in layers))
+
     def layer(self, index: int) -> tuple[HeadPattern, ...]:
         """The patterns of one layer's query heads.
 
@@ -117,6 +135,8 @@ class MInferenceConfig:
         """Every head of every layer uses `pattern`."""
         check_positive_int("num_layers", num_layers)
         check_positive_int("num_heads", num_heads)
+        if not isinstance(pattern, HeadPattern):
+            raise TypeError(f"pattern must be a HeadPattern, got {type(pattern).__name__} ({pattern!r})")
         return MInferenceConfig(tuple((pattern,) * num_heads for _ in range(num_layers)))
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -141,9 +161,16 @@ class MInferenceConfig:
         if isinstance(data, dict) and data.get("format") == _FORMAT:
             if data.get("version") != 1:
                 raise ValueError(f"unsupported config version {data.get('version')!r}")
-            return MInferenceConfig(tuple(
-                tuple(_head_from_dict(head) for head in layer) for layer in data["layers"]
-            ))
+            layers = data.get("layers")
+            if not isinstance(layers, list) or not all(isinstance(layer, list) and layer for layer in layers):
+                raise ValueError("config 'layers' must be a list of non-empty lists of head entries, "
+                                 f"got {layers!r:.200}")
+            try:
+                return MInferenceConfig(tuple(
+                    tuple(_head_from_dict(head) for head in layer) for layer in layers
+                ))
+            except TypeError as err:
+                raise ValueError(f"config has a bad head entry: {err}") from err
         if isinstance(data, list) and all(isinstance(layer, dict) for layer in data):
             return MInferenceConfig(tuple(_minference_layer(layer) for layer in data))
         raise ValueError("config must be sparseprefill's format or a MInference pattern file")
@@ -167,7 +194,28 @@ def _head_from_dict(entry: object) -> HeadPattern:
     return HeadPattern(str(entry["pattern"]), params)
 
 
+def check_patterns(methods: Methods, heads: Sequence[object], what: str) -> tuple[HeadPattern, ...]:
+    """Check heads (or search candidates) before any estimate runs; return them.
+
+    Raises:
+        TypeError: an entry that is not a HeadPattern.
+        ValueError: block sizes the package's kernel cannot run.
+    """
+    out = []
+    for i, head in enumerate(heads):
+        if not isinstance(head, HeadPattern):
+            raise TypeError(f"{what}[{i}] must be a HeadPattern, got {type(head).__name__}")
+        bm, bn = head.block_sizes()
+        names = ("block_size", "block_size") if head.pattern == "block_sparse" else ("block_m", "block_n")
+        where = f"{what}[{i}] ({head.pattern})"
+        methods.check_blocks(bm, bn, (f"{where} {names[0]}", f"{where} {names[1]}"))
+        out.append(head)
+    return tuple(out)
+
+
 def _minference_layer(layer: Mapping[str, Any]) -> tuple[HeadPattern, ...]:
+    if not all(isinstance(h, str) and h.isdigit() for h in layer):
+        raise ValueError(f"MInference layer keys must be head numbers, got {list(layer)!r:.200}")
     heads = sorted(layer.items(), key=lambda item: int(item[0]))
     if [int(h) for h, _ in heads] != list(range(len(heads))):
         raise ValueError(f"MInference layer heads must be 0 .. H-1, got {[h for h, _ in heads]}")
@@ -176,8 +224,11 @@ def _minference_layer(layer: Mapping[str, Any]) -> tuple[HeadPattern, ...]:
         if not isinstance(entry, list) or len(entry) < 3 or entry[0] != "vertical_and_slash":
             raise ValueError(f"head {head}: only 'vertical_and_slash' MInference entries are "
                              f"read, got {entry!r}")
-        out.append(HeadPattern("vertical_slash", {"vertical_size": int(entry[1]),
-                                                  "slash_size": int(entry[2])}))
+        try:
+            sizes = {"vertical_size": int(entry[1]), "slash_size": int(entry[2])}
+            out.append(HeadPattern("vertical_slash", sizes))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"head {head}: bad vertical/slash sizes in {entry!r}: {err}") from err
     return tuple(out)
 
 
@@ -211,6 +262,9 @@ class Methods:
     runs: Mapping[str, Callable[..., torch.Tensor]]
     sparse_attention: Callable[..., torch.Tensor]
     attention: Callable[..., torch.Tensor]
+    # (block_m, block_n, (name_m, name_n)) -> None; raises ValueError naming the size the
+    # package's kernel cannot run.
+    check_blocks: Callable[[int, int, tuple[str, str]], None] = lambda block_m, block_n, names: None
 
 
 REFERENCE_METHODS = Methods(
@@ -297,9 +351,13 @@ def minference_plan_with(
     if not isinstance(config, MInferenceConfig):
         raise TypeError(f"config must be a MInferenceConfig, got {type(config).__name__}")
     check_positive_int("layer", layer, minimum=0)
-    heads = config.layer(layer)
+    heads = check_patterns(methods, config.layer(layer), f"config.layers[{layer}]")
     if len(heads) != shape.q_heads:
         raise ValueError(f"config layer {layer} has {len(heads)} heads, q has {shape.q_heads}")
+    sizes = sorted({head.block_sizes() for head in heads})
+    if len(sizes) > 1:
+        raise ValueError(f"config layer {layer}: all heads of a layer must use the same block sizes "
+                         f"(block_m, block_n); got {sizes}")
     distinct: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
     owner = [distinct.setdefault(head.key(), len(distinct)) for head in heads]
     patterns = {head.key(): head for head in heads}
@@ -452,14 +510,25 @@ def search_patterns_with(
 ) -> SearchResult:
     """`search_patterns` with a given package's methods (see the module doc)."""
     shape = check_qkv(q, k, v)
+    resolve_scale(scale, shape.head_dim)
+    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
+        raise TypeError(f"candidates must be a sequence of HeadPattern, got {type(candidates).__name__}")
     if not candidates:
         raise ValueError("candidates must not be empty")
+    candidates = check_patterns(methods, candidates, "candidates")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise TypeError(f"tolerance must be a float, got {type(tolerance).__name__}")
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must lie in (0, 1), got {tolerance}")
+    if target is not None:
+        if isinstance(target, bool) or not isinstance(target, (int, float)):
+            raise TypeError(f"target must be a float or None, got {type(target).__name__}")
+        if not (math.isfinite(target) and target > 0):
+            raise ValueError(f"target must be finite and > 0, got {target}")
+    default = HeadPattern("a_shape", {"sink": 1024, "window": 4096})
     if target is None:
-        target = _mean_cost(methods, q, k, HeadPattern("a_shape", {"sink": 1024, "window": 4096}), scale)
-    elif not (math.isfinite(target) and target > 0):
-        raise ValueError(f"target must be finite and > 0, got {target}")
+        default = check_patterns(methods, [default], "default target pattern")[0]
+        target = _mean_cost(methods, q, k, default, scale)
     fitted = [change_space(methods, q, k, c, target=target, tolerance=tolerance, scale=scale)
               for c in candidates]
     dense = methods.attention(q, k, v, scale=scale).to(torch.float64)

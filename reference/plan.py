@@ -51,11 +51,12 @@ out-of-bounds memory access.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from ._checks import check_positive_int
+from ._checks import check_block_size, check_positive_int
 
 _INDEX_FIELDS = ("block_count", "block_index", "column_count", "column_index")
 
@@ -162,8 +163,8 @@ class BlockColumnPlan:
                 message names the field and the first offending entry.
         """
         n = check_positive_int("plan.seqlen", self.seqlen)
-        bm = check_positive_int("plan.block_m", self.block_m)
-        bn = check_positive_int("plan.block_n", self.block_n)
+        bm = check_block_size("plan.block_m", self.block_m)
+        bn = check_block_size("plan.block_n", self.block_n)
         for name in _INDEX_FIELDS:
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
@@ -380,8 +381,8 @@ class BlockColumnPlan:
             The validated plan, lists as narrow as the fullest query block needs.
         """
         n = check_positive_int("seqlen", seqlen)
-        bm = check_positive_int("block_m", block_m)
-        bn = check_positive_int("block_n", block_n)
+        bm = check_block_size("block_m", block_m)
+        bn = check_block_size("block_n", block_n)
         qb, kb = cdiv(n, bm), cdiv(n, bn)
         if block_mask.dim() != 4 or tuple(block_mask.shape[2:]) != (qb, kb):
             raise ValueError(
@@ -457,6 +458,16 @@ def causal_pairs(r0: torch.Tensor, r1: torch.Tensor, k0: torch.Tensor, k1: torch
     ramp = ramp_rows * (a + 1 - k0) + ramp_rows * (ramp_rows - 1) // 2
     flat_rows = torch.clamp(r1 - torch.maximum(r0, k1), min=0)
     return ramp + flat_rows * (k1 - k0)
+
+
+def rank_nan_last(scores: torch.Tensor) -> torch.Tensor:
+    """A copy of `scores` whose NaNs rank below every other score (the lowest finite value).
+
+    Sorting and `topk` put NaN first; an estimate made of NaN in q or k would then pick
+    arbitrary lines ahead of the forced ones. Every estimator ranks through this.
+    """
+    return torch.nan_to_num(scores, nan=torch.finfo(scores.dtype).min, posinf=math.inf,
+                            neginf=-math.inf)
 
 
 def mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

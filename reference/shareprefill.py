@@ -274,7 +274,7 @@ class SharePrefillState:
         init_columns, local_diagonals: forced lines of the Alg. 5 fallback.
 
     Raises:
-        TypeError, ValueError: a bad parameter.
+        TypeError, ValueError: a bad parameter (a layout path that is not a file: ValueError).
     """
 
     def __init__(
@@ -290,6 +290,9 @@ class SharePrefillState:
         local_diagonals: int = 1,
     ) -> None:
         if isinstance(layout, (str, Path)):
+            if not Path(layout).is_file():
+                raise ValueError(f"layout {str(layout)!r} is not a file (expected a ClusterLayout JSON, "
+                                 "as `sparseprefill cluster` writes)")
             layout = ClusterLayout.load(layout)
         if layout is not None and not isinstance(layout, ClusterLayout):
             raise TypeError(f"layout must be a ClusterLayout, a path to its JSON, or None, got "

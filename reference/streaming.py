@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_positive_int, check_qk
+from ._checks import check_block_size, check_count, check_qk
 from .attention import sparse_attention
 from .plan import BlockColumnPlan, cdiv
 
@@ -56,10 +56,10 @@ def streaming_plan(
         TypeError, ValueError: bad inputs.
     """
     shape = check_qk(q, k)
-    sink = check_positive_int("sink", sink, minimum=0)
-    window = check_positive_int("window", window)
-    bm = check_positive_int("block_m", block_m)
-    bn = check_positive_int("block_n", block_n)
+    sink = check_count("sink", sink, cap=shape.seqlen, minimum=0)
+    window = check_count("window", window, cap=shape.seqlen)
+    bm = check_block_size("block_m", block_m)
+    bn = check_block_size("block_n", block_n)
     blocks = streaming_block_mask(
         shape.seqlen, sink=sink, window=window, block_m=bm, block_n=bn, device=q.device
     )

@@ -34,9 +34,9 @@ import math
 
 import torch
 
-from ._checks import check_positive_int, check_qk, resolve_scale
+from ._checks import check_block_size, check_positive_int, check_qk, resolve_scale
 from .attention import sparse_attention
-from .plan import BlockColumnPlan, cdiv
+from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
 # MInference's released code forces 30 initial columns and the 100 nearest diagonals.
 INIT_COLUMNS = 30
@@ -100,9 +100,10 @@ def argtopk(scores: torch.Tensor, count: int, forced: int) -> torch.Tensor:
 
     Returns:
         int32 `[B, H, count]`, sorted ascending. Ties: the lower index wins (a stable
-        sort of the scores, descending, keeps equal scores in index order).
+        sort of the scores, descending, keeps equal scores in index order). A NaN
+        score (from NaN in q or k) ranks below every number; forced indices stay kept.
     """
-    ranked = scores.clone()
+    ranked = rank_nan_last(scores)
     ranked[..., :forced] = math.inf
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :count]
     return torch.sort(order, dim=-1).values.to(torch.int32)
@@ -122,8 +123,8 @@ def check_vertical_slash_params(
     check_positive_int("vertical_size", vertical_size)
     check_positive_int("slash_size", slash_size)
     check_positive_int("last_q", last_q)
-    check_positive_int("block_m", block_m)
-    check_positive_int("block_n", block_n)
+    check_block_size("block_m", block_m)
+    check_block_size("block_n", block_n)
     check_positive_int("init_columns", init_columns, minimum=0)
     check_positive_int("local_diagonals", local_diagonals, minimum=0)
 
@@ -224,8 +225,8 @@ def vertical_slash_index(
         ValueError: an index out of `[0, N)` or mismatched leading shapes.
     """
     n = check_positive_int("seqlen", seqlen)
-    bm = check_positive_int("block_m", block_m)
-    bn = check_positive_int("block_n", block_n)
+    bm = check_block_size("block_m", block_m)
+    bn = check_block_size("block_n", block_n)
     for name, t in (("verticals", verticals), ("slashes", slashes)):
         if t.dim() != 3 or t.shape[:2] != verticals.shape[:2]:
             raise ValueError(f"{name} must have shape [B, H, count], got {tuple(t.shape)}")

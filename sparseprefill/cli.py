@@ -53,10 +53,14 @@ COMMANDS: tuple[Command, ...] = (
             "sparseprefill.bench"),
     Command("search", "offline kernel-aware MInference pattern search (Alg. 1); writes a JSON config",
             "sparseprefill.search"),
+    Command("tune", "offline SampleAttention tuning per length range (Table 6); writes a settings JSON",
+            "sparseprefill.tune"),
     Command("eval", "accuracy on a real model (SmolLM2): q/k/v capture, method table, passkey, perplexity",
             "sparseprefill.evaluate"),
     Command("cluster", "SharePrefill's offline head clustering (attention maps, autoencoder, fcluster); "
                        "writes a ClusterLayout JSON", "sparseprefill.cluster"),
+    Command("compare", "every method's knob sweep on the same attention: recall, density, error, speed vs the oracle",
+            "sparseprefill.compare"),
 )
 
 

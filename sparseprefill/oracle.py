@@ -49,30 +49,62 @@ def oracle_density(
     Raises:
         TypeError, ValueError: bad inputs or a share outside `[0, 1]`.
     """
-    shape = check_qk(q, k)
+    check_qk(q, k)
+    n = q.shape[2]
+    return oracle_row_counts(q, k, shares, first_row=0, scale=scale) / (n * (n + 1) / 2)
+
+
+def oracle_row_counts(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    shares: Sequence[float],
+    *,
+    first_row: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Keys the oracle keeps, summed over the rows of `q`, per (batch, head) and share.
+
+    Args:
+        q: `[B, Hq, R, D]`, the query rows `first_row .. first_row + R - 1` of a sequence
+            whose keys are `k: [B, Hkv, N, D]` (`first_row + R <= N`); each row sees
+            the keys up to its own position.
+        shares, scale: as `oracle_density`.
+
+    Returns:
+        float64 `[B, Hq, len(shares)]`.
+
+    Raises:
+        TypeError, ValueError: bad inputs.
+    """
     targets = [check_fraction(f"shares[{i}]", s) for i, s in enumerate(shares)]
     if not targets:
         raise ValueError("shares must not be empty")
-    sm_scale = resolve_scale(scale, shape.head_dim)
-    b, hq, hkv, n, d, g = (shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen,
-                           shape.head_dim, shape.group)
-    qg = q.reshape(b, hkv, g, n, d).to(torch.float64)
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4 or k.dim() != 4:
+        raise ValueError("q and k must be rank-4 tensors")
+    b, hq, rows, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    if hkv == 0 or hq % hkv or k.shape[0] != b or k.shape[3] != d or not 0 <= first_row <= n - rows:
+        raise ValueError(f"q rows [{first_row}, {first_row + rows}) do not fit keys {tuple(k.shape)}")
+    sm_scale = resolve_scale(scale, d)
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g, rows, d).to(torch.float64)
     kg = k.to(torch.float64).unsqueeze(2)
     want = torch.tensor(targets, dtype=torch.float64, device=q.device)
     kept = torch.zeros(b, hkv, g, len(targets), dtype=torch.float64, device=q.device)
-    chunk = max(1, min(n, _CHUNK_BYTES // max(1, b * hq * n * 8)))
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        rows = torch.arange(start, stop, device=q.device)
-        causal = torch.arange(stop, device=q.device)[None, :] <= rows[:, None]
-        scores = torch.matmul(qg[:, :, :, start:stop], kg[:, :, :, :stop].transpose(-1, -2)) * sm_scale
+    chunk = max(1, min(rows, _CHUNK_BYTES // max(1, b * hq * n * 8)))
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        pos = torch.arange(first_row + start, first_row + stop, device=q.device)
+        keys = int(pos[-1]) + 1
+        causal = torch.arange(keys, device=q.device)[None, :] <= pos[:, None]
+        scores = torch.matmul(qg[:, :, :, start:stop], kg[:, :, :, :keys].transpose(-1, -2)) * sm_scale
         probs = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
         cum = torch.sort(probs, dim=-1, descending=True).values.cumsum(dim=-1)
         # Keys needed for share s: 1 + the number of prefix sums still below s (0 for s = 0).
         below = (cum.unsqueeze(-1) < (want - _SUM_SLACK)).sum(dim=-2)
         needed = torch.where(want > 0, (below + 1).clamp(max=causal.sum(-1)[:, None]), 0)
         kept += needed.sum(dim=-2).to(torch.float64)
-    return kept.reshape(b, hq, len(targets)) / (n * (n + 1) / 2)
+    return kept.reshape(b, hq, len(targets))
 
 
 def oracle_density_at(

@@ -94,7 +94,10 @@ def test_demo_table_and_png(tmp_path: Path) -> None:
         # must simply have been measured.
         assert not row["notes"].startswith("failed"), row
         assert 0.0 < row["density"] <= 1.0
-        assert 0.0 <= row["recall_min"] <= row["recall_mean"]
+        if METHODS[row["method"]].plan_based:
+            assert 0.0 <= row["recall_min"] <= row["recall_mean"]
+        else:  # a method that changes the keys (Delta-KV) has no recall
+            assert row["recall_min"] is None and row["recall_mean"] is None
         assert math.isfinite(row["error_vs_full"]) and math.isfinite(row["error_vs_ref64"]), row
     dense = [r for r in rows if r["method"] == "dense"]
     assert [r["density"] for r in dense] == [1.0, 1.0]

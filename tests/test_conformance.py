@@ -30,8 +30,8 @@ PER_METHOD = [p for p in props.PROPERTIES if p.per_method]
 KERNEL = [p for p in props.PROPERTIES if not p.per_method]
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("prop", PER_METHOD, ids=lambda p: p.name)
+@pytest.mark.parametrize("method,prop", [(spec.name, prop) for prop in PER_METHOD for spec in prop.cases(METHODS)],
+                         ids=lambda x: x if isinstance(x, str) else x.name)
 @settings(max_examples=EXAMPLES)
 @given(data=st.data())
 def test_method_property(cpu_caps: Caps, method: str, prop: props.Property, data: Any) -> None:

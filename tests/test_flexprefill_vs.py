@@ -272,3 +272,53 @@ def test_fast_rejects_float32_and_odd_blocks() -> None:
     q, k, _ = _inputs(1, 1, 1, 32, 16)
     with pytest.raises(ValueError, match="block"):
         fast.flexprefill_vs_plan(q, k, block_m=24)
+
+
+# -- hostile inputs --------------------------------------------------------------------
+
+
+def test_cover_threshold_ranks_nan_last() -> None:
+    scores = torch.tensor([0.1, math.nan, 0.6, 0.3], dtype=torch.float64)
+    kept = cover_threshold(scores, 0.85, torch.zeros(4, dtype=torch.bool))
+    assert kept.tolist() == [False, False, True, True]
+    # A forced NaN ranks first and stops the cumulative sum: only the forced entries.
+    forced = torch.tensor([False, True, False, False])
+    assert cover_threshold(scores, 0.85, forced).tolist() == [False, True, False, False]
+    # Every share NaN (NaN in the estimated rows of q): only the forced entries.
+    nan = torch.full((4,), math.nan, dtype=torch.float64)
+    assert cover_threshold(nan, 0.9, forced).tolist() == [False, True, False, False]
+
+
+@pytest.mark.parametrize("pkg", [reference, fast], ids=["reference", "fast"])
+def test_nan_keeps_forced_lines(pkg: object) -> None:
+    """NaN in k (one key) or in an estimated query row: the first columns and the nearest
+    diagonals stay in the plan (NaN shares rank last); fast and reference agree."""
+    q, k, _ = _inputs(2, 4, 2, 96, 32, seed=3, peak=2.0)
+    k_nan = k.clone()
+    k_nan[:, :, 50] = math.nan
+    q_nan = q.clone()
+    q_nan[0, 0, 90] = math.nan
+    params: dict[str, object] = dict(gamma=0.9, last_q=16, block_m=16, block_n=16, init_columns=3,
+                                     local_diagonals=2)
+    rows = torch.arange(96)
+    for qq, kk in ((q, k_nan), (q_nan, k)):
+        plan = pkg.flexprefill_vs_plan(qq, kk, **params)  # type: ignore[attr-defined]
+        dense = plan.to_dense_mask()
+        assert bool(dense[..., 3:, :3].all()), "forced first columns dropped"
+        assert bool(dense[..., rows, rows].all()) and bool(dense[..., rows[1:], rows[:-1]].all()), \
+            "forced nearest diagonals dropped"
+        if pkg is fast:
+            expected = reference.flexprefill_vs_plan(qq, kk, **params)  # type: ignore[arg-type]
+            if not expected.equal(plan):
+                flexprefill_vs_tie_check(qq, kk, params, expected, plan)
+
+
+@pytest.mark.parametrize("pkg", [reference, fast], ids=["reference", "fast"])
+def test_huge_counts_mean_everything(pkg: object) -> None:
+    q, k, _ = _inputs(1, 2, 1, 40, 16, seed=4)
+    for name in ("last_q", "init_columns", "local_diagonals"):
+        base = pkg.flexprefill_vs_plan(q, k, block_m=16, block_n=16, **{name: 160})  # type: ignore[attr-defined]
+        huge = pkg.flexprefill_vs_plan(q, k, block_m=16, block_n=16, **{name: 2**63})  # type: ignore[attr-defined]
+        assert huge.equal(base), name
+    with pytest.raises(ValueError, match="block_m"):
+        pkg.flexprefill_vs_plan(q, k, block_m=2**20)  # type: ignore[attr-defined]

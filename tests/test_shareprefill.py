@@ -234,6 +234,14 @@ def test_state_checks() -> None:
         reference.shareprefill_layer(*layers[0], "state", layer=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="strictly increasing"):
         reference.shareprefill_stack(*zip(*layers), SharePrefillState(), layers=[1, 0])  # type: ignore[call-arg]
+    for pkg in (reference, fast):
+        qs, ks, vs = zip(*layers)
+        with pytest.raises(ValueError, match="one entry per layer"):
+            pkg.shareprefill_stack(qs, ks[:1], vs, SharePrefillState())
+        with pytest.raises(ValueError, match="layers must name"):
+            pkg.shareprefill_stack(qs, ks, vs, SharePrefillState(), layers=[0])
+        with pytest.raises(TypeError, match="state"):
+            pkg.shareprefill_stack(qs, ks, vs, object())
     copy = state.clone()
     copy.pivots.clear()
     assert state.pivots == {} or len(state.pivots) >= len(copy.pivots)
@@ -247,7 +255,8 @@ BAD = [
     ({"block_m": 0}, ValueError, "block_m"),
     ({"init_columns": -1}, ValueError, "init_columns"),
     ({"layer": -1}, ValueError, "layer"),
-    ({"layout": "x"}, TypeError, "layout"),
+    ({"layout": "no/such/clusters.json"}, ValueError, "layout"),
+    ({"layout": 3}, TypeError, "layout"),
 ]
 
 
@@ -428,3 +437,31 @@ def test_bench_suite_rows_on_cpu() -> None:
     assert share[0].extra["dense"] == 1 and share[1].extra["shared"] >= 1
     assert math.isnan(rows[0].ms)
     assert "shareprefill L1" in format_table(rows)
+
+
+def test_nan_input_decides_vertical_slash_and_keeps_valid_plans() -> None:
+    """NaN in a key of batch row 0: that row's `a^` and distances are NaN, so no head of it
+    counts as non-sparse (NaN < delta is false): vertical-slash with its forced lines; the
+    other batch row decides as without the NaN; both packages agree."""
+    layout = ClusterLayout(((0, 0, 1, 1), (0, 0, 1, 1)))
+    layers = _stack(2, 2, 4, 2, 70, 32, [[0.0, 0.0, 0.05, 0.0]] * 2, seed=5)
+    clean = SharePrefillState(layout, block_m=16, block_n=16, delta=0.5)
+    for l, (q, k, v) in enumerate(layers):
+        reference.shareprefill_layer(q, k, v, clean, layer=l)
+    q0, k0, v0 = layers[0]
+    k0 = k0.clone()
+    k0[0, :, 40] = math.nan
+    states = {pkg: SharePrefillState(layout, block_m=16, block_n=16, delta=0.5) for pkg in ("reference", "fast")}
+    for name, pkg in (("reference", reference), ("fast", fast)):
+        for l, (q, k, v) in enumerate([(q0, k0, v0), layers[1]]):
+            plan, decision = pkg.shareprefill_layer_plan(q, k, states[name].clone(), layer=l)
+            plan.validate()
+            dense = plan.to_dense_mask()
+            rows = torch.arange(70)
+            assert bool(dense[..., rows, rows].all()), "main diagonal dropped"
+            pkg.shareprefill_layer(q, k, v, states[name], layer=l)
+        first = states[name].decisions[0]
+        assert bool((first.pattern[0] == VS).all()) and bool(first.d_sparse[0].isnan().all())
+        assert torch.equal(first.pattern[1].cpu(), clean.decisions[0].pattern[1].cpu())
+    for ref_d, fast_d in zip(states["reference"].decisions, states["fast"].decisions):
+        assert torch.equal(ref_d.pattern.cpu(), fast_d.pattern.cpu())

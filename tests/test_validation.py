@@ -79,7 +79,7 @@ def valid_qkv(dtype: torch.dtype = torch.float16, n: int = N) -> tuple[torch.Ten
 def method_kwargs(name: str) -> dict[str, Any]:
     for spec in METHODS.values():
         if name in (spec.name, f"{spec.name}_plan"):
-            return dict(spec.demo_params(N))
+            return spec.call_params(spec.demo_params(N), valid_qkv()[0])
     return {}
 
 
@@ -89,8 +89,23 @@ def _minference_config() -> Any:
     return MInferenceConfig.uniform(1, 4, HeadPattern("a_shape", {"sink": 16, "window": 32}))
 
 
+def _packed(q: Any, k: Any, v: Any) -> Any:
+    """Delta-KV anchors of k, v (of valid inputs when k, v are the bad argument under test)."""
+    try:
+        return reference.delta_pack(k, v, reference.delta_keep_mask(k, threshold=1.0, chunk=16), block=16)
+    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
+        _, kk, vv = valid_qkv()
+        return reference.delta_pack(kk, vv, reference.delta_keep_mask(kk, threshold=1.0, chunk=16), block=16)
+
+
 # Valid values of required positional parameters other than tensors, by name.
-FACTORIES: dict[str, Callable[[], Any]] = {"config": _minference_config}
+FACTORIES: dict[str, Callable[[Any, Any, Any], Any]] = {
+    "config": lambda q, k, v: _minference_config(),
+    "packed": _packed,
+    "state": lambda q, k, v: reference.SharePrefillState(),
+}
+# Valid values of required keyword-only parameters, by name.
+REQUIRED_KEYWORDS: dict[str, Any] = {"layer": 0}
 
 
 def call(pkg_name: str, name: str, q: Any, k: Any, v: Any = None, **overrides: Any) -> Any:
@@ -106,7 +121,7 @@ def call(pkg_name: str, name: str, q: Any, k: Any, v: Any = None, **overrides: A
         if p.kind is not p.POSITIONAL_OR_KEYWORD or p.name in kwargs:
             continue
         if p.name in FACTORIES:
-            args.append(FACTORIES[p.name]())
+            args.append(FACTORIES[p.name](q, k, v))
         elif p.name == "plan":
             args.append(reference.dense_plan(valid_qkv()[0], valid_qkv()[1], block_m=16, block_n=16))
         elif p.name == "mask":
@@ -114,6 +129,9 @@ def call(pkg_name: str, name: str, q: Any, k: Any, v: Any = None, **overrides: A
                 args.append(torch.ones(N, N, dtype=torch.bool))
         elif p.default is inspect.Parameter.empty:
             pytest.skip(f"{pkg_name}.{name}: no valid value known for {p.name}")
+    for p in sig.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and p.default is inspect.Parameter.empty and p.name in REQUIRED_KEYWORDS:
+            kwargs.setdefault(p.name, REQUIRED_KEYWORDS[p.name])
     missing = [p.name for p in sig.parameters.values()
                if p.kind is p.KEYWORD_ONLY and p.default is inspect.Parameter.empty
                and p.name not in kwargs]
@@ -129,8 +147,19 @@ def expect(error: type[Exception] | tuple[type[Exception], ...], word: str,
     assert word in str(info.value), f"message does not name {word!r}: {info.value}"
 
 
+# Functions whose first arguments are not (q, k): their checks are tested in their
+# method's own test module.
+COVERED_ELSEWHERE = {
+    "delta_keep_mask": "tests/test_delta_kv.py",
+    "delta_pack": "tests/test_delta_kv.py",
+    "delta_kv_plans": "tests/test_delta_kv.py",
+    "delta_kv_density": "tests/test_delta_kv.py",
+    "shareprefill_stack": "tests/test_shareprefill.py",  # lists of per-layer q, k, v
+}
+
+
 def test_every_function_is_covered() -> None:
-    covered = {name for _, name in ALL_QK} | {"density", "relative_error"}
+    covered = {name for _, name in ALL_QK} | {"density", "relative_error"} | set(COVERED_ELSEWHERE)
     for pkg in PACKAGES.values():
         functions = {name for name in pkg.__all__ if inspect.isfunction(getattr(pkg, name))}
         assert functions <= covered, functions - covered
@@ -203,7 +232,7 @@ SCALED_PARAMS = [
 @pytest.mark.parametrize("pkg,name", SCALED_PARAMS)
 def test_scale_checks(pkg: str, name: str) -> None:
     q, k, v = valid_qkv()
-    for bad in (0.0, -1.0, math.nan, math.inf):
+    for bad in (0.0, -1.0, math.nan, math.inf, 1e38, 2e6):
         expect(ValueError, "scale", lambda: call(pkg, name, q, k, v, scale=bad))
     expect(TypeError, "scale", lambda: call(pkg, name, q, k, v, scale="0.1"))
 
@@ -231,6 +260,16 @@ def test_int_parameter_checks(pkg: str, name: str, param: str) -> None:
     expect(out_of_range, param, lambda: call(pkg, name, q, k, v, **{param: -5}))
     expect(TypeError, param, lambda: call(pkg, name, q, k, v, **{param: 2.5}))
     expect(TypeError, param, lambda: call(pkg, name, q, k, v, **{param: True}))
+    if "block" in param:
+        # Block sizes past MAX_BLOCK_SIZE are refused (they hung or overflowed the kernels).
+        for huge in (2**20, 2**40, 2**63):
+            expect(ValueError, param, lambda: call(pkg, name, q, k, v, **{param: huge}))
+
+
+@pytest.mark.parametrize("pkg,name", ALL_QK)
+def test_meta_tensors_are_refused(pkg: str, name: str) -> None:
+    q, k, v = (t.to("meta") for t in valid_qkv())
+    expect(ValueError, "meta", lambda: call(pkg, name, q, k, v))
 
 
 # Known bugs, reported: these reject the input only after a kernel has run. strict=True
@@ -336,3 +375,44 @@ def test_relative_error_checks(pkg: str) -> None:
     expect(TypeError, "ref", lambda: mod.relative_error(x, None))
     expect(ValueError, "shape", lambda: mod.relative_error(x, x[:1]))
     assert math.isnan(mod.relative_error(torch.full((2,), math.nan), torch.ones(2)))
+
+
+def test_minference_checks_before_any_launch() -> None:
+    from sparseprefill.reference.minference import HeadPattern, MInferenceConfig
+
+    q, k, v = valid_qkv()
+    mixed = MInferenceConfig(((HeadPattern("a_shape", {"sink": 16, "window": 16, "block_m": 32}),)
+                              + (HeadPattern("block_sparse", {"top_k": 2, "block_size": 16}),) * 3,))
+    for pkg in PACKAGES.values():
+        expect(ValueError, "same block sizes", lambda: pkg.minference(q, k, v, mixed))
+    expect(ValueError, "top_k", lambda: HeadPattern("block_sparse", {"top_k": -1}))
+    expect(ValueError, "block_size", lambda: HeadPattern("block_sparse", {"top_k": 2, "block_size": 2**20}))
+    odd = MInferenceConfig.uniform(1, 4, HeadPattern("block_sparse", {"top_k": 2, "block_size": 24}))
+    expect(ValueError, "block_size", lambda: fast.minference(q, k, v, odd))
+    candidate = HeadPattern("a_shape", {"sink": 16, "window": 16, "block_m": 24, "block_n": 24})
+    expect(ValueError, "candidates[1]", lambda: fast.search_patterns(
+        q, k, v, candidates=[HeadPattern("block_sparse", {"top_k": 2, "block_size": 16}), candidate]))
+    expect(TypeError, "candidates[0]", lambda: fast.search_patterns(q, k, v, candidates=["a_shape"]))
+    for pkg in PACKAGES.values():
+        expect(TypeError, "tolerance", lambda: pkg.search_patterns(q, k, v, tolerance="x"))
+        expect(TypeError, "target", lambda: pkg.search_patterns(q, k, v, target="x"))
+
+
+def test_minference_config_messages() -> None:
+    from sparseprefill.reference.minference import HeadPattern, MInferenceConfig
+
+    expect(ValueError, "layers", lambda: MInferenceConfig.from_json(
+        '{"format": "sparseprefill.minference", "version": 1}'))
+    expect(ValueError, "layers", lambda: MInferenceConfig.from_json(
+        '{"format": "sparseprefill.minference", "version": 1, "layers": [{"pattern": "a_shape"}]}'))
+    expect(ValueError, "head entry", lambda: MInferenceConfig.from_json(
+        '{"format": "sparseprefill.minference", "version": 1, "layers": [[3]]}'))
+    expect(ValueError, "head numbers", lambda: MInferenceConfig.from_json('[{"x": ["vertical_and_slash", 1, 2, 0]}]'))
+    expect(ValueError, "head 0", lambda: MInferenceConfig.from_json('[{"0": ["vertical_and_slash", "a", 2, 0]}]'))
+    expect(TypeError, "pattern", lambda: MInferenceConfig.uniform(1, 4, "vertical_slash"))  # type: ignore[arg-type]
+    expect(TypeError, "layers[0][1]", lambda: MInferenceConfig(((HeadPattern("a_shape"), "x"),)))  # type: ignore[arg-type]
+
+
+def test_fast_block_sparse_names_block_size() -> None:
+    q, k, v = valid_qkv()
+    expect(ValueError, "block_size must be a multiple of 16", lambda: fast.block_sparse(q, k, v, top_k=2, block_size=100))

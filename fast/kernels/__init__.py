@@ -2,6 +2,7 @@
 
 from .block_column import (
     block_column_attention,
+    check_forward_only,
     check_kernel_block_sizes,
     check_kernel_device,
     interpreter_active,
@@ -9,6 +10,7 @@ from .block_column import (
 
 __all__ = [
     "block_column_attention",
+    "check_forward_only",
     "check_kernel_block_sizes",
     "check_kernel_device",
     "interpreter_active",

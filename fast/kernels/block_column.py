@@ -81,8 +81,9 @@ def _load_kv(
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
-                  MASKED: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_MEAN: tl.constexpr):
+def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
+                  MASKED: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_MEAN: tl.constexpr,
+                  NONFINITE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One online-softmax update of `(acc, l_i, m_i)` with a key tile (keep-mask if MASKED).
 
     Scores stay unscaled until `s * qk_scale - m`, which compiles to one FMA per element.
@@ -97,16 +98,26 @@ def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_sca
         if BLOCK_MEAN:
             tile_sum = tl.sum(tl.sum(tl.where(b_keep, b_s, 0.0), 1), 0) * sm_scale
         b_s = tl.where(b_keep, b_s, float("-inf"))
-        v_bad = (b_v != b_v) | (tl.abs(b_v.to(tl.float32)) == float("inf"))
-        key_bad = tl.max(v_bad.to(tl.int32), 1)
-        poison = tl.maximum(poison, tl.max((b_keep & (key_bad[None, :] > 0)).to(tl.int32), 1))
-        b_v = tl.where(v_bad, 0.0, b_v)
+        if NONFINITE:
+            # Compared in fp32: Triton's CPU interpreter holds bf16 as raw bits.
+            b_v32 = b_v.to(tl.float32)
+            v_bad = (b_v32 != b_v32) | (tl.abs(b_v32) == float("inf"))
+            key_bad = tl.max(v_bad.to(tl.int32), 1)
+            poison = tl.maximum(poison, tl.max((b_keep & (key_bad[None, :] > 0)).to(tl.int32), 1))
+            b_v = tl.where(v_bad, 0.0, b_v).to(b_v.dtype)
     elif BLOCK_MEAN:
         tile_sum = tl.sum(tl.sum(b_s, 1), 0) * sm_scale
-    m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-    # A row whose kept logits are all -inf so far keeps m = -inf: shift by 0 so exp2 gives 0.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    b_p = tl.math.exp2(b_s * qk_scale - m_shift[:, None])
+    if HAS_BIAS:
+        # Per-key additive bias (log2 units), e.g. Delta-KV's log run length.
+        b_s = b_s * qk_scale + b_bias[None, :]
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = tl.math.exp2(b_s - m_shift[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+        # A row whose kept logits are all -inf so far keeps m = -inf: shift by 0 so exp2 gives 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = tl.math.exp2(b_s * qk_scale - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(b_p, 1)
     acc = acc * alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v, DOT_F32)
@@ -138,8 +149,8 @@ def _listed_block(p_bindex, stride_bik, count, i_blk, SEARCH_STEPS: tl.constexpr
 def _block_column_fwd(
     Q, K, V, O, LSE, MASK,
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX,
-    M_ST, L_ST, ACC_ST, BSUM,
-    qk_scale, sm_scale, seqlen, head_dim, num_heads, group,
+    M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS,
+    qk_scale, sm_scale, seqlen, key_len, head_dim, num_heads, group,
     plan_block_m, plan_block_n, num_key_blocks, block_width, column_width, column_group,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -152,13 +163,15 @@ def _block_column_fwd(
     stride_ccb, stride_cch, stride_ccm,
     stride_cib, stride_cih, stride_cim, stride_cik,
     stride_sb, stride_sh, stride_sm, stride_sn,
+    stride_xb, stride_xh, stride_xn,
     K_DESC, V_DESC,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     HAS_MASK: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     USE_TMA: tl.constexpr, PREFETCH: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     WIN: tl.constexpr, SKIP_COVERED: tl.constexpr, HAS_STATE: tl.constexpr,
-    BLOCK_MEAN: tl.constexpr,
+    BLOCK_MEAN: tl.constexpr, GUARD: tl.constexpr, NONFINITE: tl.constexpr,
+    HAS_KV_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     # Longest rows first: later query tiles list more blocks.
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -178,11 +191,21 @@ def _block_column_fwd(
     p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh \
         + o_m.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    # Where this (batch, KV head)'s keys, values and key biases start: its own row of a
+    # ragged, flat K/V (HAS_KV_OFFSET: Delta-KV's packed anchors), else by strides.
+    if HAS_KV_OFFSET:
+        kv_row = tl.load(KV_OFFSET + i_b * (num_heads // group) + i_hkv)
+        k_base = K + kv_row * stride_kn
+        v_base = V + kv_row * stride_vn
+        x_base = KEY_BIAS + kv_row * stride_xn
+    else:
+        k_base = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh
+        v_base = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh
+        x_base = KEY_BIAS + i_b.to(tl.int64) * stride_xb + i_hkv.to(tl.int64) * stride_xh
     # Key/value tile pointers at key 0; each step adds start_n * stride.
-    p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh \
-        + o_d[:, None] * stride_kd + o_n[None, :] * stride_kn
-    p_v = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh \
-        + o_d[None, :] * stride_vd + o_n[:, None] * stride_vn
+    p_k = k_base + o_d[:, None] * stride_kd + o_n[None, :] * stride_kn
+    p_v = v_base + o_d[None, :] * stride_vd + o_n[:, None] * stride_vn
+    b_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     p_mask = MASK + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh \
         + o_m.to(tl.int64)[:, None] * stride_mm
 
@@ -206,7 +229,8 @@ def _block_column_fwd(
     # Counts and indices are clamped into range wherever they are loaded: a plan changed
     # after validation gives wrong numbers, never an out-of-bounds access.
     count = tl.load(BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm)
-    count = tl.minimum(tl.maximum(count, 0), block_width)
+    if GUARD:
+        count = tl.minimum(tl.maximum(count, 0), block_width)
     # Sorted causal lists put every block that reaches past row0 (the diagonal, or the
     # end of the sequence) among the last DIAG entries: count them, mask only those.
     o_tail = count - DIAG + tl.arange(0, DIAG)
@@ -214,7 +238,9 @@ def _block_column_fwd(
     n_masked = tl.sum(((tail * plan_block_n + plan_block_n - 1 > row0) & (o_tail >= 0)).to(tl.int32), 0)
     # Blocks that end before row0: the unmasked loop never takes more, nor a later one.
     full_blocks = (row0 + 1) // plan_block_n
-    n_full = tl.minimum(count - n_masked, full_blocks) * SUB_N
+    n_full = (count - n_masked) * SUB_N
+    if GUARD:
+        n_full = tl.minimum(count - n_masked, full_blocks) * SUB_N
     # The next block index is loaded one step ahead so the tile loads never wait on it.
     kb_next = tl.load(p_bindex, mask=n_full > 0, other=0)
     for t in range(0, n_full):
@@ -223,52 +249,58 @@ def _block_column_fwd(
             kb_next = tl.load(p_bindex + ((t + 1) // SUB_N) * stride_bik, mask=t + 1 < n_full, other=0)
         else:
             kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
-        kb = tl.minimum(tl.maximum(kb, 0), full_blocks - 1)
+        if GUARD:
+            kb = tl.minimum(tl.maximum(kb, 0), full_blocks - 1)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
-        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen,
+        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, key_len,
                             stride_kn, stride_vn, m_d, False, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
+        if HAS_BIAS:
+            b_bias = tl.load(x_base + (start_n + o_n).to(tl.int64) * stride_xn) * 1.4426950408889634
         if HAS_MASK:
             o_key = start_n + o_n
             b_keep = tl.load(p_mask + o_key.to(tl.int64)[None, :] * stride_mn,
                              mask=m_row[:, None], other=0) != 0
             acc, l_i, m_i, poison, tile_sum = _softmax_step(
-                acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
-                True, DOT_F32, False)
+                acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
+                True, DOT_F32, False, NONFINITE, HAS_BIAS)
         else:
             acc, l_i, m_i, poison, tile_sum = _softmax_step(
-                acc, l_i, m_i, poison, b_q, b_k, b_v, b_q, qk_scale, sm_scale,
-                False, DOT_F32, BLOCK_MEAN)
+                acc, l_i, m_i, poison, b_q, b_k, b_v, b_q, b_bias, qk_scale, sm_scale,
+                False, DOT_F32, BLOCK_MEAN, NONFINITE, HAS_BIAS)
             if BLOCK_MEAN:
                 tl.atomic_add(p_bsum + kb.to(tl.int64) * stride_sn, tile_sum)
     for t in range(n_full, count * SUB_N):
         kb = tl.load(p_bindex + (t // SUB_N) * stride_bik)
-        kb = tl.minimum(tl.maximum(kb, 0), num_key_blocks - 1)
+        if GUARD:
+            kb = tl.minimum(tl.maximum(kb, 0), num_key_blocks - 1)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
-        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen,
+        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, key_len,
                             stride_kn, stride_vn, m_d, True, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
         o_key = start_n + o_n
+        if HAS_BIAS:
+            b_bias = tl.load(x_base + o_key.to(tl.int64) * stride_xn, mask=o_key < key_len,
+                             other=float("-inf")) * 1.4426950408889634
         b_keep = o_key[None, :] <= o_m[:, None]
         if HAS_MASK:
             m_user = tl.load(p_mask + o_key.to(tl.int64)[None, :] * stride_mn,
                              mask=m_row[:, None] & (o_key[None, :] < seqlen), other=0)
             b_keep = b_keep & (m_user != 0)
         acc, l_i, m_i, poison, tile_sum = _softmax_step(
-            acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
-            True, DOT_F32, BLOCK_MEAN)
+            acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
+            True, DOT_F32, BLOCK_MEAN, NONFINITE, HAS_BIAS)
         if BLOCK_MEAN:
             tl.atomic_add(p_bsum + kb.to(tl.int64) * stride_sn, tile_sum)
 
     if HAS_COLUMNS:
         ccount = tl.load(COLUMN_COUNT + i_b * stride_ccb + i_h * stride_cch + i_qb * stride_ccm)
-        ccount = tl.minimum(tl.maximum(ccount, 0), column_width)
+        if GUARD:
+            ccount = tl.minimum(tl.maximum(ccount, 0), column_width)
         # Query blocks of one group share a column list (plan invariant 6).
         i_crow = i_qb // column_group
         p_cindex = COLUMN_INDEX + i_b.to(tl.int64) * stride_cib + i_h.to(tl.int64) * stride_cih \
             + i_crow.to(tl.int64) * stride_cim
-        p_k_cols = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh \
-            + o_d[:, None] * stride_kd
-        p_v_cols = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh \
-            + o_d[None, :] * stride_vd
+        p_k_cols = k_base + o_d[:, None] * stride_kd
+        p_v_cols = v_base + o_d[None, :] * stride_vd
         # Sorted columns meet the sorted block list in order: `ptr` never passes the first
         # listed block a later column can fall in, so a window of WIN entries from `ptr`
         # settles a whole tile with one compare; only columns past a full window fall
@@ -290,11 +322,15 @@ def _block_column_fwd(
                 i_col_next = tl.load(p_cindex + o_next * stride_cik, mask=o_next < ccount, other=0)
             else:
                 i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
-            i_col = tl.minimum(tl.maximum(i_col, 0), seqlen - 1)
+            if GUARD:
+                i_col = tl.minimum(tl.maximum(i_col, 0), key_len - 1)
             b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn,
                           mask=m_c[None, :] & m_d[:, None], other=0.0)
             b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
                           mask=m_c[:, None] & m_d[None, :], other=0.0)
+            if HAS_BIAS:
+                b_bias = tl.load(x_base + i_col.to(tl.int64) * stride_xn, mask=m_c,
+                                 other=float("-inf")) * 1.4426950408889634
             m_new = m_c
             if SKIP_COVERED:
                 # A column inside a listed block was already counted there (plan invariant 4).
@@ -316,8 +352,8 @@ def _block_column_fwd(
                                  mask=m_row[:, None] & m_c[None, :], other=0)
                 b_keep = b_keep & (m_user != 0)
             acc, l_i, m_i, poison, tile_sum = _softmax_step(
-                acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, qk_scale, sm_scale,
-                True, DOT_F32, False)
+                acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
+                True, DOT_F32, False, NONFINITE, HAS_BIAS)
 
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
     # output (a convex combination of values), so any infinity is such a row too.
@@ -408,6 +444,11 @@ def _smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, i
 
 
 _PREFETCH = os.environ.get("SPARSEPREFILL_PREFETCH", "1") == "1"
+# Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
+# clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
+# keeps NaN values out of rows that do not keep their key. Never turn them off in use.
+_GUARD = os.environ.get("SPARSEPREFILL_GUARD", "1") == "1"
+_NONFINITE = os.environ.get("SPARSEPREFILL_NONFINITE", "1") == "1"
 
 
 def block_column_attention(
@@ -422,6 +463,7 @@ def block_column_attention(
     validate_plan: bool = True,
     state: AttentionState | None = None,
     block_mean_out: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the kernel for `plan` (optionally also applying a dense bool `mask`).
 
@@ -437,6 +479,8 @@ def block_column_attention(
             `reference.sparse_attention`); None starts from nothing.
         block_mean_out: float32 `[B, Hq, Qb, Kb]` filled with the mean scaled logit of
             every listed block and -inf elsewhere (not with `mask`).
+        key_bias: optional float32 `[B, Hkv, N]` added to every scaled logit of a key
+            (natural-log units; -inf removes a key).
 
     Returns:
         (out `[B, Hq, N, D]` in q's dtype, lse or None).
@@ -463,15 +507,125 @@ def block_column_attention(
         if dense_mask is not None:
             raise ValueError("block_mean_out cannot be combined with a dense mask")
         check_block_mean_out(block_mean_out, b, hq, plan, q.device)
+    if key_bias is not None:
+        _check_bias(key_bias, (b, shape.kv_heads, n), q.device)
+    return _launch(q, k, v, plan, sm_scale=sm_scale, key_len=n, mask=dense_mask, return_lse=return_lse,
+                   state=state, block_mean_out=block_mean_out, key_bias=key_bias, kv_offsets=None)
 
+
+def ragged_block_column_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    key_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    state: AttentionState | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel over keys stored ragged: one flat `[T, D]` K and V, a segment per (b, KV head).
+
+    Keys of batch row `b` and KV head `g` are rows `kv_offsets[b * Hkv + g] + j` of `k`,
+    `v` (and `key_bias`), `j` counting from 0 in the segment's own index space, which
+    is the space the plan's key blocks and columns index. Causality is applied in that
+    space (key `j` for row `r` iff `j <= r`), so a caller whose keys stand for later
+    positions (Delta-KV's packed anchors) lists only blocks whose keys every row of
+    the query block may see; and, since blocks before the diagonal are read without
+    masks, every listed block must lie inside its segment (pad segments to a multiple
+    of `plan.block_n`). This is what `fast.delta_kv` builds; the plan is not validated.
+
+    Args:
+        q: `[B, Hq, N, D]` fp16/bf16. k, v: `[T, D]`, q's dtype, last dim contiguous.
+        kv_offsets: int64 `[B * Hkv]` segment starts, in `[0, T]`.
+        plan: a plan for `[B, Hq, N]` over the segments' keys (block sizes multiples of 16).
+        key_bias: optional float32 `[T]` added to every scaled logit of a key.
+        scale, return_lse, state: as `block_column_attention`.
+
+    Returns:
+        (out `[B, Hq, N, D]`, lse or None).
+
+    Raises:
+        TypeError, ValueError: shapes, dtypes, devices or offsets out of range.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4 or q.dtype not in HALF_DTYPES:
+        raise ValueError(f"q must be a float16/bfloat16 [B, Hq, N, D] tensor, got {q.dtype} {tuple(q.shape)}")
+    check_kernel_device(q)
+    check_forward_only(q, k, v)
+    b, hq, n, d = q.shape
+    if k.dim() != 2 or k.shape[1] != d or v.shape != k.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k and v must be [T, D={d}] tensors of q's dtype, got {tuple(k.shape)} "
+                         f"{k.dtype} and {tuple(v.shape)} {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"k and v must be on q's device ({q.device})")
+    if not isinstance(kv_offsets, torch.Tensor) or kv_offsets.dtype != torch.int64 or kv_offsets.dim() != 1:
+        raise TypeError("kv_offsets must be an int64 [B * Hkv] tensor")
+    hkv = kv_offsets.shape[0] // b if b else 0
+    if hkv == 0 or hkv * b != kv_offsets.shape[0] or hq % hkv != 0:
+        raise ValueError(f"kv_offsets must have B * Hkv entries with Hq % Hkv == 0; got "
+                         f"{kv_offsets.shape[0]} for B={b}, Hq={hq}")
+    if kv_offsets.device != q.device:
+        raise ValueError(f"kv_offsets must be on q's device ({q.device})")
+    if kv_offsets.numel() and (int(kv_offsets.min()) < 0 or int(kv_offsets.max()) > k.shape[0]):
+        raise ValueError(f"kv_offsets must lie in [0, T={k.shape[0]}]")
+    if d > 256:
+        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {d}")
+    sm_scale = resolve_scale(scale, d)
+    if not isinstance(plan, BlockColumnPlan):
+        raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
+    if plan.seqlen != n or tuple(plan.block_count.shape[:2]) != (b, hq) or plan.device != q.device:
+        raise ValueError("plan must be for q (seqlen, B, Hq, device)")
+    check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
+    if state is not None:
+        check_state(state, b, hq, n, d, q.device, dtypes=(torch.float32,))
+    if key_bias is not None:
+        _check_bias(key_bias, (k.shape[0],), q.device)
+    # Keys of a segment may run past N (padding); T bounds every read of a valid plan.
+    return _launch(q, k, v, plan, sm_scale=sm_scale, key_len=k.shape[0], mask=None,
+                   return_lse=return_lse, state=state, block_mean_out=None, key_bias=key_bias,
+                   kv_offsets=kv_offsets)
+
+
+def _check_bias(bias: object, shape: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32:
+        raise TypeError(f"key_bias must be a float32 tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"key_bias must have shape {list(shape)}, got {tuple(bias.shape)}")
+    if bias.device != device:
+        raise ValueError(f"key_bias must be on q's device ({device}), got {bias.device}")
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    sm_scale: float,
+    key_len: int,
+    mask: torch.Tensor | None,
+    return_lse: bool,
+    state: AttentionState | None,
+    block_mean_out: torch.Tensor | None,
+    key_bias: torch.Tensor | None,
+    kv_offsets: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch `_block_column_fwd` on checked inputs (shared by both public launchers)."""
+    b, hq, n, d = q.shape
+    ragged = kv_offsets is not None
+    group = hq // (kv_offsets.shape[0] // b if kv_offsets is not None else k.shape[1])
     head_dim = max(16, triton.next_power_of_2(d))
     out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out
     mstrides: tuple[int, ...] = (0, 0, 0, 0)
-    if dense_mask is None:
+    if mask is None:
         mask_arg = out
     else:
-        mask_arg = dense_mask.view(torch.uint8) if dense_mask.is_contiguous() else dense_mask.to(torch.uint8)
+        mask_arg = mask.view(torch.uint8) if mask.is_contiguous() else mask.to(torch.uint8)
         mstrides = tuple(s if sz > 1 else 0 for s, sz in zip(mask_arg.stride(), mask_arg.shape))
     # The kernel reads and writes the state rows in place, contiguous.
     work = state
@@ -484,10 +638,21 @@ def block_column_attention(
     st_m, st_l, st_acc = (work.m, work.l, work.acc) if work is not None else (out, out, out)
     bsum = sums if sums is not None else out
     bstrides = sums.stride() if sums is not None else (0, 0, 0, 0)
+    bias_arg = key_bias if key_bias is not None else out
+    if key_bias is None:
+        xstrides: tuple[int, ...] = (0, 0, 0)
+    elif ragged:
+        xstrides = (0, 0, key_bias.stride(0))
+    else:
+        xstrides = tuple(key_bias.stride())
+    # A flat [T, D] K / V: batch and head strides 0, each segment found by its offset.
+    kstrides = (0, 0, *k.stride()) if ragged else tuple(k.stride())
+    vstrides = (0, 0, *v.stride()) if ragged else tuple(v.stride())
+    offsets_arg = kv_offsets if kv_offsets is not None else out
     has_columns = plan.column_index.shape[3] > 0
-    use_tma = head_dim == d and _tma_ok(q, k, v)
-    key = (q.device, q.dtype, d, plan.block_m, plan.block_n, dense_mask is not None, use_tma,
-           has_columns, return_lse)
+    use_tma = head_dim == d and not ragged and _tma_ok(q, k, v)
+    key = (q.device, q.dtype, d, plan.block_m, plan.block_n, mask is not None, use_tma,
+           has_columns, return_lse, ragged, key_bias is not None, work is not None, sums is not None)
     initial = _tile_config(plan.block_m, plan.block_n, d)
     config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
     # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
@@ -506,27 +671,29 @@ def block_column_attention(
             _block_column_fwd[grid](
                 q, k, v, out, lse, mask_arg,
                 plan.block_count, plan.block_index, plan.column_count, plan.column_index,
-                st_m, st_l, st_acc, bsum,
-                sm_scale * LOG2E, sm_scale, n, d, hq, shape.group,
+                st_m, st_l, st_acc, bsum, offsets_arg, bias_arg,
+                sm_scale * LOG2E, sm_scale, n, key_len, d, hq, group,
                 plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
                 plan.column_index.shape[3], plan.column_group,
-                *q.stride(), *k.stride(), *v.stride(),
+                *q.stride(), *kstrides, *vstrides,
                 out.stride(0), out.stride(1), out.stride(2),
                 *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
                 *mstrides,
                 *plan.block_count.stride(), *plan.block_index.stride(),
                 *plan.column_count.stride(), *plan.column_index.stride(),
-                *bstrides,
+                *bstrides, *xstrides,
                 k_desc, v_desc,
                 BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n,
                 DIAG=diag, EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns,
-                HAS_MASK=dense_mask is not None,
+                HAS_MASK=mask is not None,
                 RETURN_LSE=return_lse, DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
                 USE_TMA=use_tma, PREFETCH=_PREFETCH,
                 SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
                 WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
                 SKIP_COVERED=has_columns and not plan.columns_disjoint,
                 HAS_STATE=work is not None, BLOCK_MEAN=sums is not None,
+                GUARD=_GUARD, NONFINITE=_NONFINITE,
+                HAS_KV_OFFSET=ragged, HAS_BIAS=key_bias is not None,
                 num_warps=num_warps, num_stages=num_stages,
             )
         except OutOfResources:
@@ -577,12 +744,20 @@ def check_forward_only(*tensors: torch.Tensor) -> None:
         )
 
 
-def check_kernel_block_sizes(block_m: int, block_n: int, *, prefix: str = "") -> None:
+def check_kernel_block_sizes(
+    block_m: int, block_n: int, *, prefix: str = "", names: tuple[str, str] | None = None
+) -> None:
     """Raise ValueError unless both block sizes are multiples of 16 (the kernel's tiles).
 
     Estimators call this before any estimate runs, so a bad size never costs a launch.
+
+    Args:
+        block_m, block_n: the plan's block sizes.
+        prefix: prepended to the default names `block_m`, `block_n` in messages.
+        names: the caller's own argument names for the two sizes (e.g. `block_size`).
     """
-    for name, size in ((f"{prefix}block_m", block_m), (f"{prefix}block_n", block_n)):
+    label_m, label_n = names if names is not None else (f"{prefix}block_m", f"{prefix}block_n")
+    for name, size in ((label_m, block_m), (label_n, block_n)):
         if size % 16 != 0:
             raise ValueError(f"{name} must be a multiple of 16 for the fast kernels, got {size}")
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...reference._checks import check_positive_int
+from ...reference._checks import check_block_size, check_positive_int
 from ...reference.plan import BlockColumnPlan, cdiv
 
 # Lines handled per vector step, and warps per program (H200, 128K, 32 heads: 256 x 4
@@ -223,8 +223,8 @@ def vertical_slash_index(
             out-of-range lines give an invalid plan.
     """
     n = check_positive_int("seqlen", seqlen)
-    bm = check_positive_int("block_m", block_m)
-    bn = check_positive_int("block_n", block_n)
+    bm = check_block_size("block_m", block_m)
+    bn = check_block_size("block_n", block_n)
     _check_lines(verticals, slashes)
     block_count = count_blocks(slashes, seqlen=n, block_m=bm, block_n=bn)
     bound = index_width_bound(slashes.shape[2], seqlen=n, block_m=bm, block_n=bn)

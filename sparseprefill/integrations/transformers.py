@@ -117,8 +117,12 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
         for key in params:
             if not isinstance(key, str):
                 raise TypeError(f"{where}: parameter names must be str, got {key!r}")
+        spec_ = METHODS[method]
         try:
-            inspect.signature(METHODS[method].reference_plan).bind(None, None, **params)
+            if spec_.plan_based:
+                inspect.signature(spec_.plan_fn("reference")).bind(None, None, **params)
+            else:
+                inspect.signature(spec_.reference_run).bind(None, None, None, **params)
         except TypeError as exc:
             raise TypeError(f"{where}: bad parameters for {method!r}: {exc}") from None
         new_state = METHODS[method].new_state
@@ -358,7 +362,7 @@ class SparsePrefillAttention:
         shape = (int(q.shape[0]), int(q.shape[2]), q.device)
         current = self._forward.get(choice.method)
         if current is None or layer_idx in current[1] or current[2] != shape:
-            current = (spec.new_state(_resolve_params(choice, shape[1])), set(), shape)
+            current = (spec.new_state(_resolve_params(choice, q)), set(), shape)
             self._forward[choice.method] = current
         current[1].add(layer_idx)
         layer_fn = spec.fast_layer if use_fast else spec.reference_layer
@@ -422,6 +426,13 @@ class SparsePrefillAttention:
         out_dtype = q.dtype
         if use_fast and q.dtype not in HALF_DTYPES:
             q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
+        first = choices[0]
+        spec = METHODS[first.method]
+        if not spec.plan_based and all(c == first for c in choices):
+            # A method that is not one plan's attention (Delta-KV) runs end to end.
+            run = spec.run_fn("fast" if use_fast else "reference")
+            result: torch.Tensor = run(q, k, v, **_resolve_params(first, q), scale=scale)
+            return result.to(out_dtype)
         plan = build_plan(q, k, choices, fast_plans=use_fast)
         impl = fast if use_fast else reference
         out: torch.Tensor = impl.sparse_attention(q, k, v, plan, scale=scale)
@@ -444,9 +455,10 @@ def _is_plain_causal(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> b
     return True
 
 
-def _resolve_params(choice: Choice, n: int) -> dict[str, Any]:
+def _resolve_params(choice: Choice, q: torch.Tensor) -> dict[str, Any]:
     spec = METHODS[choice.method]
-    return dict(spec.demo_params(n) if choice.params is None else choice.params)
+    params = spec.demo_params(int(q.shape[2])) if choice.params is None else choice.params
+    return spec.call_params(params, q) if choice.params is None else dict(params)
 
 
 def build_plan(
@@ -475,24 +487,27 @@ def build_plan(
 
     def plan_fn(choice: Choice) -> Callable[..., BlockColumnPlan]:
         spec = METHODS[choice.method]
-        return spec.fast_plan if fast_plans else spec.reference_plan
+        if not spec.plan_based:
+            raise ValueError(f"method {choice.method!r} has no plan, so it cannot share a layer with other "
+                             "methods per head; give every head of the layer the same method")
+        return spec.plan_fn("fast" if fast_plans else "reference")
 
     first = choices[0]
     if all(c == first for c in choices):
-        return plan_fn(first)(q, k, **_resolve_params(first, n))
+        return plan_fn(first)(q, k, **_resolve_params(first, q))
     plans: list[BlockColumnPlan | None] = [None] * hq
     sizes: dict[str, int] | None = None
     for h, choice in enumerate(choices):
         if choice == Choice("dense", None):
             continue
         kv = h // group
-        plan = plan_fn(choice)(q[:, h : h + 1], k[:, kv : kv + 1], **_resolve_params(choice, n))
+        plan = plan_fn(choice)(q[:, h : h + 1], k[:, kv : kv + 1], **_resolve_params(choice, q[:, h : h + 1]))
         plans[h] = plan
         sizes = sizes or {"block_m": plan.block_m, "block_n": plan.block_n}
     for h, choice in enumerate(choices):
         if plans[h] is None:
             kv = h // group
-            params = sizes if sizes is not None else _resolve_params(Choice("dense", None), n)
+            params = sizes if sizes is not None else _resolve_params(Choice("dense", None), q)
             plans[h] = plan_fn(Choice("dense", None))(q[:, h : h + 1], k[:, kv : kv + 1], **params)
     return stack_plans([p for p in plans if p is not None])
 

@@ -1,0 +1,243 @@
+"""Delta-KV compression on Triton kernels (see `reference.delta_kv` for the specification).
+
+Stage 1 and 2 run in `fast/kernels/delta_pack.py` (keep mask bit-identical to the
+reference's; packing with one host synchronisation to size the flat buffer). The two
+phases of 4.1.4 are two launches of the one block/column kernel chained through an
+`AttentionState`: phase 1 reads the packed anchors through per-(batch row, KV head)
+offsets (`ragged_block_column_attention`) with the log run length as a per-key bias,
+phase 2 resumes from its state over the original keys of the critical diagonal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..reference._checks import HALF_DTYPES, check_block_size, check_count, check_qkv, resolve_scale
+from ..reference.attention import AttentionState
+from ..reference.delta_kv import (
+    PackedKV,
+    check_flags,
+    check_keys,
+    check_metric,
+    check_pack_inputs,
+    check_packed,
+    check_threshold,
+    cdiv_tensor,
+)
+from ..reference.plan import BlockColumnPlan, cdiv
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
+from .kernels.block_column import ragged_block_column_attention
+from .kernels.delta_pack import keep_mask, pack
+from .metrics import density
+
+# Chunk granularity of the packing kernel when the caller's chunks are not known.
+_PACK_CHUNK = 512
+
+
+def delta_keep_mask(
+    k: torch.Tensor,
+    *,
+    threshold: float,
+    metric: str = "euclidean",
+    chunk: int = 512,
+) -> torch.Tensor:
+    """Stage 1 (see `reference.delta_keep_mask`): bool `[B, Hkv, N]`, bit-identical to it.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    k = check_keys(k)
+    if k.dtype not in HALF_DTYPES:
+        raise TypeError(f"k must have dtype float16 or bfloat16 for the fast kernels, got {k.dtype}")
+    metric = check_metric(metric)
+    threshold = check_threshold(threshold, metric)
+    size = check_count("chunk", chunk, cap=k.shape[2])
+    check_kernel_device(k)
+    return keep_mask(k, threshold=threshold, cosine=metric == "cosine", chunk=size)[0]
+
+
+def delta_pack(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    block: int = 64,
+) -> PackedKV:
+    """Stage 2 (see `reference.delta_pack`); the same `PackedKV`, field for field.
+
+    Raises:
+        TypeError, ValueError: bad inputs.
+    """
+    k, v, keep, bs = check_pack_inputs(k, v, keep, block)
+    if k.dtype not in HALF_DTYPES:
+        raise TypeError(f"k must have dtype float16 or bfloat16 for the fast kernels, got {k.dtype}")
+    check_kernel_device(k)
+    return pack(k, v, keep, None, chunk=min(_PACK_CHUNK, k.shape[2]), block=bs)
+
+
+def delta_kv_plans(
+    q: torch.Tensor,
+    packed: PackedKV,
+    *,
+    block_m: int = 64,
+) -> tuple[BlockColumnPlan, BlockColumnPlan]:
+    """The two phases as plans (see `reference.delta_kv_plans`), built with tensor ops.
+
+    Phase 1's block lists are one `arange` shared by every query block (stride 0);
+    phase 2's are as wide as the longest critical diagonal (one host synchronisation).
+
+    Raises:
+        TypeError, ValueError: bad inputs.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a [B, Hq, N, D] tensor, got {getattr(q, 'shape', type(q).__name__)}")
+    if not isinstance(packed, PackedKV):
+        raise TypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
+    b, hq, n, _ = q.shape
+    if (packed.batch, packed.seqlen) != (b, n) or hq % packed.kv_heads != 0:
+        raise ValueError(f"packed (B={packed.batch}, Hkv={packed.kv_heads}, N={packed.seqlen}) does not "
+                         f"fit q [B={b}, Hq={hq}, N={n}]")
+    bm = check_block_size("block_m", block_m)
+    bs = packed.block
+    dev = q.device
+    qb, kb = cdiv(n, bm), cdiv(n, bs)
+    safe, cut = safe_blocks(packed, block_m=bm)
+    group = hq // packed.kv_heads
+    safe = safe.view(b, packed.kv_heads, qb).repeat_interleave(group, dim=1)
+    cut = cut.view(b, packed.kv_heads, qb).repeat_interleave(group, dim=1)
+    phase1 = BlockColumnPlan(
+        seqlen=n, block_m=bm, block_n=bs,
+        block_count=safe.to(torch.int32),
+        block_index=torch.arange(kb, dtype=torch.int32, device=dev).expand(b, hq, qb, kb),
+        column_count=torch.zeros(b, hq, qb, dtype=torch.int32, device=dev),
+        column_index=torch.zeros(b, hq, qb, 0, dtype=torch.int32, device=dev),
+    ).mark_valid()
+    last_row = (torch.arange(1, qb + 1, device=dev, dtype=torch.int64) * bm).clamp(max=n) - 1
+    first_block = cdiv_tensor(cut, bs)
+    count2 = (last_row // bs - first_block + 1).clamp(min=0)
+    width2 = int(count2.max().item()) if count2.numel() else 0
+    blocks = first_block.unsqueeze(-1) + torch.arange(width2, device=dev)
+    # Columns: from `cut` up to the first whole block, never past the block's last row.
+    col_end = torch.minimum(first_block * bs, last_row + 1)
+    col_count = (col_end - cut).clamp(min=0)
+    columns = cut.unsqueeze(-1) + torch.arange(max(bs - 1, 0), device=dev)
+    phase2 = BlockColumnPlan(
+        seqlen=n, block_m=bm, block_n=bs,
+        block_count=count2.to(torch.int32),
+        block_index=torch.where(torch.arange(width2, device=dev) < count2.unsqueeze(-1), blocks, 0).to(torch.int32),
+        column_count=col_count.to(torch.int32),
+        column_index=torch.where(torch.arange(columns.shape[-1], device=dev) < col_count.unsqueeze(-1),
+                                 columns, 0).to(torch.int32),
+        columns_disjoint=True,
+    ).mark_valid()
+    return phase1, phase2
+
+
+def safe_blocks(packed: PackedKV, *, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(safe, cut) int64 `[B * Hkv, Qb]` (see `reference.delta_kv.safe_blocks`), vectorised."""
+    n, bs = packed.seqlen, packed.block
+    dev = packed.counts.device
+    qb, kb = cdiv(n, block_m), cdiv(n, bs)
+    starts = packed.offsets[:-1]
+    blocks = (packed.offsets[1:] - starts) // bs
+    j = torch.arange(kb, device=dev)
+    last = (starts[:, None] + (j + 1) * bs - 1).clamp(max=max(packed.counts.numel() - 1, 0))
+    # Timestamps grow within a segment, so a block's reach is its last entry; blocks a
+    # segment does not have reach N, which no query block precedes.
+    reach = torch.where(j < blocks[:, None], packed.timestamps[last].to(torch.int64), n)
+    first_row = (torch.arange(qb, device=dev, dtype=torch.int64) * block_m).expand(reach.shape[0], qb)
+    safe = torch.searchsorted(reach.contiguous(), first_row.contiguous())
+    cut = torch.where(safe > 0, reach.gather(1, (safe - 1).clamp(min=0)) + 1, 0)
+    return safe, cut
+
+
+def expand_packed(packed: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each anchor's key and value repeated over its run, `[B, Hkv, N, D]` (one gather)."""
+    rows = torch.repeat_interleave(torch.arange(packed.counts.numel(), device=packed.counts.device),
+                                   packed.counts.to(torch.int64))
+    shape = (packed.batch, packed.kv_heads, packed.seqlen, packed.k.shape[-1])
+    return packed.k[rows].view(shape), packed.v[rows].view(shape)
+
+
+def delta_kv_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedKV,
+    *,
+    block_m: int = 64,
+    count_weighted: bool = True,
+    exact_diagonal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The two-phase attention (see `reference.delta_kv_attention`): two kernel launches.
+
+    Raises:
+        TypeError, ValueError: bad inputs, before any launch.
+    """
+    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_kernel_device(q)
+    check_forward_only(q, k, v)
+    resolve_scale(scale, shape.head_dim)
+    check_packed(packed, k)
+    check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
+    bm = check_block_size("block_m", block_m)
+    check_kernel_block_sizes(bm, packed.block, names=("block_m", "packed.block"))
+    plan1, plan2 = delta_kv_plans(q, packed, block_m=bm)
+    counts = packed.counts.to(torch.float32)
+    # Eq. 4 as a bias: c exp(s) = exp(s + log c); padding (count 0) weighs nothing.
+    bias = torch.log(counts) if count_weighted else torch.where(counts > 0, 0.0, -math.inf)
+    state = AttentionState.like(q)
+    if bool((plan1.block_count > 0).any()):
+        ragged_block_column_attention(q, packed.k, packed.v, packed.offsets[:-1].contiguous(), plan1,
+                                      key_bias=bias, scale=scale, state=state)
+    k2, v2 = (k, v) if exact_diagonal else expand_packed(packed)
+    out, _ = block_column_attention(q, k2, v2, plan2, scale=scale, state=state, validate_plan=False)
+    return out
+
+
+def delta_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    threshold: float,
+    metric: str = "euclidean",
+    chunk: int = 512,
+    block_m: int = 64,
+    block_n: int = 64,
+    count_weighted: bool = True,
+    exact_diagonal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Delta-KV attention end to end (see `reference.delta_kv`).
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters, before any launch.
+    """
+    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_kernel_device(q)
+    check_forward_only(q, k, v)
+    metric = check_metric(metric)
+    threshold = check_threshold(threshold, metric)
+    size = check_count("chunk", chunk, cap=shape.seqlen)
+    bm = check_block_size("block_m", block_m)
+    bn = check_block_size("block_n", block_n)
+    check_kernel_block_sizes(bm, bn)
+    check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
+    resolve_scale(scale, shape.head_dim)
+    keep, chunk_counts = keep_mask(k, threshold=threshold, cosine=metric == "cosine", chunk=size)
+    packed = pack(k, v, keep, chunk_counts, chunk=size, block=bn)
+    return delta_kv_attention(q, k, v, packed, block_m=bm, count_weighted=count_weighted,
+                              exact_diagonal=exact_diagonal, scale=scale)
+
+
+def delta_kv_density(q: torch.Tensor, packed: PackedKV, *, block_m: int = 64) -> torch.Tensor:
+    """Score entries the two phases compute, over the causal area (see the reference)."""
+    plan1, plan2 = delta_kv_plans(q, packed, block_m=block_m)
+    n = packed.seqlen
+    rows = (n - torch.arange(plan1.num_query_blocks, device=q.device) * plan1.block_m).clamp(max=plan1.block_m)
+    phase1 = (plan1.block_count.to(torch.float64) * packed.block * rows).sum(dim=-1)
+    return phase1 / (n * (n + 1) / 2) + density(plan2)

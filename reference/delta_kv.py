@@ -1,0 +1,540 @@
+"""Delta-KV compression (DeltaAttention thesis, section 4.1), as the specification.
+
+Adjacent keys are often nearly equal; Delta-KV keeps one *anchor* per run of
+similar keys and attends to the anchors with their run lengths as weights.
+
+Stage 1, `delta_keep_mask` (4.1.1). Per batch row and KV head the keys are cut into
+chunks of `chunk` tokens; the first key of a chunk is an anchor (so chunks are
+independent). Walking the chunk, each key is compared with the current anchor:
+
+* `metric="euclidean"`: dropped iff `||k_i - a||_2 <= threshold` (Eq. 2, `delta <= tau`);
+* `metric="cosine"`: dropped iff `cos(k_i, a) >= threshold` (similar enough; a key
+  and an anchor of norm 0 have similarity 1 if both are 0, else 0);
+
+a kept key becomes the anchor. Both packages compute the comparison the same way,
+so the masks agree bit for bit: products and sums in float64 (exact inputs: fp16 and
+bf16 values are float64 values), the sums over the head dimension in one fixed
+pairwise order (`tree_sum`), a separate rounding after every multiply and every add
+(the fast kernel turns off fused multiply-add), and no square root (`is_dropped`).
+A key with a NaN fails every comparison, so it is kept as its own anchor: NaN
+reaches exactly the rows that attend to that key.
+
+Stage 2, `delta_pack` (4.1.2). The anchors of each (batch row, KV head) form one
+*segment* of a flat, ragged `PackedKV`: their keys and values, `counts` (run length:
+the anchor and the dropped keys after it) and `timestamps` (the last original
+position each anchor stands for, the running sum of counts minus 1). Segments are
+padded with zero keys and values of count 0 to a multiple of `block` rows, so the
+kernel reads whole blocks.
+
+Stage 3 (4.1.3): the count-weighted softmax `W_ij = c_j exp(S_ij) / sum_k c_k exp(S_ik)`
+is a softmax of `S_ij + log c_j`: exactly attention with each anchor's key and value
+repeated over its run (`expand_packed` builds those keys; tests/test_delta_kv.py shows
+the identity).
+
+Two phases (4.1.4), per query block `[r0, r1)` (`delta_kv_plans`):
+
+* phase 1, compressed history: the packed blocks (`block` anchors each) whose *reach*
+  (largest timestamp) is `< r0` -- a prefix of the segment, since timestamps grow --
+  attended with the log-count bias;
+* phase 2, critical diagonal: the original keys from just after the last safe
+  block's reach, `cut = reach + 1` (0 if no block is safe), to each row (causal).
+
+The union is every causal key once: positions before `cut` through their anchors,
+positions from `cut` on exactly. Ablations: `count_weighted=False` drops the
+log-count bias; `exact_diagonal=False` ("no phase 2", everything packed) attends to
+the phase-2 positions through their anchors too (the expanded keys), which makes
+the whole output equal to causal attention over `expand_packed`'s keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import (
+    REFERENCE_DTYPES,
+    check_block_size,
+    check_count,
+    check_qkv,
+    check_tensor,
+    resolve_scale,
+)
+from .plan import BlockColumnPlan, cdiv
+
+METRICS = ("euclidean", "cosine")
+
+
+@dataclass(frozen=True, eq=False)
+class PackedKV:
+    """Delta-KV anchors of every (batch row, KV head), ragged and flat (Stage 2).
+
+    Segment `s = b * Hkv + g` (batch row `b`, KV head `g`) is rows
+    `offsets[s] .. offsets[s + 1]` of every field; its first `lengths[b, g]` rows are
+    the anchors in order, the rest zero padding up to a multiple of `block`.
+
+    Attributes:
+        k, v: `[T, D]`, the anchors' keys and values (the inputs' dtype).
+        counts: int32 `[T]`, run length of each anchor; 0 on padding.
+        timestamps: int32 `[T]`, running sum of the segment's counts minus 1: the last
+            original position each anchor stands for (padding repeats the last).
+        offsets: int64 `[B * Hkv + 1]`, segment starts (multiples of `block`) and `T`.
+        lengths: int32 `[B, Hkv]`, anchors per segment.
+        seqlen: N, the original number of keys.
+        block: padding granule, the packed key block of phase 1.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    counts: torch.Tensor
+    timestamps: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    seqlen: int
+    block: int
+
+    @property
+    def batch(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.lengths.shape[1])
+
+    def keep_ratio(self) -> torch.Tensor:
+        """Anchors over keys, float64 `[B, Hkv]` (the thesis's KV reduction is 1 minus this)."""
+        return self.lengths.to(torch.float64) / self.seqlen
+
+    def segment(self, batch: int, head: int) -> slice:
+        """The rows of one segment, padding included."""
+        s = batch * self.kv_heads + head
+        return slice(int(self.offsets[s]), int(self.offsets[s + 1]))
+
+
+def check_metric(metric: object) -> str:
+    """Return `metric` if it is one of `METRICS`, else raise."""
+    if not isinstance(metric, str):
+        raise TypeError(f"metric must be a str, got {type(metric).__name__}")
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    return metric
+
+
+def check_threshold(threshold: object, metric: str) -> float:
+    """A finite float; `>= 0` for the Euclidean distance (a cosine threshold may be any)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise TypeError(f"threshold must be a float, got {type(threshold).__name__}")
+    if not math.isfinite(threshold):
+        raise ValueError(f"threshold must be finite, got {threshold}")
+    if metric == "euclidean" and threshold < 0:
+        raise ValueError(f"threshold must be >= 0 for the euclidean metric, got {threshold}")
+    return float(threshold)
+
+
+def check_keys(k: object) -> torch.Tensor:
+    """`k: [B, Hkv, N, D]`, a non-empty float tensor."""
+    k = check_tensor("k", k, rank=4)
+    if k.dtype not in REFERENCE_DTYPES:
+        raise TypeError(f"k must be a float16/bfloat16/float32/float64 tensor, got {k.dtype}")
+    if k.device.type == "meta":
+        raise ValueError("k is a meta tensor: the keep mask depends on the key values")
+    if 0 in k.shape:
+        raise ValueError(f"k must not be empty, got shape {tuple(k.shape)}")
+    return k
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in a fixed order: adjacent pairs, level by level.
+
+    The dimension is padded with zeros to a power of two (at least 2); each level adds
+    element `2i` and `2i + 1`. The fast kernel sums in exactly this order, so float64
+    sums of the same numbers are bit-identical in both packages.
+    """
+    width = max(2, 1 << (x.shape[-1] - 1).bit_length())
+    x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    while x.shape[-1] > 1:
+        x = x.view(*x.shape[:-1], x.shape[-1] // 2, 2).sum(dim=-1)
+    return x.squeeze(-1)
+
+
+def is_dropped(key: torch.Tensor, anchor: torch.Tensor, threshold: float, metric: str) -> torch.Tensor:
+    """4.1.1 steps 2-3: is `key` similar enough to `anchor` to be dropped? bool `[...]`.
+
+    Float64 throughout, sums in `tree_sum`'s order, and no square root: the Euclidean
+    test is `d2 <= threshold**2`; the cosine test `cos >= threshold` is, for norms
+    product `nn > 0`, `dot > 0 and dot**2 >= threshold**2 * nn` when `threshold > 0`,
+    else `dot >= 0 or dot**2 <= threshold**2 * nn`. The fast kernel evaluates the very
+    same expressions, so no rounding can flip a test in one package only. NaN fails
+    every comparison, so a NaN key is never dropped.
+    """
+    x = key.to(torch.float64)
+    a = anchor.to(torch.float64)
+    t2 = threshold * threshold
+    if metric == "euclidean":
+        diff = x - a
+        return tree_sum(diff * diff) <= t2
+    dot = tree_sum(x * a)
+    nx, na = tree_sum(x * x), tree_sum(a * a)
+    norms = nx * na
+    if threshold > 0:
+        similar = (dot > 0) & (dot * dot >= t2 * norms)
+    else:
+        similar = (dot >= 0) | (dot * dot <= t2 * norms)
+    # Zero vectors: similarity 1 if both are zero, else 0.
+    zero_sim = torch.where((nx == 0) & (na == 0), 1.0, 0.0)
+    return torch.where(norms == 0, zero_sim >= threshold, similar)
+
+
+def delta_keep_mask(
+    k: torch.Tensor,
+    *,
+    threshold: float,
+    metric: str = "euclidean",
+    chunk: int = 512,
+) -> torch.Tensor:
+    """Stage 1 (4.1.1): which keys are anchors, per (batch row, KV head).
+
+    Args:
+        k: `[B, Hkv, N, D]`, any float dtype.
+        threshold: the Euclidean distance (>= 0) or cosine similarity below / above
+            which a key is dropped (see the module doc).
+        metric: "euclidean" or "cosine".
+        chunk: keys per independent chunk (>= 1; values past N mean one chunk).
+
+    Returns:
+        bool `[B, Hkv, N]`, True at anchors; every chunk's first key is one.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    k = check_keys(k)
+    metric = check_metric(metric)
+    threshold = check_threshold(threshold, metric)
+    b, h, n, d = k.shape
+    size = check_count("chunk", chunk, cap=n)
+    nc = cdiv(n, size)
+    x = torch.zeros(b, h, nc * size, d, dtype=torch.float64, device=k.device)
+    x[:, :, :n] = k.to(torch.float64)
+    x = x.view(b, h, nc, size, d)
+    keep = torch.zeros(b, h, nc, size, dtype=torch.bool, device=k.device)
+    keep[..., 0] = True
+    valid = (torch.arange(nc * size, device=k.device) < n).view(nc, size)
+    anchor = x[..., 0, :]
+    for t in range(1, size):
+        # 4.1.1 steps 2-3: keep the key and move the anchor, or drop it.
+        kept = ~is_dropped(x[..., t, :], anchor, threshold, metric) & valid[:, t]
+        keep[..., t] = kept
+        anchor = torch.where(kept.unsqueeze(-1), x[..., t, :], anchor)
+    return keep.view(b, h, nc * size)[..., :n].clone()
+
+
+def delta_pack(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    block: int = 64,
+) -> PackedKV:
+    """Stage 2 (4.1.2): pack the anchors of every (batch row, KV head) into a `PackedKV`.
+
+    Args:
+        k, v: `[B, Hkv, N, D]`, same dtype and device.
+        keep: bool `[B, Hkv, N]` from `delta_keep_mask` (position 0 must be kept).
+        block: segments are padded to a multiple of `block` rows (the packed key
+            block of phase 1).
+
+    Returns:
+        The `PackedKV` (see its doc), in k's dtype.
+
+    Raises:
+        TypeError, ValueError: bad inputs, or a keep mask whose first key is dropped.
+    """
+    k, v, keep, bs = check_pack_inputs(k, v, keep, block)
+    b, h, n, d = k.shape
+    ks, vs, counts, stamps, lengths = [], [], [], [], []
+    offsets = [0]
+    for bi in range(b):
+        for g in range(h):
+            pos = keep[bi, g].nonzero().squeeze(-1)
+            m = int(pos.numel())
+            rows = cdiv(m, bs) * bs
+            # A run lasts until the next anchor (or the end of the sequence).
+            run = torch.diff(pos, append=torch.tensor([n], device=pos.device))
+            seg_k = torch.zeros(rows, d, dtype=k.dtype, device=k.device)
+            seg_v = torch.zeros(rows, d, dtype=v.dtype, device=v.device)
+            seg_c = torch.zeros(rows, dtype=torch.int32, device=k.device)
+            seg_k[:m], seg_v[:m], seg_c[:m] = k[bi, g, pos], v[bi, g, pos], run.to(torch.int32)
+            ks.append(seg_k)
+            vs.append(seg_v)
+            counts.append(seg_c)
+            stamps.append((torch.cumsum(seg_c, 0) - 1).to(torch.int32))
+            lengths.append(m)
+            offsets.append(offsets[-1] + rows)
+    return PackedKV(
+        k=torch.cat(ks), v=torch.cat(vs), counts=torch.cat(counts), timestamps=torch.cat(stamps),
+        offsets=torch.tensor(offsets, dtype=torch.int64, device=k.device),
+        lengths=torch.tensor(lengths, dtype=torch.int32, device=k.device).view(b, h),
+        seqlen=n, block=bs,
+    )
+
+
+def check_pack_inputs(
+    k: object, v: object, keep: object, block: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Check `delta_pack`'s arguments; return them (and the block size)."""
+    k = check_keys(k)
+    v = check_tensor("v", v, rank=4)
+    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+        raise ValueError(f"v must match k's shape, dtype and device, got {tuple(v.shape)} {v.dtype} "
+                         f"{v.device}")
+    keep = check_tensor("keep", keep, rank=3)
+    if keep.dtype != torch.bool or tuple(keep.shape) != tuple(k.shape[:3]) or keep.device != k.device:
+        raise ValueError(f"keep must be a bool [B, Hkv, N] = {list(k.shape[:3])} tensor on k's device, "
+                         f"got {keep.dtype} {tuple(keep.shape)}")
+    if not bool(keep[..., 0].all()):
+        raise ValueError("keep must keep the first key of every (batch row, KV head): it is an anchor")
+    return k, v, keep, check_block_size("block", block)
+
+
+def check_packed(packed: object, k: torch.Tensor) -> PackedKV:
+    """Check that `packed` is a `PackedKV` of `k: [B, Hkv, N, D]` (sizes, dtype, device)."""
+    if not isinstance(packed, PackedKV):
+        raise TypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
+    b, h, n, d = k.shape
+    if packed.seqlen != n or (packed.batch, packed.kv_heads) != (b, h) or packed.k.shape[-1] != d:
+        raise ValueError(f"packed must come from keys [B={b}, Hkv={h}, N={n}, D={d}], got seqlen "
+                         f"{packed.seqlen}, lengths {tuple(packed.lengths.shape)}, D {packed.k.shape[-1]}")
+    if packed.k.dtype != k.dtype or packed.k.device != k.device:
+        raise ValueError(f"packed must have k's dtype and device ({k.dtype}, {k.device})")
+    return packed
+
+
+def expand_packed(packed: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each anchor's key and value repeated over its run: `[B, Hkv, N, D]` each.
+
+    Count-weighted attention to the anchors equals plain attention to these keys.
+    """
+    n = packed.seqlen
+    ks, vs = [], []
+    for bi in range(packed.batch):
+        for g in range(packed.kv_heads):
+            rows = packed.segment(bi, g)
+            m = int(packed.lengths[bi, g])
+            counts = packed.counts[rows][:m].to(torch.int64)
+            ks.append(torch.repeat_interleave(packed.k[rows][:m], counts, dim=0))
+            vs.append(torch.repeat_interleave(packed.v[rows][:m], counts, dim=0))
+    shape = (packed.batch, packed.kv_heads, n, packed.k.shape[-1])
+    return torch.stack(ks).view(shape), torch.stack(vs).view(shape)
+
+
+def safe_blocks(packed: PackedKV, *, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """4.1.4 phase 1's stopping rule, per (batch row, KV head, query block).
+
+    Returns:
+        (safe, cut), int64 `[B, Hkv, Qb]`: the number of leading packed blocks whose reach
+        (largest timestamp) is before the query block's first row, and the first
+        original position phase 2 computes exactly (the last safe reach + 1, or 0).
+    """
+    n, bs = packed.seqlen, packed.block
+    qb = cdiv(n, block_m)
+    first_row = torch.arange(qb, device=packed.counts.device, dtype=torch.int64) * block_m
+    safe = torch.zeros(packed.batch, packed.kv_heads, qb, dtype=torch.int64, device=first_row.device)
+    cut = torch.zeros_like(safe)
+    for bi in range(packed.batch):
+        for g in range(packed.kv_heads):
+            stamps = packed.timestamps[packed.segment(bi, g)].to(torch.int64)
+            reach = stamps.view(-1, bs).amax(dim=1)
+            count = (reach[None, :] < first_row[:, None]).sum(dim=1)
+            safe[bi, g] = count
+            last = reach[(count - 1).clamp(min=0)]
+            cut[bi, g] = torch.where(count > 0, last + 1, 0)
+    return safe, cut
+
+
+def delta_kv_plans(
+    q: torch.Tensor,
+    packed: PackedKV,
+    *,
+    block_m: int = 64,
+) -> tuple[BlockColumnPlan, BlockColumnPlan]:
+    """The two phases of 4.1.4 as plans: (phase 1 over packed keys, phase 2 over original keys).
+
+    Phase 1 lists, for query block `i`, the packed blocks `0 .. safe - 1` of its KV
+    head's segment (in the segment's own index space, blocks of `packed.block`
+    anchors). Phase 2 lists the original keys from `cut` on: the keys up to the next
+    multiple of `packed.block` as columns, then whole key blocks to the diagonal.
+
+    Args:
+        q: `[B, Hq, N, D]` (only the shape is used).
+        packed: from `delta_pack` for the keys of `q`'s KV heads.
+        block_m: query rows per block.
+
+    Returns:
+        (phase1, phase2), each a `BlockColumnPlan` for `[B, Hq, N]` with `block_n =
+        packed.block`.
+
+    Raises:
+        TypeError, ValueError: bad inputs.
+    """
+    q = check_tensor("q", q, rank=4)
+    if not isinstance(packed, PackedKV):
+        raise TypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
+    b, hq, n, _ = q.shape
+    if (packed.batch, packed.seqlen) != (b, n) or hq % packed.kv_heads != 0:
+        raise ValueError(f"packed (B={packed.batch}, Hkv={packed.kv_heads}, N={packed.seqlen}) does not "
+                         f"fit q [B={b}, Hq={hq}, N={n}]")
+    bm = check_block_size("block_m", block_m)
+    bs = packed.block
+    qb, kb = cdiv(n, bm), cdiv(n, bs)
+    safe, cut = safe_blocks(packed, block_m=bm)
+    group = hq // packed.kv_heads
+    safe = safe.repeat_interleave(group, dim=1)
+    cut = cut.repeat_interleave(group, dim=1)
+    phase1 = torch.arange(kb, device=q.device) < safe.unsqueeze(-1)
+    keys = torch.arange(n, device=q.device)
+    exact = keys >= cut.unsqueeze(-1)
+    # Whole key blocks from the first block boundary at or after `cut`; columns before it.
+    block_start = cdiv_tensor(cut, bs) * bs
+    blocks = torch.arange(kb, device=q.device) * bs >= block_start.unsqueeze(-1)
+    columns = exact & (keys < block_start.unsqueeze(-1))
+    sizes = {"seqlen": n, "block_m": bm, "block_n": bs}
+    plan1 = BlockColumnPlan.from_masks(phase1, None, **sizes)
+    plan2 = BlockColumnPlan.from_masks(blocks, columns, **sizes)
+    return plan1, plan2
+
+
+def cdiv_tensor(x: torch.Tensor, d: int) -> torch.Tensor:
+    """Ceiling division of a non-negative int tensor by a positive int."""
+    return torch.div(x + d - 1, d, rounding_mode="floor")
+
+
+def delta_kv_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedKV,
+    *,
+    block_m: int = 64,
+    count_weighted: bool = True,
+    exact_diagonal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Stage 3 with the two phases of 4.1.4: attention to the packed history plus the exact diagonal.
+
+    Row `r` of query block `i` attends, in one softmax (float64), to the anchors of
+    the safe packed blocks with logits `s + log count` (`+ 0` if not
+    `count_weighted`), and to the original keys `cut_i .. r` (with
+    `exact_diagonal=False`, to those positions' anchors instead).
+
+    Args:
+        q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]` (phase 2 reads them).
+        packed: `delta_pack(k, v, ...)`.
+        block_m: query rows per block (where phase 1 stops is decided per block).
+        count_weighted: weight anchors by their run length (Eq. 4).
+        exact_diagonal: phase 2 on the original keys (4.1.4); False is the thesis's
+            "w/o phase 2" ablation.
+        scale: softmax scale, `1/sqrt(D)` if None.
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+
+    Raises:
+        TypeError, ValueError: bad inputs.
+    """
+    shape = check_qkv(q, k, v)
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    check_packed(packed, k)
+    check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
+    bm = check_block_size("block_m", block_m)
+    b, hq, n, d = q.shape
+    g = shape.group
+    safe, cut = safe_blocks(packed, block_m=bm)
+    k2, v2 = (k, v) if exact_diagonal else expand_packed(packed)
+    out = torch.empty(b, hq, n, d, dtype=torch.float64, device=q.device)
+    for bi in range(b):
+        for kv in range(shape.kv_heads):
+            rows = packed.segment(bi, kv)
+            pk = packed.k[rows].to(torch.float64)
+            pv = packed.v[rows].to(torch.float64)
+            bias = torch.log(packed.counts[rows].to(torch.float64)) if count_weighted else \
+                torch.where(packed.counts[rows] > 0, 0.0, -math.inf).to(torch.float64)
+            for i in range(cdiv(n, bm)):
+                r0, r1 = i * bm, min(n, (i + 1) * bm)
+                hist = int(safe[bi, kv, i]) * packed.block
+                c = int(cut[bi, kv, i])
+                qs = q[bi, kv * g:(kv + 1) * g, r0:r1].to(torch.float64)
+                # Phase 1: anchors of the safe blocks, with the log-count bias (Eq. 4).
+                s1 = qs @ pk[:hist].T * sm_scale + bias[:hist]
+                # Phase 2: positions c .. r of the critical diagonal, causal.
+                s2 = qs @ k2[bi, kv, c:r1].to(torch.float64).T * sm_scale
+                causal = torch.arange(c, r1, device=q.device)[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
+                s2 = s2.masked_fill(~causal, -math.inf)
+                p = torch.softmax(torch.cat([s1, s2], dim=-1), dim=-1)
+                out[bi, kv * g:(kv + 1) * g, r0:r1] = p @ torch.cat([pv[:hist], v2[bi, kv, c:r1].to(torch.float64)])
+    return out.to(q.dtype)
+
+
+def check_flags(**flags: object) -> None:
+    """Raise TypeError unless every flag is a bool."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def delta_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    threshold: float,
+    metric: str = "euclidean",
+    chunk: int = 512,
+    block_m: int = 64,
+    block_n: int = 64,
+    count_weighted: bool = True,
+    exact_diagonal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Delta-KV attention end to end: keep mask, packing, the two-phase attention.
+
+    Args:
+        q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]`.
+        threshold, metric, chunk: Stage 1 (`delta_keep_mask`).
+        block_m: query rows per block. block_n: packed key block (segments are padded to
+            it) and the key block of phase 2.
+        count_weighted, exact_diagonal: the thesis's ablations (`delta_kv_attention`).
+        scale: softmax scale, `1/sqrt(D)` if None.
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    check_qkv(q, k, v)
+    metric = check_metric(metric)
+    check_threshold(threshold, metric)
+    check_block_size("block_m", block_m)
+    check_block_size("block_n", block_n)
+    check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
+    resolve_scale(scale, q.shape[-1])
+    keep = delta_keep_mask(k, threshold=threshold, metric=metric, chunk=chunk)
+    packed = delta_pack(k, v, keep, block=block_n)
+    return delta_kv_attention(q, k, v, packed, block_m=block_m, count_weighted=count_weighted,
+                              exact_diagonal=exact_diagonal, scale=scale)
+
+
+def delta_kv_density(q: torch.Tensor, packed: PackedKV, *, block_m: int = 64) -> torch.Tensor:
+    """Score entries the two phases compute, over the causal area: float64 `[B, Hq]`.
+
+    Phase 1 costs `rows x block` per safe packed block, phase 2 its causal pairs; the
+    dense causal area is `N (N + 1) / 2`. This is the method's kernel work in the
+    units every other method's density uses.
+    """
+    plan1, plan2 = delta_kv_plans(q, packed, block_m=block_m)
+    n = packed.seqlen
+    rows = (n - torch.arange(plan1.num_query_blocks, device=q.device) * plan1.block_m).clamp(max=plan1.block_m)
+    phase1 = (plan1.block_count.to(torch.float64) * packed.block * rows).sum(dim=-1)
+    causal = plan2.to_dense_mask().sum(dim=(-1, -2)).to(torch.float64)
+    return (phase1 + causal) / (n * (n + 1) / 2)
