@@ -103,7 +103,11 @@ SYNC: dict[str, SyncStatus] = {
         note="static stripe lists: 4 * B * Hq * G * N bytes (heads in groups above 256 MB)"),
     "sample_attention": SyncStatus(
         syncs=("merge index: the most kept column + slash blocks ((...).max().item())",),
-        static_bound="Kb key blocks per query block (every block)"),
+        static_bound="Kb key blocks per query block (every block)",
+        capture_safe=False,
+        note="stage 1 copies its sampled-row tile table to the device (torch.tensor(tiles).to(q.device) "
+             "in fast/kernels/sampled_scores.py), which capture refuses; the _static op still saves the "
+             "width read. A table built on the device from the chunk bounds would make it capture-safe"),
     "minference": SyncStatus(
         syncs=("vertical-slash heads: as vertical_slash",),
         static_bound="vertical-slash heads: as vertical_slash_static",
