@@ -171,6 +171,11 @@ def anchor_attention(
     Query heads are processed in groups whose stripe plan fits `PLAN_BYTES` at any
     stripe count (see the module doc); each group has its own state.
 
+    Host synchronisation: one per head group, the longest stripe list. Inside
+    `fast.capture.static_widths()` (`torch.ops.sparseprefill.anchor_attention_static`)
+    and during CUDA-graph capture the width is the search-region bound instead: no
+    sync, capture-safe (docs/serving.md).
+
     Returns:
         `[B, Hq, N, D]` in q's dtype.
 
