@@ -401,7 +401,9 @@ def method_op(name: str, *, static: bool = False) -> Any:
     op_name = f"{name}_static" if static else name
     if op_name not in _OPS:
         if static and name in _OPS:
-            raise ValueError(f"{name} has no _static op: {SYNC[name].syncs and 'no static bound' or 'no host read to avoid'}")
+            status = SYNC.get(name)
+            why = "its default op reads no width" if status and not status.syncs else "no static bound exists"
+            raise ValueError(f"{name} has no _static op: {why} (see sparseprefill.fast.ops.SYNC)")
         raise ValueError(f"no op {NAMESPACE}::{op_name}; registered: {', '.join(sorted(_OPS))}")
     return getattr(torch.ops.sparseprefill, op_name)
 

@@ -40,7 +40,7 @@ _REPO = Path(fast.__file__).resolve().parent.parent
 _THIS = Path(__file__).resolve()
 # Reads of CPU tensors built from sizes alone (host arithmetic, no device involved,
 # so no synchronisation on a GPU): the streaming width and the anchor window width.
-HOST_ARITHMETIC = {"streaming.py:_block_ranges", "streaming.py:streaming_plan",
+HOST_ARITHMETIC = {"streaming.py:streaming_plan",
                    "anchor_attention.py:anchor_block_lists"}
 
 
