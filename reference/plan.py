@@ -357,6 +357,89 @@ class BlockColumnPlan:
         )
         return plan.mark_valid() if self._checked else plan
 
+    def with_full_blocks(self) -> BlockColumnPlan:
+        """The same attention with every key block that a column list holds entirely
+        listed as a block instead (the kernel reads a listed block as one contiguous
+        tile at the dense rate; a column tile is a gather of single rows).
+
+        Works on the shared column rows (`column_group`): a key block is promoted for a
+        group when the group's row holds all of its keys (`min(block_n, N - j *
+        block_n)` of them); each query block of the group whose own prefix reaches the
+        block then lists it, and the block's columns leave the row. A block is left as
+        columns when some query block's prefix ends inside it while a key it does not
+        read is one it could see (then the promotion would add a key); a prefix that
+        ends inside the block only where the rest is in the future (the causal prefix,
+        as every estimator here builds) is promoted. So the kept set of every row is
+        unchanged (`to_dense_mask` is equal), and so is `equal`-comparison of the
+        attention, not of the lists. `columns_disjoint` is kept.
+
+        One host sync (the new column width, as `mask_to_list`); builds a `[B, Hq, Qb,
+        Kb]` bool mask of the block lists.
+
+        Returns:
+            A plan with `column_group` as before, lists re-packed; self if no block is
+            held entirely by a column row.
+        """
+        b, h, qb = self.batch, self.num_heads, self.num_query_blocks
+        n, bn, g = self.seqlen, self.block_n, self.column_group
+        kb, rows, width = self.num_key_blocks, self.num_column_rows, self.column_index.shape[3]
+        if width == 0 or b * h == 0:
+            return self
+        device = self.device
+        counts = self.column_count.to(torch.int64)
+        # Valid length of each shared row: the longest prefix any of its query blocks reads.
+        owner = torch.arange(qb, device=device) // g
+        row_len = torch.zeros(b, h, rows, dtype=torch.int64, device=device)
+        row_len.scatter_reduce_(2, owner.expand(b, h, qb), counts, reduce="amax")
+        cols = self.column_index.to(torch.int64)
+        valid = torch.arange(width, device=device) < row_len.unsqueeze(-1)
+        blk = torch.where(valid, cols // bn, kb)  # padding counts in a spare slot
+        held = torch.zeros(b, h, rows, kb + 1, dtype=torch.int64, device=device)
+        held.scatter_add_(3, blk, torch.ones_like(blk))
+        held = held[..., :kb]
+        size = (n - torch.arange(kb, device=device) * bn).clamp(max=bn)
+        full = held == size  # [B, H, rows, Kb]
+        # Position of each block's first key in its row (the entries before it).
+        first = torch.cumsum(held, dim=3) - held
+        # A prefix that ends inside a full block: veto the block unless every key of it
+        # past the prefix is after the query block's last row.
+        last_row = ((torch.arange(qb, device=device) + 1) * self.block_m - 1).clamp(max=n - 1)
+        rowcols = self.query_block_columns() if g == 1 else cols.index_select(2, owner)
+        end = counts.clamp(max=width - 1)
+        nxt = torch.gather(rowcols.to(torch.int64), 3, end.unsqueeze(-1)).squeeze(-1)
+        inside = (counts > 0) & (counts < row_len.index_select(2, owner)) & \
+            (torch.gather(rowcols.to(torch.int64), 3, (counts - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+             // bn == nxt // bn)
+        veto_q = inside & (nxt <= last_row)
+        vq = torch.zeros(b, h, qb, kb + 1, dtype=torch.bool, device=device)
+        vq.scatter_(3, torch.where(veto_q, nxt // bn, kb).unsqueeze(-1), True)
+        veto_rows = torch.zeros(b, h, rows, kb + 1, dtype=torch.int32, device=device)
+        veto_rows.index_add_(2, owner, vq.to(torch.int32))
+        promote = full & (veto_rows[..., :kb] == 0)
+        if not bool(promote.any()):
+            return self
+        # Query block i lists a promoted block of its row when its prefix reaches it.
+        reach = promote.index_select(2, owner) & (first.index_select(2, owner) < counts.unsqueeze(-1))
+        blocks = torch.zeros(b, h, qb, kb + 1, dtype=torch.bool, device=device)
+        bvalid = torch.arange(self.block_index.shape[3], device=device) < self.block_count.unsqueeze(-1)
+        blocks.scatter_(3, torch.where(bvalid, self.block_index.to(torch.int64), kb), True)
+        blocks = blocks[..., :kb] | reach
+        block_count, block_index = mask_to_list(blocks)
+        # Drop the promoted blocks' columns from each row; each count keeps its kept entries.
+        keep = valid & ~torch.gather(torch.cat([promote, promote.new_zeros(b, h, rows, 1)], 3), 3, blk)
+        kept_before = torch.cumsum(keep.to(torch.int64), dim=3)
+        new_counts = torch.where(counts > 0, torch.gather(kept_before.index_select(2, owner), 3,
+                                                         (counts - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0)
+        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+        new_width = int(keep.sum(dim=-1).max().item())
+        column_index = torch.gather(self.column_index, 3, order[..., :new_width])
+        plan = BlockColumnPlan(
+            seqlen=n, block_m=self.block_m, block_n=bn, block_count=block_count, block_index=block_index,
+            column_count=new_counts.to(torch.int32), column_index=column_index.contiguous(),
+            columns_disjoint=self.columns_disjoint, column_group=g,
+        )
+        return plan.mark_valid() if self._checked else plan
+
     @staticmethod
     def from_masks(
         block_mask: torch.Tensor,
