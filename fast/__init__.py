@@ -8,7 +8,7 @@ Inputs are float16/bfloat16 CUDA tensors (or CPU tensors under
 from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
 from ..reference.attention import AttentionState
 from ..reference.delta_kv import PackedKV
-from ..reference.plan import BlockColumnPlan
+from ..reference.plan import BlockColumnPlan, stack_plans
 from ..reference.sample_attention import SampleAttentionSettings
 from .a_shape import a_shape, a_shape_plan
 from .anchor_attention import anchor_attention, anchor_attention_plan
@@ -27,6 +27,7 @@ from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
 from .sample_attention import sample_attention, sample_attention_plan
 from .streaming import streaming, streaming_plan
+from .varlen import varlen_attention, varlen_plans
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
@@ -61,8 +62,11 @@ __all__ = [
     "sample_attention_plan",
     "search_patterns",
     "sparse_attention",
+    "stack_plans",
     "streaming",
     "streaming_plan",
+    "varlen_attention",
+    "varlen_plans",
     "vertical_slash",
     "vertical_slash_plan",
 ]

@@ -26,9 +26,10 @@ from .minference import (
     minference_plan,
     search_patterns,
 )
-from .plan import BlockColumnPlan
+from .plan import BlockColumnPlan, stack_plans
 from .sample_attention import SampleAttentionSettings, sample_attention, sample_attention_plan
 from .streaming import streaming, streaming_plan
+from .varlen import varlen_attention, varlen_plans
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
@@ -63,8 +64,11 @@ __all__ = [
     "sample_attention_plan",
     "search_patterns",
     "sparse_attention",
+    "stack_plans",
     "streaming",
     "streaming_plan",
+    "varlen_attention",
+    "varlen_plans",
     "vertical_slash",
     "vertical_slash_plan",
 ]
