@@ -148,6 +148,9 @@ COVERED_ELSEWHERE = {
     "delta_pack": "tests/test_delta_kv.py",
     "delta_kv_plans": "tests/test_delta_kv.py",
     "delta_kv_density": "tests/test_delta_kv.py",
+    "stack_plans": "tests/test_varlen.py",
+    "varlen_plans": "tests/test_varlen.py",
+    "varlen_attention": "tests/test_varlen.py",
 }
 
 

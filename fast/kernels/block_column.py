@@ -150,7 +150,7 @@ def _block_column_fwd(
     Q, K, V, O, LSE, MASK,
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX,
     M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS, CU_SEQLENS,
-    qk_scale, sm_scale, seqlen, key_len, q_offset, head_dim, num_heads, group,
+    qk_scale, sm_scale, seqlen, key_len, q_offset, head_dim, num_heads, group, num_tiles, num_bh,
     plan_block_m, plan_block_n, num_key_blocks, block_width, column_width, column_group,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -173,9 +173,16 @@ def _block_column_fwd(
     BLOCK_MEAN: tl.constexpr, GUARD: tl.constexpr, NONFINITE: tl.constexpr,
     HAS_KV_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VARLEN: tl.constexpr,
 ):
-    # Longest rows first: later query tiles list more blocks.
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
+    # Longest rows first: later query tiles list more blocks. A varlen batch runs on a
+    # 1-D grid, tile-major over every (sequence, head), so the longest sequence's last
+    # tiles start first instead of forming the tail of the launch.
+    if HAS_VARLEN:
+        n_bh = num_bh
+        i_m = num_tiles - 1 - tl.program_id(0) // n_bh
+        i_bh = tl.program_id(0) % n_bh
+    else:
+        i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
     i_hkv = i_h // group
@@ -788,13 +795,14 @@ def _launch(
 
             k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
             v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
-        grid = (triton.cdiv(n, block_m), b * hq)
+        grid = (triton.cdiv(n, block_m), b * hq) if varlen is None else (triton.cdiv(n, block_m) * b * hq, 1)
         try:
             _block_column_fwd[grid](
                 q, k, v, out, lse, mask_arg,
                 plan.block_count, plan.block_index, plan.column_count, plan.column_index,
                 st_m, st_l, st_acc, bsum, offsets_arg, bias_arg, cu_arg if cu_arg is not None else out,
                 sm_scale * LOG2E, sm_scale, n, key_len, plan.query_offset, d, hq, group,
+                triton.cdiv(n, block_m), b * hq,
                 plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
                 plan.column_index.shape[3], plan.column_group,
                 *q.stride(), *kstrides, *vstrides,
