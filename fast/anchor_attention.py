@@ -51,17 +51,22 @@ def anchor_block_lists(
     """Alg. 1's key blocks as lists: (count int32 `[Qb]`, index int32 `[Qb, W]`).
 
     Block 0, then the window `[max(1, w_g), diag_i]` (see `reference.anchor_blocks`).
+    Built on `device` directly, the width from the same arithmetic on the host: no
+    host synchronisation and no host-to-device copy (capture-safe).
     """
-    qb = cdiv(seqlen, block_m)
-    i = torch.arange(qb)
-    start = torch.clamp((i // step) * step * block_m // block_n, min=1)
-    end = (torch.clamp((i + 1) * block_m, max=seqlen) - 1) // block_n
-    window = torch.clamp(end - start + 1, min=0)
-    width = 1 + int(window.max())
-    t = torch.arange(width - 1)
-    index = torch.zeros(qb, width, dtype=torch.int32)
-    index[:, 1:] = torch.where(t[None, :] < window[:, None], start[:, None] + t[None, :], 0).to(torch.int32)
-    return (1 + window).to(torch.int32).to(device), index.to(device)
+
+    def window_of(dev: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        i = torch.arange(cdiv(seqlen, block_m), device=dev)
+        start = torch.clamp((i // step) * step * block_m // block_n, min=1)
+        end = (torch.clamp((i + 1) * block_m, max=seqlen) - 1) // block_n
+        return start, torch.clamp(end - start + 1, min=0)
+
+    width = 1 + int(window_of("cpu")[1].max())
+    start, window = window_of(device)
+    t = torch.arange(width - 1, device=device)
+    lists = torch.where(t[None, :] < window[:, None], start[:, None] + t[None, :], 0)
+    index = torch.nn.functional.pad(lists, (1, 0)).to(torch.int32)
+    return (1 + window).to(torch.int32), index
 
 
 def _plans(
@@ -168,6 +173,11 @@ def anchor_attention(
 
     Query heads are processed in groups whose stripe plan fits `PLAN_BYTES` at any
     stripe count (see the module doc); each group has its own state.
+
+    Host synchronisation: one per head group, the longest stripe list. Inside
+    `fast.capture.static_widths()` (`torch.ops.sparseprefill.anchor_attention_static`)
+    and during CUDA-graph capture the width is the search-region bound instead: no
+    sync, capture-safe (docs/serving.md).
 
     Returns:
         `[B, Hq, N, D]` in q's dtype.
