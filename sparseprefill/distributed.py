@@ -624,24 +624,31 @@ def needed_keys(remote: BlockColumnPlan, kv_heads: int) -> torch.Tensor:
     return per_kv.expand(b, kv_heads, n)
 
 
+def rank_fetch_bytes(rank_plan: RankPlan, layout: ZigZagLayout, rank: int, *, kv_heads: int, head_dim: int,
+                     itemsize: int) -> dict[str, int]:
+    """The bytes of rank `rank`'s fetch in `context_parallel_attention`: (index, kv).
+
+    Computed from its plan alone (one process), by the rule the exchange follows: the
+    rank sends every other rank a bit per (batch, KV head, token held there) and
+    receives the K and V rows it asked for. Summed over ranks these are the measured
+    `Traffic.index` and `Traffic.kv` (tests check it).
+    """
+    need = needed_keys(rank_plan.remote, kv_heads)
+    b = need.shape[0]
+    index = kv = 0
+    for s in range(layout.world):
+        if s != rank:
+            index += b * kv_heads * cdiv(layout.local_length(s), 8)
+            kv += int(need[..., layout.tokens(s, need.device)].sum()) * 2 * head_dim * itemsize
+    return {"index": index, "kv": kv}
+
+
 def fetch_bytes(rank_plans: Sequence[RankPlan], layout: ZigZagLayout, *, kv_heads: int, head_dim: int,
                 itemsize: int) -> dict[str, int]:
-    """The index and K/V bytes `context_parallel_attention` moves for these rank plans.
-
-    Computed from the plans alone (one process), by the same rule the exchange follows:
-    each rank asks every other rank for a bit per (batch, KV head, held token) and
-    receives the K and V rows it needs. Tests check the measured `Traffic` against it.
-    """
-    total_index = total_kv = 0
-    for r, rp in enumerate(rank_plans):
-        need = needed_keys(rp.remote, kv_heads)
-        b = need.shape[0]
-        for s in range(layout.world):
-            if s == r:
-                continue
-            total_index += b * kv_heads * cdiv(layout.local_length(s), 8)
-            total_kv += int(need[..., layout.tokens(s, need.device)].sum()) * 2 * head_dim * itemsize
-    return {"index": total_index, "kv": total_kv}
+    """`rank_fetch_bytes` summed over every rank (`rank_plans[r]` is rank `r`'s)."""
+    parts = [rank_fetch_bytes(rp, layout, r, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize)
+             for r, rp in enumerate(rank_plans)]
+    return {key: sum(p[key] for p in parts) for key in ("index", "kv")}
 
 
 # -- context-parallel: estimates ------------------------------------------------------
@@ -1224,6 +1231,7 @@ __all__ = [
     "distributed_last_q_scores",
     "estimate_kind",
     "fetch_bytes",
+    "rank_fetch_bytes",
     "head_parallel_attention",
     "head_parallel_plan",
     "head_slices",
