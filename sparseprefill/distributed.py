@@ -174,7 +174,7 @@ class _Comm:
                                           input_split_sizes=[s.numel() for s in send],
                                           group=self.group, async_op=async_op)
             self._count(kind, sum(_nbytes(s) for i, s in enumerate(send) if i != self.rank))
-        return list(recv.split(list(recv_numel))), work
+        return list(torch.split(recv, list(recv_numel))), work
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -498,72 +498,103 @@ def _compact(count: torch.Tensor, index: torch.Tensor, keep: torch.Tensor) -> tu
     return new_count.to(torch.int32), torch.gather(index, -1, order).to(torch.int32)
 
 
+def _rows_shared(index: torch.Tensor) -> bool:
+    """One list read by every query block (stride 0 over them): prefixes of it per block."""
+    return index.shape[2] == 1 or index.stride(2) == 0
+
+
+def _restrict_lists(
+    count: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    keep_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of one kind kept on the query blocks `rows` (bool `[Qb]`) and by `keep_fn`.
+
+    Args:
+        count: int32 `[b, h, Qb]`; index: int `[b, h, Qb, W]`, one list per query
+            block (a list shared by every block may be a stride-0 view).
+        rows: bool `[Qb]`, the query blocks that keep their lists.
+        keep_fn: bool function of the int64 entries, or None (keep all).
+
+    Returns:
+        (count int32 `[b, h, Qb]`, index int32 `[b, h, Qb, W']`); a shared list stays
+        one shared list (its kept entries, each block counting those in its prefix).
+    """
+    b, h, qb = count.shape
+    width = index.shape[3]
+    if _rows_shared(index):
+        row = index[:, :, :1].to(torch.int64)
+        keep = torch.ones_like(row, dtype=torch.bool) if keep_fn is None else keep_fn(row)
+        kept = torch.cumsum(keep.to(torch.int32), dim=-1).expand(b, h, qb, width)
+        prefix = (count.to(torch.int64) - 1).clamp(min=0).unsqueeze(-1)
+        new_count = torch.where(count > 0, kept.gather(-1, prefix).squeeze(-1), 0) if width else \
+            torch.zeros_like(count)
+        new_count = torch.where(rows, new_count, 0).to(torch.int32)
+        full = torch.full((b, h, 1), width, dtype=torch.int32, device=index.device)
+        _, shared = _compact(full, row, keep)
+        return new_count, shared.expand(b, h, qb, shared.shape[-1])
+    idx = index.to(torch.int64)
+    keep = torch.ones_like(idx, dtype=torch.bool) if keep_fn is None else keep_fn(idx)
+    new_count, new_index = _compact(torch.where(rows, count, 0), idx, keep)
+    return new_count, new_index
+
+
 def restrict_plan(
     plan: BlockColumnPlan,
     ranges: Sequence[tuple[int, int]],
     keep_key: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    *,
-    block_owner: torch.Tensor | None = None,
 ) -> BlockColumnPlan:
-    """The plan's rows of the query blocks in `ranges`, other rows empty.
+    """The plan's rows of the query blocks in `ranges`, other rows empty, optionally
+    keeping only the keys `keep_key` accepts.
 
     Args:
         plan: a valid global plan.
         ranges: query block ranges `[i0, i1)`.
-        keep_key: bool function of int64 key positions: which listed columns to keep
-            (None: all); with `block_owner`, which blocks too.
-        block_owner: unused unless `keep_key` is given: int64 `[Kb]` of the first key of
-            every key block (blocks are kept where `keep_key(first key)` holds, so the
-            test must be constant over a block, as ownership is when blocks divide
-            the layout's `align`).
+        keep_key: bool function of int64 key positions, or None (all). Blocks are
+            kept where it accepts the block's first key, so it must be constant over
+            every key block (as ownership is when the block size divides the layout's
+            `align`).
 
     Returns:
-        A plan of the global sizes with `column_group = 1`; index tensors stay
-        expanded over batch and heads where the input's were.
+        A plan of the global sizes with `column_group = 1`. Index tensors stay
+        expanded views where the input's were (over batch and heads, and a list
+        shared by every query block stays one list), so a dense or vertical-slash
+        plan costs no more here than in one process.
     """
     plan = plan.ensure_valid()
+    if plan.column_group != 1 and not _rows_shared(plan.column_index):
+        plan = plan.ungrouped()
     b, h, qb = plan.block_count.shape
     fields = [plan.block_count, plan.block_index, plan.column_count, plan.column_index]
     shared_b, shared_h = _shared_dims(fields)
     bs, hs = (1 if shared_b else b), (1 if shared_h else h)
-    pieces_b: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-    pieces_c: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-    for i0, i1 in ranges:
-        if i1 <= i0:
-            continue
-        bc = plan.block_count[:bs, :hs, i0:i1]
-        bi = plan.block_index[:bs, :hs, i0:i1].to(torch.int64)
-        cc = plan.column_count[:bs, :hs, i0:i1]
-        ci = plan.query_block_columns(i0, i1)[:bs, :hs].to(torch.int64)
-        if keep_key is None:
-            keep_b = torch.ones_like(bi, dtype=torch.bool)
-            keep_c = torch.ones_like(ci, dtype=torch.bool)
-        else:
-            assert block_owner is not None
-            keep_b = keep_key(block_owner[bi.clamp(0, block_owner.numel() - 1)])
-            keep_c = keep_key(ci.clamp(0, plan.seqlen - 1))
-        pieces_b.append((i0, i1, *_compact(bc, bi, keep_b)))
-        pieces_c.append((i0, i1, *_compact(cc, ci, keep_c)))
     device = plan.device
+    rows = torch.zeros(qb, dtype=torch.bool, device=device)
+    for i0, i1 in ranges:
+        rows[i0:i1] = True
+    bn = plan.block_n
 
-    def assemble(pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max((p[3].shape[-1] for p in pieces), default=0)
-        count = torch.zeros(bs, hs, qb, dtype=torch.int32, device=device)
-        index = torch.zeros(bs, hs, qb, width, dtype=torch.int32, device=device)
-        for i0, i1, c, x in pieces:
-            count[:, :, i0:i1] = c
-            index[:, :, i0:i1, : x.shape[-1]] = x
-        return count.expand(b, h, qb), index.expand(b, h, qb, width)
+    def keep_block(i: torch.Tensor) -> torch.Tensor:
+        assert keep_key is not None
+        return keep_key((i.clamp(0, plan.num_key_blocks - 1) * bn))
 
-    block_count, block_index = assemble(pieces_b)
-    column_count, column_index = assemble(pieces_c)
+    def keep_column(c: torch.Tensor) -> torch.Tensor:
+        assert keep_key is not None
+        return keep_key(c.clamp(0, plan.seqlen - 1))
+
+    block_count, block_index = _restrict_lists(plan.block_count[:bs, :hs], plan.block_index[:bs, :hs], rows,
+                                               None if keep_key is None else keep_block)
+    column_count, column_index = _restrict_lists(plan.column_count[:bs, :hs], plan.column_index[:bs, :hs],
+                                                 rows, None if keep_key is None else keep_column)
     out = BlockColumnPlan(
         seqlen=plan.seqlen, block_m=plan.block_m, block_n=plan.block_n,
-        block_count=block_count, block_index=block_index,
-        column_count=column_count, column_index=column_index,
+        block_count=block_count.expand(b, h, qb), block_index=block_index.expand(b, h, *block_index.shape[2:]),
+        column_count=column_count.expand(b, h, qb),
+        column_index=column_index.expand(b, h, *column_index.shape[2:]),
         columns_disjoint=plan.columns_disjoint,
     )
-    # Sub-lists of a valid plan's sorted, causal lists, on the same rows: valid.
+    # Sub-lists (or sub-prefixes) of a valid plan's sorted, causal lists: valid.
     return out.mark_valid()
 
 
@@ -579,7 +610,6 @@ def split_plan(plan: BlockColumnPlan, layout: ZigZagLayout, rank: int, *, estima
     layout.check_blocks(plan.block_m, plan.block_n)
     ranges = layout.query_block_ranges(rank, plan.block_m)
     owner = layout.owner(plan.device)
-    block_first = torch.arange(plan.num_key_blocks, device=plan.device) * plan.block_n
 
     def mine(keys: torch.Tensor) -> torch.Tensor:
         return owner[keys] == rank
@@ -589,8 +619,8 @@ def split_plan(plan: BlockColumnPlan, layout: ZigZagLayout, rank: int, *, estima
 
     return RankPlan(
         plan=restrict_plan(plan, ranges),
-        own=restrict_plan(plan, ranges, mine, block_owner=block_first),
-        remote=restrict_plan(plan, ranges, theirs, block_owner=block_first),
+        own=restrict_plan(plan, ranges, mine),
+        remote=restrict_plan(plan, ranges, theirs),
         ranges=ranges,
         estimate=estimate,
     )
@@ -610,8 +640,12 @@ def needed_keys(remote: BlockColumnPlan, kv_heads: int) -> torch.Tensor:
     device = remote.device
 
     def marks(count: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
-        valid = torch.arange(index.shape[-1], device=device) < count[:bs, :hs].unsqueeze(-1)
-        idx = torch.where(valid, index[:bs, :hs].to(torch.int64), size).reshape(bs, hs, -1)
+        count, index = count[:bs, :hs], index[:bs, :hs]
+        if _rows_shared(index):
+            # Prefixes of one list: their union is the longest prefix.
+            count, index = count.amax(dim=2, keepdim=True), index[:, :, :1]
+        valid = torch.arange(index.shape[-1], device=device) < count.unsqueeze(-1)
+        idx = torch.where(valid, index.to(torch.int64), size).reshape(bs, hs, -1)
         out = torch.zeros(bs, hs, size + 1, dtype=torch.bool, device=device)
         return out.scatter_(2, idx, True)[..., :size]
 

@@ -10,6 +10,7 @@ tests check the layout, the plan split and the byte accounting without ranks.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -392,11 +393,30 @@ PLAN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("method,params", PLAN_CASES)
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_split_plan_covers_the_plan_exactly(method: str, params: dict[str, Any], world: int) -> None:
+SPLIT_CASES = [("reference", m, p) for m, p in PLAN_CASES] + [
+    # One column list shared by every query block (a group as large as the sequence).
+    ("reference", "anchor_attention", {"theta": 4.0, "step": 16, "block_m": 16, "block_n": 16}),
+    # fast plans keep expanded views: one list shared by every query block and head.
+    ("fast", "dense", {"block_m": 32, "block_n": 16}),
+    ("fast", "vertical_slash", CP_PARAMS["vertical_slash"]),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _split_case_plan(case: int) -> BlockColumnPlan:
+    impl, method, params = SPLIT_CASES[case]
     q, k, _ = _inputs(2, seqlen=173)
-    plan = _one_process_plan(method, q, k, params)
+    plan: BlockColumnPlan = METHODS[method].plan_fn(impl)(q, k, **params)
+    return plan
+
+
+@pytest.mark.parametrize("case", range(len(SPLIT_CASES)),
+                         ids=[f"{i}-{m}" for i, m, _ in SPLIT_CASES])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_split_plan_covers_the_plan_exactly(case: int, world: int) -> None:
+    impl, method, _ = SPLIT_CASES[case]
+    k = _inputs(2, seqlen=173)[1]
+    plan = _split_case_plan(case)
     layout = D.ZigZagLayout(173, world, 32)
     union = torch.zeros_like(plan.to_dense_mask())
     for r in range(world):
@@ -410,6 +430,9 @@ def test_split_plan_covers_the_plan_exactly(method: str, params: dict[str, Any],
         read = rp.remote.to_dense_mask().reshape(2, 2, 2, 173, 173).any(dim=3).any(dim=2)
         assert torch.equal(read, listed), "a remote block holds keys its rows do not read"
     assert torch.equal(union, plan.to_dense_mask())
+    if impl == "fast" and method == "dense":
+        # The fast dense plan is O(N): its split stays a shared list (stride 0).
+        assert rp.remote.block_index.stride()[:3] == (0, 0, 0)
 
 
 def test_fetch_bytes_counts_blocks_and_columns() -> None:
