@@ -948,6 +948,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=8, help="shareprefill: layers of the stack")
     parser.add_argument("--no-recall", action="store_true", help="skip recall columns")
     parser.add_argument("--json", default=None, help="write rows and environment as JSON here")
+    from .distributed_bench import add_arguments as add_distributed_arguments
+
+    add_distributed_arguments(parser)
 
 
 def _parse_blocks(text: str) -> tuple[tuple[int, int], ...]:
@@ -964,6 +967,10 @@ def _parse_blocks(text: str) -> tuple[tuple[int, int], ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `sparseprefill bench`."""
+    if getattr(args, "distributed", False):
+        from .distributed_bench import run_distributed
+
+        return run_distributed(args)
     if not torch.cuda.is_available():
         print("sparseprefill bench needs a CUDA GPU (it times kernels against cuDNN SDPA).",
               file=sys.stderr)
