@@ -15,6 +15,7 @@ import torch
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
 from .ties import block_sparse_tie_check, vertical_slash_tie_check
+from .tolerance import Estimate
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
@@ -67,6 +68,13 @@ class MethodSpec:
 
     sweep: `N -> [params, ...]`, the grid of the method's main knob that `sparseprefill
         compare` measures (docs/compare.md lists them); None: only `demo_params(N)`.
+    estimate: `(impl_name, q, k, params) -> {name: Estimate}`, the method's numbers
+        before any top-k or threshold (scores, pooled means), from `fast` or
+        `reference`; the "estimate" property compares the two under the tolerance
+        policy (`tolerance.check_estimate`), so an estimator bug cannot hide behind a
+        tie the plan property forgives. None: the method has no such stage.
+    input_kinds: the structured inputs its properties draw (`strategies.INPUT_KINDS`),
+        the first one most often.
     """
 
     name: str
@@ -83,6 +91,8 @@ class MethodSpec:
     structure_check: Callable[..., None] | None = None
     view: Callable[..., MethodView] | None = None
     sweep: Callable[[int], list[dict[str, Any]]] | None = None
+    estimate: Callable[[str, torch.Tensor, torch.Tensor, dict[str, Any]], dict[str, Estimate]] | None = None
+    input_kinds: tuple[str, ...] = ("normal", "lines", "lattice", "runs")
 
     def __post_init__(self) -> None:
         if (self.reference_plan is None) != (self.fast_plan is None):
@@ -136,11 +146,12 @@ def methods() -> Mapping[str, MethodSpec]:
 
 
 def _block_sizes(draw: Callable[[Any], Any]) -> dict[str, int]:
+    """Block sizes; block_n 256 is wider than the kernel's key tile (SUB_N > 1)."""
     from hypothesis import strategies as st
 
     return {
         "block_m": draw(st.sampled_from([16, 32, 64, 128])),
-        "block_n": draw(st.sampled_from([16, 32, 64])),
+        "block_n": draw(st.sampled_from([16, 32, 64, 128, 256])),
     }
 
 
@@ -148,16 +159,33 @@ def _dense_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     return _block_sizes(draw)
 
 
-def _sink_window(draw: Callable[[Any], Any], seqlen: int) -> dict[str, int]:
-    """`sink` and `window` draws shared by streaming and A-shape (both may exceed N)."""
+def _near_multiple(draw: Callable[[Any], Any], size: int, seqlen: int, shifts: list[int]) -> int:
+    """`j * size + shift` for a drawn multiple `j <= N / size` and a drawn shift."""
     from hypothesis import strategies as st
 
+    j = draw(st.integers(0, max(0, seqlen // max(size, 1))))
+    return int(j * size + draw(st.sampled_from(shifts)))
+
+
+def _sink_window(draw: Callable[[Any], Any], seqlen: int, block_n: int | None = None) -> dict[str, int]:
+    """`sink` and `window` draws shared by streaming and A-shape (both may exceed N).
+
+    With `block_n`, half the draws aim at block edges: a sink one below, at or above a
+    multiple of `block_n`, a window one or two past one (the window's first key block
+    then starts exactly at a block edge for query blocks aligned to `block_n`).
+    """
+    from hypothesis import strategies as st
+
+    if block_n is not None and draw(st.booleans()):
+        return {"sink": max(0, _near_multiple(draw, block_n, seqlen, [0, 1, -1])),
+                "window": max(1, _near_multiple(draw, block_n, seqlen, [1, 2, 0]))}
     return {"sink": draw(st.integers(0, max(1, seqlen))),
             "window": draw(st.integers(1, max(1, seqlen + 8)))}
 
 
 def _streaming_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
-    return {**_block_sizes(draw), **_sink_window(draw, seqlen)}
+    blocks = _block_sizes(draw)
+    return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"])}
 
 
 register(MethodSpec(
@@ -193,18 +221,38 @@ def _minference_blocks(draw: Callable[[Any], Any]) -> dict[str, int]:
 
 
 def _vertical_slash_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    """Half the draws keep few lines and force none, so the lines the estimate picks
+    (the planted ones of `strategies.draw_inputs(kinds=("lines",))`) decide the plan
+    and the index meets lines on block edges without the diagonal blocks hiding them."""
     from hypothesis import strategies as st
 
     params: dict[str, Any] = _minference_blocks(draw)
-    params["vertical_size"] = draw(st.integers(1, seqlen + 8))
-    params["slash_size"] = draw(st.integers(1, seqlen + 8))
+    few = bool(draw(st.booleans()))
+    top = 6 if few else seqlen + 8
+    params["vertical_size"] = draw(st.integers(1, top))
+    params["slash_size"] = draw(st.integers(1, min(top, 4) if few else top))
     # last_q > N means every query; 64 is MInference's value. The reference holds the
     # float64 [last_q, N] estimate per head, so "every query" is drawn at N <= 1024 only.
+    # 15 .. 65: around the estimate kernels' row tiles (16 to 64 rows).
     everything = [seqlen, seqlen + 7] if seqlen <= 1024 else [1000]
-    params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything]))
-    params["init_columns"] = draw(st.sampled_from([0, 1, 5, 30]))
-    params["local_diagonals"] = draw(st.sampled_from([0, 1, 7, 100]))
+    params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything, 15, 17, 33, 63, 65]))
+    params["init_columns"] = draw(st.sampled_from([0, 0] if few else [0, 1, 5, 30]))
+    params["local_diagonals"] = draw(st.sampled_from([0, 0, 1] if few else [0, 1, 7, 100]))
     return params
+
+
+def _vertical_slash_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                             params: dict[str, Any]) -> dict[str, Estimate]:
+    """Vertical and slash scores (Alg. 2 lines 2-6): sums of at most `last_q` probabilities."""
+    from ..fast.vertical_slash import vertical_slash_scores as fast_scores
+    from ..reference.vertical_slash import vertical_slash_scores as reference_scores
+
+    scores = fast_scores if impl_name == "fast" else reference_scores
+    last_q = int(params.get("last_q", 64))
+    vertical, slash = scores(q, k, last_q=last_q, scale=params.get("scale"))
+    rows = min(last_q, q.shape[2])
+    return {"vertical": Estimate(vertical, terms=rows, bound=1.0),
+            "slash": Estimate(slash, terms=rows, bound=1.0)}
 
 
 def _vertical_slash_demo(n: int) -> dict[str, Any]:
@@ -219,11 +267,33 @@ def _block_sparse_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
 
     block_size = draw(st.sampled_from([16, 32, 48, 64, 128]))
     blocks = -(-seqlen // block_size)
-    return {"block_size": block_size, "top_k": draw(st.integers(1, blocks + 2))}
+    # top_k at its edges half the time: one block, two, all but one, all, past all.
+    edge = [1, 2, max(1, blocks - 1), blocks, blocks + 1]
+    top_k = draw(st.sampled_from(edge)) if draw(st.booleans()) else draw(st.integers(1, blocks + 2))
+    return {"block_size": block_size, "top_k": top_k}
+
+
+def _block_sparse_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                           params: dict[str, Any]) -> dict[str, Estimate]:
+    """Mean-pooled queries and keys (Alg. 3 lines 2-3): means of `block_size` values."""
+    from ..fast.block_sparse import mean_pooling as fast_pooling
+    from ..reference.block_sparse import mean_pooling as reference_pooling
+
+    pooling = fast_pooling if impl_name == "fast" else reference_pooling
+    bs = int(params.get("block_size", 64))
+    terms = min(bs, q.shape[2])
+    return {"q_pooled": Estimate(pooling(q, bs), terms=terms, bound=_max_abs(q)),
+            "k_pooled": Estimate(pooling(k, bs), terms=terms, bound=_max_abs(k))}
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    finite = x[torch.isfinite(x)]
+    return float(finite.abs().max()) if finite.numel() else 0.0
 
 
 def _a_shape_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
-    return {**_minference_blocks(draw), **_sink_window(draw, seqlen)}
+    blocks = _minference_blocks(draw)
+    return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"])}
 
 
 register(MethodSpec(
@@ -236,6 +306,8 @@ register(MethodSpec(
     demo_params=_vertical_slash_demo,
     exact_plans=False,
     tie_check=vertical_slash_tie_check,
+    estimate=_vertical_slash_estimate,
+    input_kinds=("lines", "normal", "lattice"),
     notes="MInference vertical-slash: last_q estimate, top-k columns and diagonals, Alg. 4 index",
     sweep=lambda n: [{"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f)}
                      for f in (256, 128, 64, 32, 16, 8)],
@@ -251,6 +323,8 @@ register(MethodSpec(
     demo_params=lambda n: {"top_k": 100 if n >= 32768 else max(2, n // 512)},
     exact_plans=False,
     tie_check=block_sparse_tie_check,
+    estimate=_block_sparse_estimate,
+    input_kinds=("normal", "lattice", "runs", "lines"),
     notes="MInference block-sparse: mean-pooled block scores, top-k key blocks per query block",
     sweep=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (32, 16, 8, 4, 2)],
 ))
@@ -273,13 +347,15 @@ def _delta_kv_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
 
     metric = draw(st.sampled_from(["euclidean", "cosine"]))
     if metric == "euclidean":
-        # 0 drops only identical neighbours; 1e3 leaves one anchor per chunk.
-        threshold = draw(st.sampled_from([0.0, 2.0, 4.0, 6.0, 1e3]))
+        # 0 drops only identical neighbours; 1e3 leaves one anchor per chunk; 0.5, 1 and 2
+        # are distances the "runs" inputs hit exactly.
+        threshold = draw(st.sampled_from([0.0, 2.0, 0.5, 1.0, 4.0, 6.0, 1e3]))
     else:
+        # 0.5: the "runs" inputs' cosine-1/2 twins sit exactly on it; 0: orthogonal keys.
         threshold = draw(st.sampled_from([-1.0, 0.0, 0.5, 0.8, 0.95, 1.0]))
     return {
         "threshold": threshold, "metric": metric,
-        "chunk": draw(st.sampled_from([1, 7, 16, 64, 512])),
+        "chunk": draw(st.sampled_from([1, 7, 16, 64, 512, 15, 17, 63, 65])),
         "block_m": draw(st.sampled_from([16, 32, 64])),
         "block_n": draw(st.sampled_from([16, 32, 64])),
         "count_weighted": draw(st.sampled_from([True, True, False])),
@@ -302,6 +378,7 @@ def _register_delta_kv() -> None:
         golden=delta_golden,
         structure_check=delta_structure_check,
         view=delta_view,
+        input_kinds=("runs", "normal", "lattice"),
         sweep=lambda n: [{"threshold": t, "metric": "cosine"} for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
     ))
 
