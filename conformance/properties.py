@@ -519,7 +519,7 @@ def _method_inputs(
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=spec.input_kinds,
                                 blocks=blocks)
     limits, limits_what = draw_limits(draw, caps)
-    return q, k, v, params, f"{spec.name} {what} params={params} {limits_what}", limits
+    return q, k, v, spec.call_params(params, q), f"{spec.name} {what} params={params} {limits_what}", limits
 
 
 def _need(spec: MethodSpec | None) -> MethodSpec:

@@ -14,7 +14,12 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from .ties import block_sparse_tie_check, vertical_slash_tie_check
+from .ties import (
+    anchor_attention_tie_check,
+    block_sparse_tie_check,
+    sample_attention_tie_check,
+    vertical_slash_tie_check,
+)
 from .tolerance import Estimate
 
 PlanFn = Callable[..., BlockColumnPlan]
@@ -75,6 +80,9 @@ class MethodSpec:
         tie the plan property forgives. None: the method has no such stage.
     input_kinds: the structured inputs its properties draw (`strategies.INPUT_KINDS`),
         the first one most often.
+    prepare: `(params, q) -> call parameters` for a method whose parameters depend on
+        the input's shape (MInference's per-head config needs Hq): drawn, demo and sweep
+        parameters go through `call_params` before every call. None: unchanged.
     """
 
     name: str
@@ -93,6 +101,7 @@ class MethodSpec:
     sweep: Callable[[int], list[dict[str, Any]]] | None = None
     estimate: Callable[[str, torch.Tensor, torch.Tensor, dict[str, Any]], dict[str, Estimate]] | None = None
     input_kinds: tuple[str, ...] = ("normal", "lines", "lattice", "runs")
+    prepare: Callable[[dict[str, Any], torch.Tensor], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if (self.reference_plan is None) != (self.fast_plan is None):
@@ -100,6 +109,10 @@ class MethodSpec:
         if self.reference_plan is None and (self.golden is None or self.structure_check is None
                                             or self.view is None):
             raise ValueError(f"{self.name}: a method without plans needs golden, structure_check and view")
+
+    def call_params(self, params: Mapping[str, Any], q: torch.Tensor) -> dict[str, Any]:
+        """The keyword arguments of a call on `q` (`prepare` applied, if any)."""
+        return dict(params) if self.prepare is None else self.prepare(dict(params), q)
 
     @property
     def plan_based(self) -> bool:
@@ -224,9 +237,14 @@ def _vertical_slash_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str,
     """Half the draws keep few lines and force none, so the lines the estimate picks
     (the planted ones of `strategies.draw_inputs(kinds=("lines",))`) decide the plan
     and the index meets lines on block edges without the diagonal blocks hiding them."""
+    return {**_minference_blocks(draw), **_vertical_slash_lines(draw, seqlen)}
+
+
+def _vertical_slash_lines(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    """The line parameters of vertical-slash (and of MInference's vertical-slash heads)."""
     from hypothesis import strategies as st
 
-    params: dict[str, Any] = _minference_blocks(draw)
+    params: dict[str, Any] = {}
     few = bool(draw(st.booleans()))
     top = 6 if few else seqlen + 8
     params["vertical_size"] = draw(st.integers(1, top))
@@ -266,11 +284,16 @@ def _block_sparse_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
     from hypothesis import strategies as st
 
     block_size = draw(st.sampled_from([16, 32, 48, 64, 128]))
+    return {"block_size": block_size, "top_k": _block_sparse_top_k(draw, seqlen, block_size)}
+
+
+def _block_sparse_top_k(draw: Callable[[Any], Any], seqlen: int, block_size: int) -> int:
+    """top_k at its edges half the time: one block, two, all but one, all, past all."""
+    from hypothesis import strategies as st
+
     blocks = -(-seqlen // block_size)
-    # top_k at its edges half the time: one block, two, all but one, all, past all.
     edge = [1, 2, max(1, blocks - 1), blocks, blocks + 1]
-    top_k = draw(st.sampled_from(edge)) if draw(st.booleans()) else draw(st.integers(1, blocks + 2))
-    return {"block_size": block_size, "top_k": top_k}
+    return int(draw(st.sampled_from(edge)) if draw(st.booleans()) else draw(st.integers(1, blocks + 2)))
 
 
 def _block_sparse_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
@@ -342,6 +365,73 @@ register(MethodSpec(
 ))
 
 
+def _anchor_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _minference_blocks(draw)
+    blocks = -(-seqlen // params["block_m"])
+    # theta: 0 (only keys at least as strong as the pooled anchor), typical, and so
+    # large that every search key is kept; step: one block, a few, more than exist.
+    params["theta"] = draw(st.sampled_from([0.0, 1.0, 4.0, 12.0, 1e9]))
+    params["step"] = draw(st.sampled_from([1, 1, 2, 3, 16, blocks, blocks + 1]))
+    return params
+
+
+def _anchor_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                     params: dict[str, Any]) -> dict[str, Estimate]:
+    """The anchors `x_a` (Equation 1, row maxima of D-term dot products), their block means
+    and the pooled queries (Alg. 2 lines 1-2): the numbers compared with theta."""
+    from ..fast.anchor_attention import anchor_maxima
+    from ..fast.kernels.anchor_stripes import pooled_anchor as fast_pooled_anchor
+    from ..fast.kernels.anchor_stripes import pooled_queries
+    from ..reference._checks import resolve_scale
+    from ..reference.anchor_attention import anchor_blocks, anchor_scores, pooled_anchor
+    from ..reference.block_sparse import mean_pooling
+
+    step, bm, bn = int(params.get("step", 16)), int(params.get("block_m", 128)), int(params.get("block_n", 128))
+    scale = resolve_scale(params.get("scale"), q.shape[-1])
+    if impl_name == "fast":
+        x_a = anchor_maxima(q, k, step=step, block_m=bm, block_n=bn, scale=scale)
+        a_mean = fast_pooled_anchor(x_a, bm)
+        hi, lo = pooled_queries(q, bm, k.dtype)
+        q_mean = hi.to(torch.float32) + lo.to(torch.float32)
+    else:
+        blocks = anchor_blocks(q.shape[2], step=step, block_m=bm, block_n=bn, device=q.device)
+        x_a = anchor_scores(q, k, blocks, block_n=bn, block_m=bm, scale=scale)
+        a_mean = pooled_anchor(x_a, bm)
+        q_mean = mean_pooling(q, bm)
+    d = q.shape[-1]
+    logit = scale * _max_abs(q) * _max_abs(k)  # largest |scale q_d k_d|
+    rows = min(bm, q.shape[2])
+    return {"anchor": Estimate(x_a, terms=d, bound=logit),
+            "anchor_mean": Estimate(a_mean, terms=d + rows, bound=max(logit, _max_abs(x_a))),
+            "q_mean": Estimate(q_mean, terms=rows, bound=_max_abs(q))}
+
+
+def _anchor_demo(n: int) -> dict[str, Any]:
+    # The paper's theta and blocks; step 16 from 16K on, smaller below so that a
+    # prompt has at least 8 groups (one group is all window, hence dense).
+    return {"step": max(1, min(16, -(-n // 128) // 8))}
+
+
+register(MethodSpec(
+    name="anchor_attention",
+    reference_plan=reference.anchor_attention_plan,
+    fast_plan=fast.anchor_attention_plan,
+    reference_run=reference.anchor_attention,
+    fast_run=fast.anchor_attention,
+    params=_anchor_params,
+    demo_params=_anchor_demo,
+    exact_plans=False,
+    tie_check=anchor_attention_tie_check,
+    estimate=_anchor_estimate,
+    input_kinds=("normal", "lattice", "lines"),
+    notes="AnchorAttention: initial block + group window as anchor, difference-aware stripes "
+          "per group of step query blocks, stripe pass resuming the anchor state",
+    sweep=lambda n: [{**_anchor_demo(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
+))
+
+
 def _delta_kv_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     from hypothesis import strategies as st
 
@@ -384,3 +474,141 @@ def _register_delta_kv() -> None:
 
 
 _register_delta_kv()
+
+
+def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    alpha = st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.95, 1.0]), st.floats(0.0, 1.0))
+    return {
+        "alpha_c": draw(alpha),
+        "alpha_s": draw(alpha),
+        # seqlen + 5 chunks: more chunks than rows, so every row is sampled.
+        "chunk_n": draw(st.sampled_from([1, 2, 3, 4, 7, seqlen + 5])),
+        "block_size": draw(st.sampled_from([16, 32, 48, 64, 128])),
+    }
+
+
+def _sample_attention_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                               params: dict[str, Any]) -> dict[str, Estimate]:
+    """Column and slash block scores of the sampled rows (Alg. 1 lines 1-4): sums of
+    probabilities, at most one per sampled row."""
+    from ..fast.sample_attention import sample_attention_scores as fast_scores
+    from ..reference.sample_attention import resolve_params, sampled_rows
+    from ..reference.sample_attention import sample_attention_scores as reference_scores
+
+    n, bs = q.shape[2], int(params.get("block_size", 128))
+    _, _, chunk_n = resolve_params(n, alpha_c=params.get("alpha_c"), alpha_s=params.get("alpha_s"),
+                                   chunk_n=params.get("chunk_n"), block_size=bs,
+                                   settings=params.get("settings"))
+    scores = fast_scores if impl_name == "fast" else reference_scores
+    column, slash = scores(q, k, chunk_n=chunk_n, block_size=bs, scale=params.get("scale"))
+    rows = sum(stop - start for start, stop in sampled_rows(n, chunk_n, bs))
+    return {"column": Estimate(column, terms=rows, bound=1.0),
+            "slash": Estimate(slash, terms=rows, bound=1.0)}
+
+
+register(MethodSpec(
+    name="sample_attention",
+    reference_plan=reference.sample_attention_plan,
+    fast_plan=fast.sample_attention_plan,
+    reference_run=reference.sample_attention,
+    fast_run=fast.sample_attention,
+    params=_sample_attention_params,
+    # Section 5.4's 32K setting; 64-token blocks below 4K so short prompts keep several blocks.
+    demo_params=lambda n: {"alpha_c": 0.95, "alpha_s": 0.95, "chunk_n": 1,
+                           "block_size": 128 if n >= 4096 else 64},
+    exact_plans=False,
+    tie_check=sample_attention_tie_check,
+    estimate=_sample_attention_estimate,
+    input_kinds=("normal", "lattice", "lines"),
+    notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
+    sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
+))
+
+
+def _minference_patterns(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    """1-3 head patterns with one pair of block sizes (Hypothesis); `prepare` assigns them
+    to the query heads in turn."""
+    from hypothesis import strategies as st
+
+    from ..reference.minference import HeadPattern
+
+    bm = draw(st.sampled_from([16, 32, 64]))
+    bn = draw(st.sampled_from([16, 32, 64]))
+    kinds = ["a_shape", "vertical_slash"] + (["block_sparse"] if bm == bn else [])
+    patterns = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(kinds))
+        if kind == "a_shape":
+            params = {**_sink_window(draw, seqlen, bn), "block_m": bm, "block_n": bn}
+        elif kind == "vertical_slash":
+            params = {**_vertical_slash_lines(draw, seqlen), "block_m": bm, "block_n": bn}
+        else:
+            params = {"top_k": _block_sparse_top_k(draw, seqlen, bm), "block_size": bm}
+        patterns.append(HeadPattern(kind, params))
+    # block_m / block_n are hints for the strategies' cost cap; `prepare` drops them.
+    return {"patterns": tuple(patterns), "block_m": bm, "block_n": bn}
+
+
+def _minference_demo(n: int) -> dict[str, Any]:
+    from ..reference.minference import HeadPattern
+
+    vs = _vertical_slash_demo(n)
+    return {"patterns": (
+        HeadPattern("vertical_slash", {**vs, "block_m": 64, "block_n": 64}),
+        HeadPattern("a_shape", {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8)),
+                                "block_m": 64, "block_n": 64}),
+        HeadPattern("block_sparse", {"top_k": 100 if n >= 32768 else max(2, n // 512), "block_size": 64}),
+    )}
+
+
+def _minference_prepare(params: dict[str, Any], q: torch.Tensor) -> dict[str, Any]:
+    """Pattern `h % len(patterns)` for query head `h`: a one-layer `MInferenceConfig`."""
+    from ..reference.minference import MInferenceConfig
+
+    patterns = tuple(params["patterns"])
+    heads = tuple(patterns[h % len(patterns)] for h in range(int(q.shape[1])))
+    return {"config": MInferenceConfig((heads,)), "layer": 0}
+
+
+def _minference_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                         params: dict[str, Any]) -> dict[str, Estimate]:
+    """The estimates of every distinct vertical-slash and block-sparse pattern of the
+    layer, as MInference's dispatch runs them (on all heads), named `<pattern #>.<part>`."""
+    heads = params["config"].layer(int(params.get("layer", 0)))
+    out: dict[str, Estimate] = {}
+    seen: dict[Any, int] = {}
+    for head in heads:
+        if head.key() in seen or head.pattern not in ("vertical_slash", "block_sparse"):
+            continue
+        seen[head.key()] = len(seen)
+        pattern_params = {**head.params, "scale": params.get("scale")}
+        part = (_vertical_slash_estimate if head.pattern == "vertical_slash" else _block_sparse_estimate)(
+            impl_name, q, k, pattern_params)
+        out.update({f"{seen[head.key()]}.{head.pattern}.{name}": est for name, est in part.items()})
+    return out
+
+
+def _register_minference() -> None:
+    from .ties import minference_tie_check
+
+    register(MethodSpec(
+        name="minference",
+        reference_plan=reference.minference_plan,
+        fast_plan=fast.minference_plan,
+        reference_run=reference.minference,
+        fast_run=fast.minference,
+        params=_minference_patterns,
+        demo_params=_minference_demo,
+        exact_plans=False,
+        tie_check=minference_tie_check,
+        notes="MInference per-head dispatch: each head its own pattern (vertical-slash, A-shape, "
+              "block-sparse), one merged plan, one kernel launch",
+        prepare=_minference_prepare,
+        estimate=_minference_estimate,
+        input_kinds=("lines", "normal", "lattice"),
+    ))
+
+
+_register_minference()

@@ -13,6 +13,16 @@ only reason a fast plan differs: it raises AssertionError otherwise.
 * block-sparse: every query block keeps its diagonal and `min(top_k, i + 1)`
   causal blocks, and no dropped block beats a kept one by more than
   `block_tolerance` in the float64 pooled scores.
+* anchor attention (thresholds, not top-k): the anchor blocks must be exactly
+  Alg. 1's, and a stripe key may differ between the plans only where, for some
+  query block of its group, the float64 difference `avgpool(x_a) - s` lies within
+  `anchor_margin` of `theta`.
+* sample-attention: the fast plan must be exactly `merge_index` of the fast
+  selection (`fast.sample_attention.sample_attention_selection`), and each kept
+  set (column blocks, block diagonals) must be a threshold top-k of the float64
+  scores up to `sample_tolerance`: no dropped score above a kept one, the kept mass
+  reaching `alpha` of the total, and the set minimal (without its smallest score
+  it would not reach `alpha`), each within that tolerance.
 """
 
 from __future__ import annotations
@@ -21,9 +31,27 @@ from typing import Any
 
 import torch
 
+from ..fast.sample_attention import sample_attention_selection as fast_selection
 from ..fast.vertical_slash import vertical_slash_lines as fast_lines
+from ..reference._checks import resolve_scale
+from ..reference.anchor_attention import (
+    STEP,
+    THETA,
+    anchor_blocks,
+    anchor_scores,
+    group_stripes,
+    pooled_anchor,
+    search_region,
+    stripe_scores,
+)
 from ..reference.block_sparse import block_scores, mean_pooling
-from ..reference.plan import BlockColumnPlan, rank_nan_last
+from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
+from ..reference.sample_attention import (
+    merge_index,
+    resolve_params,
+    sample_attention_scores,
+    sampled_rows,
+)
 from ..reference.vertical_slash import (
     INIT_COLUMNS,
     LOCAL_DIAGONALS,
@@ -46,6 +74,16 @@ def block_tolerance(scores: torch.Tensor) -> float:
     """Largest fp32-vs-float64 difference of pooled block scores (relative 1e-4)."""
     finite = scores[torch.isfinite(scores)]
     return 1e-4 * (1.0 + (float(finite.abs().max()) if finite.numel() else 0.0))
+
+
+def sample_tolerance(rows: int) -> float:
+    """Largest fp32-vs-float64 difference of sampled block scores (and of their sums).
+
+    Scores of one kind sum `rows` probabilities (each sampled row has mass 1); the
+    fast scores differed by at most 3.5e-6 in total with 63 rows (interpreter, fp16,
+    |q| x 2), so 1e-5 per row leaves ~180x margin.
+    """
+    return 1e-5 * rows
 
 
 def _fail(message: str) -> AssertionError:
@@ -145,3 +183,186 @@ def block_sparse_tie_check(
         at = tuple(int(i) for i in (gap > tol).nonzero()[0].tolist())
         raise _fail(f"blocks at (b, h, query block) {at}: a dropped score exceeds a kept one by "
                     f"{float(gap[at]):.3g} > {tol:.3g}")
+
+
+# Relative error budget of the fast anchor path's decision quantity (see `anchor_margin`).
+ANCHOR_RELATIVE_MARGIN = 2.0**-12
+
+
+def anchor_margin(
+    q: torch.Tensor, k: torch.Tensor, anchor_mean: torch.Tensor, q_mean: torch.Tensor, *,
+    block_m: int, scale: float,
+) -> torch.Tensor:
+    """How far the fast path's `avgpool(x_a) - s` may be from the float64 one: `[B, Hq, Qb, N]`.
+
+    `2**-12 * (1 + |avgpool(x_a)_i| + scale * (sum_d |avgpool(Q)_id k_jd|
+    + max_r |q_r| max_j |k_j|))`, rows `r` of query block `i`, keys `j` of the head.
+    The fast errors it covers, all far below 2**-12 relative: the anchors are the
+    kernel's fp32 running max of fp32-accumulated products of 16-bit inputs (about
+    `D * 2**-24` of `scale |q_r| |k_j|`, plus a few ulps of the log2/ln conversion);
+    the pooled means are fp32 sums; the pooled query enters the dot product as two
+    16-bit parts (2**-16 of it for bf16, 2**-22 for fp16) with fp32 accumulation.
+    """
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qb = q_mean.shape[2]
+    k64 = k.to(torch.float64)
+    abs_dot = torch.matmul(q_mean.abs().reshape(b, hkv, g, qb, d),
+                           k64.abs().unsqueeze(2).transpose(-1, -2)).reshape(b, hq, qb, n)
+    q_norm = torch.zeros(b, hq, qb * block_m, dtype=torch.float64, device=q.device)
+    q_norm[:, :, :n] = q.to(torch.float64).norm(dim=-1)
+    row_max = q_norm.reshape(b, hq, qb, block_m).amax(dim=-1)
+    k_max = k64.norm(dim=-1).amax(dim=-1).repeat_interleave(g, dim=1)  # [B, Hq]
+    bound: torch.Tensor = 1.0 + anchor_mean.abs() + scale * row_max * k_max[:, :, None]
+    margin: torch.Tensor = ANCHOR_RELATIVE_MARGIN * (bound.unsqueeze(-1) + scale * abs_dot)
+    return margin
+
+
+def anchor_attention_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of anchor attention (see the module doc)."""
+    from ..reference.block_sparse import mean_pooling
+
+    theta = float(params.get("theta", THETA))
+    step = int(params.get("step", STEP))
+    bm, bn = int(params.get("block_m", 128)), int(params.get("block_n", 128))
+    q, k = q.cpu(), k.cpu()
+    scale = resolve_scale(params.get("scale"), q.shape[-1])
+    got = got.to("cpu").validate()
+    n = q.shape[2]
+    if got.column_group != step or not got.columns_disjoint:
+        raise _fail(f"column_group {got.column_group} (want step={step}), columns_disjoint "
+                    f"{got.columns_disjoint} (want True)")
+    blocks = anchor_blocks(n, step=step, block_m=bm, block_n=bn)
+    if not torch.equal(got.block_mask(), blocks.expand_as(got.block_mask())):
+        raise _fail("the anchor blocks are not Alg. 1's")
+    # Every query block reads its group's whole list.
+    qb = cdiv(n, bm)
+    groups = cdiv(qb, step)
+    owner = torch.arange(qb) // step
+    lists = got.column_index.to(torch.int64)
+    width = lists.shape[-1]
+    group_count = torch.zeros(*got.column_count.shape[:2], groups, dtype=torch.int32)
+    group_count.scatter_reduce_(2, owner.expand_as(got.column_count), got.column_count, "amax")
+    if not torch.equal(got.column_count, group_count[:, :, owner]):
+        raise _fail("the query blocks of a group do not all read their group's whole stripe list")
+    valid = torch.arange(width) < group_count.unsqueeze(-1)
+    got_sets = torch.zeros(*group_count.shape, n + 1, dtype=torch.bool)
+    got_sets.scatter_(3, torch.where(valid, lists, n), True)
+    got_sets = got_sets[..., :n]
+    # Float64 decision quantities of the reference.
+    x_a = anchor_scores(q, k, blocks, block_n=bn, block_m=bm, scale=scale)
+    anchor_mean = pooled_anchor(x_a, bm)
+    q_mean = mean_pooling(q, bm)
+    diff = anchor_mean.unsqueeze(-1) - stripe_scores(q_mean, k, scale=scale)
+    region = search_region(n, step=step, block_m=bm, block_n=bn)
+    ref_sets = group_stripes(diff <= theta, region, step=step)
+    near = (diff - theta).abs() <= anchor_margin(q, k, anchor_mean, q_mean, block_m=bm, scale=scale)
+    near_sets = group_stripes(near, region, step=step)
+    bad = (ref_sets != got_sets) & ~near_sets
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        b, h, grp, j = at
+        rows = slice(grp * step, min(qb, (grp + 1) * step))
+        closest = float((diff[b, h, rows, j] - theta).abs().min())
+        raise _fail(f"stripe key {j} of group {grp} at (b, h) {(b, h)}: reference keeps it "
+                    f"{bool(ref_sets[at])}, fast {bool(got_sets[at])}; the nearest difference is "
+                    f"{closest:.3g} from theta={theta} (beyond the margin)")
+def check_threshold_topk(
+    scores: torch.Tensor, kept: torch.Tensor, *, alpha: float, tolerance: float, what: str
+) -> None:
+    """`kept` is a SampleAttention threshold top-k of `scores` (Alg. 1 lines 6-9), up to ties.
+
+    Args:
+        scores: float `[B, H, L]`, non-negative. kept: bool `[B, H, L]`.
+        alpha: the CRA threshold. tolerance: the allowed error of a score or a sum.
+        what: name for messages.
+
+    Raises:
+        AssertionError: a dropped score above a kept one, a kept mass below
+            `alpha * total`, or a kept set that still reaches `alpha` without its
+            smallest score, each by more than `tolerance`.
+    """
+    x = scores.to(torch.float64).cpu()
+    keep = kept.cpu().bool()
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    total = x.sum(dim=-1)
+    mass = torch.where(keep, x, 0.0).sum(dim=-1)
+    lowest_kept = torch.where(keep, x, inf).amin(dim=-1)
+    highest_dropped = torch.where(~keep, x, -inf).amax(dim=-1)
+    checks = (
+        (highest_dropped - lowest_kept > tolerance, "a dropped score exceeds a kept one"),
+        (mass < alpha * total - tolerance, f"the kept mass does not reach alpha={alpha}"),
+        (keep.any(dim=-1) & (mass - lowest_kept >= alpha * total + tolerance),
+         f"the kept set reaches alpha={alpha} without its smallest score (not minimal)"),
+    )
+    for bad, message in checks:
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise _fail(f"{what} at (b, h) {at}: {message} (kept mass {float(mass[at]):.6g} of "
+                        f"{float(total[at]):.6g}, tolerance {tolerance:.3g})")
+
+
+def sample_attention_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of sample-attention (see the module doc)."""
+    del expected
+    n = q.shape[2]
+    block_size = int(params.get("block_size", 128))
+    columns, slashes = fast_selection(q, k, **params)
+    rebuilt = merge_index(columns.cpu(), slashes.cpu(), seqlen=n, block_size=block_size)
+    if not rebuilt.equal(got.to("cpu")):
+        raise _fail("the fast plan is not merge_index of the fast selection")
+    alpha_c, alpha_s, chunk_n = resolve_params(
+        n, alpha_c=params.get("alpha_c"), alpha_s=params.get("alpha_s"), chunk_n=params.get("chunk_n"),
+        block_size=block_size, settings=params.get("settings"))
+    column, slash = sample_attention_scores(q, k, chunk_n=chunk_n, block_size=block_size,
+                                            scale=params.get("scale"))
+    rows = sum(stop - start for start, stop in sampled_rows(n, chunk_n, block_size))
+    tol = sample_tolerance(rows)
+    check_threshold_topk(column, columns, alpha=alpha_c, tolerance=tol, what="column blocks")
+    check_threshold_topk(slash, slashes, alpha=alpha_s, tolerance=tol, what="slash blocks")
+
+
+def _head(plan: BlockColumnPlan, h: int) -> BlockColumnPlan:
+    """Query head `h` of a plan (a one-head plan over the same sizes)."""
+    return BlockColumnPlan(
+        seqlen=plan.seqlen, block_m=plan.block_m, block_n=plan.block_n,
+        block_count=plan.block_count[:, h:h + 1], block_index=plan.block_index[:, h:h + 1],
+        column_count=plan.column_count[:, h:h + 1], column_index=plan.column_index[:, h:h + 1],
+        columns_disjoint=plan.columns_disjoint, column_group=plan.column_group,
+    )
+
+
+def minference_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of MInference's dispatch: head by head, its own pattern's check.
+
+    A-shape heads must be equal exactly; vertical-slash and block-sparse heads may differ
+    only as `vertical_slash_tie_check` / `block_sparse_tie_check` allow.
+    """
+    heads = params["config"].layer(int(params.get("layer", 0)))
+    group = q.shape[1] // k.shape[1]
+    got = got.to(expected.device)
+    for h, pattern in enumerate(heads):
+        exp_h, got_h = _head(expected, h), _head(got, h)
+        if exp_h.equal(got_h):
+            continue
+        q_h, k_h = q[:, h:h + 1], k[:, h // group:h // group + 1]
+        where = f"head {h} ({pattern.pattern})"
+        if pattern.pattern == "vertical_slash":
+            try:
+                vertical_slash_tie_check(q_h, k_h, dict(pattern.params), exp_h, got_h)
+            except AssertionError as err:
+                raise _fail(f"{where}: {err}") from err
+        elif pattern.pattern == "block_sparse":
+            try:
+                block_sparse_tie_check(q_h, k_h, dict(pattern.params), exp_h, got_h)
+            except AssertionError as err:
+                raise _fail(f"{where}: {err}") from err
+        else:
+            raise _fail(f"{where}: A-shape plans must be equal")

@@ -9,7 +9,9 @@ from ..reference.minference import HeadPattern, MInferenceConfig, SearchResult
 from ..reference.attention import AttentionState
 from ..reference.delta_kv import PackedKV
 from ..reference.plan import BlockColumnPlan
+from ..reference.sample_attention import SampleAttentionSettings
 from .a_shape import a_shape, a_shape_plan
+from .anchor_attention import anchor_attention, anchor_attention_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
@@ -23,6 +25,7 @@ from .delta_kv import (
 )
 from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
+from .sample_attention import sample_attention, sample_attention_plan
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
@@ -32,9 +35,12 @@ __all__ = [
     "HeadPattern",
     "MInferenceConfig",
     "PackedKV",
+    "SampleAttentionSettings",
     "SearchResult",
     "a_shape",
     "a_shape_plan",
+    "anchor_attention",
+    "anchor_attention_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",
@@ -51,6 +57,8 @@ __all__ = [
     "minference_plan",
     "recall",
     "relative_error",
+    "sample_attention",
+    "sample_attention_plan",
     "search_patterns",
     "sparse_attention",
     "streaming",

@@ -4,6 +4,7 @@
 """
 
 from .a_shape import a_shape, a_shape_plan
+from .anchor_attention import anchor_attention, anchor_attention_plan
 from .attention import AttentionState, attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .dense import dense, dense_plan
@@ -26,6 +27,7 @@ from .minference import (
     search_patterns,
 )
 from .plan import BlockColumnPlan
+from .sample_attention import SampleAttentionSettings, sample_attention, sample_attention_plan
 from .streaming import streaming, streaming_plan
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
@@ -35,9 +37,12 @@ __all__ = [
     "HeadPattern",
     "MInferenceConfig",
     "PackedKV",
+    "SampleAttentionSettings",
     "SearchResult",
     "a_shape",
     "a_shape_plan",
+    "anchor_attention",
+    "anchor_attention_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",
@@ -54,6 +59,8 @@ __all__ = [
     "minference_plan",
     "recall",
     "relative_error",
+    "sample_attention",
+    "sample_attention_plan",
     "search_patterns",
     "sparse_attention",
     "streaming",

@@ -95,6 +95,7 @@ def save_mask_figure(
     *,
     title: str | None = None,
     columns: int = 4,
+    seqlen: int | None = None,
 ) -> Path:
     """Draw kept-share images side by side and save them as a PNG.
 
@@ -103,6 +104,7 @@ def save_mask_figure(
         path: where to write the PNG; parent folders are created.
         title: figure title, or None.
         columns: panels per row.
+        seqlen: N, to label the axes in token positions (pixel indices otherwise).
 
     Returns:
         The path written.
@@ -128,10 +130,14 @@ def save_mask_figure(
         ax.imshow(np.ma.masked_invalid(image), cmap=cmap, vmin=0.0, vmax=1.0,
                   interpolation="nearest")
         ax.set_title(name, fontsize=9)
-        ax.set_xlabel("key")
-        ax.set_ylabel("query")
-        ax.set_xticks([])
-        ax.set_yticks([])
+        ax.set_xlabel("key position")
+        ax.set_ylabel("query position")
+        pixels = image.shape[0]
+        ticks = np.linspace(0, pixels - 1, 3)
+        labels = [str(int(round(t * (seqlen or pixels) / pixels))) for t in ticks]
+        labels[-1] = str(seqlen if seqlen is not None else pixels)
+        ax.set_xticks(ticks, labels, fontsize=7)
+        ax.set_yticks(ticks, labels, fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if title:

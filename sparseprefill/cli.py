@@ -53,6 +53,8 @@ COMMANDS: tuple[Command, ...] = (
             "sparseprefill.bench"),
     Command("search", "offline kernel-aware MInference pattern search (Alg. 1); writes a JSON config",
             "sparseprefill.search"),
+    Command("tune", "offline SampleAttention tuning per length range (Table 6); writes a settings JSON",
+            "sparseprefill.tune"),
     Command("eval", "accuracy on a real model (SmolLM2): q/k/v capture, method table, passkey, perplexity",
             "sparseprefill.evaluate"),
     Command("compare", "every method's knob sweep on the same attention: recall, density, error, speed vs the oracle",

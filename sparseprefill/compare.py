@@ -80,7 +80,7 @@ def measure(
     from . import reference
 
     start = time.perf_counter()
-    params = dict(params)
+    params = spec.call_params(params, q)
     out = spec.run_fn(backend)(q, k, v, **params, scale=scale)
     view = spec.method_view(backend, q, k, v, params, scale=scale)
     per_head = None if view.recall is None else view.recall.double().mean(dim=-1)
@@ -170,13 +170,14 @@ def compare_synthetic(
         spec = METHODS[name]
         for params in sweep(spec, seqlen):
             point = measure(spec, params, q, k, v, exact, backend="fast", scale=None, source="synthetic")
-            e2e = bench._bench_ms(lambda: spec.fast_run(q, k, v, **params))
+            call = spec.call_params(params, q)
+            e2e = bench._bench_ms(lambda: spec.fast_run(q, k, v, **call))
             gpu = {"e2e_ms": e2e, "cudnn_ms": base.ms, "speedup_vs_cudnn": base.ms / e2e,
                    "floor_ms": point.density * base.ms}
             if spec.plan_based:
                 plan_fn = spec.plan_fn("fast")
-                plan = plan_fn(q, k, **params)
-                gpu["estimate_plan_ms"] = bench._bench_ms(lambda: plan_fn(q, k, **params))
+                plan = plan_fn(q, k, **call)
+                gpu["estimate_plan_ms"] = bench._bench_ms(lambda: plan_fn(q, k, **call))
                 gpu["kernel_ms"] = bench._bench_ms(lambda: fast.sparse_attention(q, k, v, plan))
                 del plan
             point.gpu = gpu

@@ -67,8 +67,8 @@ class Row:
 def default_shape(device: torch.device, seqlen: int | None) -> Shape:
     """The demo's sizes: small fp16 on CPU, a Llama-3-8B-like bf16 head set on GPU."""
     if device.type == "cuda":
-        return Shape(1, 32, 8, seqlen or GPU_SEQLEN, 128, torch.bfloat16)
-    return Shape(1, 4, 2, seqlen or CPU_SEQLEN, 64, torch.float16)
+        return Shape(1, 32, 8, GPU_SEQLEN if seqlen is None else seqlen, 128, torch.bfloat16)
+    return Shape(1, 4, 2, CPU_SEQLEN if seqlen is None else seqlen, 64, torch.float16)
 
 
 def _rotate(x: torch.Tensor, pos: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -171,9 +171,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: cuda if available, else cpu (fast kernels interpreted)")
     parser.add_argument("--methods", default=None,
                         help="comma-separated subset of the registered methods (default: all)")
-    parser.add_argument("--out", default="sparseprefill-demo.png", help="PNG of the masks")
-    parser.add_argument("--json", default=None, help="also write the table as JSON here")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--out", default="out/sparseprefill-demo.png",
+                        help="PNG of every method's plan for batch 0, head 0 (default "
+                             "out/sparseprefill-demo.png; out/ is git-ignored)")
+    parser.add_argument("--json", default=None, help="also write the table as JSON here (default: none)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -288,9 +290,13 @@ def run(args: argparse.Namespace) -> int:
     shape = default_shape(device, args.seqlen)
     names = list(METHODS) if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in names if m not in METHODS]
-    if shape.seqlen < 1 or unknown or not names:
-        print(f"sparseprefill demo: error: need --seqlen >= 1 (got {shape.seqlen}) and methods "
-              f"among {', '.join(METHODS)} (got {names})", file=sys.stderr)
+    if shape.seqlen < 1:
+        print(f"sparseprefill demo: error: --seqlen must be >= 1, got {shape.seqlen}", file=sys.stderr)
+        return 2
+    if unknown or not names:
+        what = f"unknown {', '.join(unknown)}" if unknown else "no method given"
+        print(f"sparseprefill demo: error: --methods: {what}; registered: {', '.join(METHODS)}",
+              file=sys.stderr)
         return 2
     n = shape.seqlen
     with_reference = n <= REFERENCE_MAX_SEQLEN
@@ -310,13 +316,13 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
 
     rows: list[Row] = []
-    panels = [("workload: attention, head 0\n(log scale, 1e-4 .. 1)",
+    panels = [("workload: attention of head 0\n(log scale, 1e-4 .. 1)",
                attention_image(q[0, 0], k[0, 0]))]
     started = time.perf_counter()
     failed = False
     for name in names:
         spec = METHODS[name]
-        params = spec.demo_params(n)
+        params = spec.call_params(spec.demo_params(n), q)
         ref_plan = None
         ref_view = None
         if with_reference:
@@ -358,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
             d0 = float(view.density[0, 0])
             if plan is not None:
                 what = f"recall {float(rec[0, 0].mean()):.3f}" if rec is not None else "exact keys shown"
-                panels.append((f"{name}\ndensity {d0:.1%}, {what}", plan_image(plan)))
+                panels.append((f"{name} (head 0)\ndensity {d0:.1%}, {what}", plan_image(plan)))
         except Exception as exc:
             failed = True
             rows.append(Row(name, backend, n, None, None, None, None, None, None, None,
@@ -381,7 +387,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"err vs full: relative L2 error against {golden_name}.")
     if with_reference:
         print("err vs ref64: against the same method's reference run in float64. "
-              "recall: float64 reference.recall of the row's plan (head mean / worst row).")
+              "recall mean: float64 reference.recall of the row's plan, mean over rows and heads; "
+              "recall min: the worst single query row of any head (a row whose mass lies in blocks "
+              "or lines the method did not pick: block_sparse with its small top_k at this N keeps "
+              "the diagonal block and one more, so a row that attends mostly to a sink or a slash "
+              "far back can keep only a few percent).")
     else:
         print("err vs ref64 and reference rows: skipped above N = "
               f"{REFERENCE_MAX_SEQLEN} (dense masks); recall: fast.recall (kernel lse).")
@@ -389,8 +399,9 @@ def run(args: argparse.Namespace) -> int:
           + ("median of 3 synchronised wall-clock runs after a warm-up (estimator + attention)." if device.type == "cuda"
              else "one wall-clock run; the fast kernels are interpreted on CPU, so their times "
                   "say nothing about speed."))
-    path = save_mask_figure(panels, args.out,
-                            title=f"batch 0, head 0, N = {n}: the workload, then every method's fast plan")
+    path = save_mask_figure(panels, args.out, seqlen=n,
+                            title=f"batch 0, head 0, N = {n}: the workload, then every method's fast plan "
+                                  "(panel titles: head 0's density and mean recall; the table: means over heads)")
     print(f"masks: {path}")
     if args.json:
         payload = {

@@ -245,7 +245,7 @@ def method_table(
         exact = reference.attention(q.double(), k.double(), v.double(), scale=scale)
         for name in methods:
             spec = METHODS[name]
-            params = method_params(name, n, overrides)
+            params = spec.call_params(method_params(name, n, overrides), q)
             start = time.perf_counter()
             if spec.plan_based:
                 plan = spec.plan_fn(backend)(q, k, **params)
@@ -463,17 +463,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help='JSON {"method": {params}} replacing the registry demo parameters')
         p.add_argument("--backend", choices=("fast", "reference"), default=None,
                        help="default: fast on CUDA, reference on CPU")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="default: cuda if available, else cpu")
         p.add_argument("--json", type=Path, default=None, help="also write the results here")
         if model:
             p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                            help="model dtype")
 
     p = sub.add_parser("capture", help="save post-RoPE q/k/v of some layers for a stdlib-text prompt")
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS))
-    p.add_argument("--out", type=Path, default=Path("out/qkv_smollm2_8k.pt"))
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--seqlen", type=int, default=8192, help="prompt tokens (default 8192)")
+    p.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS),
+                   help=f"attention layers to save (default {' '.join(map(str, DEFAULT_LAYERS))})")
+    p.add_argument("--out", type=Path, default=Path("out/qkv_smollm2_8k.pt"),
+                   help="output file (default out/qkv_smollm2_8k.pt)")
+    p.add_argument("--device", default="cpu", help="device the model runs on (default cpu)")
 
     p = sub.add_parser("table", help="density / recall / output error per method and captured layer")
     p.add_argument("--qkv", type=Path, default=Path("out/qkv_smollm2_8k.pt"))
@@ -481,15 +484,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common(p, model=False)
 
     p = sub.add_parser("passkey", help="passkey retrieval grid, dense vs each method, with a heatmap")
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
-    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000],
+                   help="prompt lengths in tokens (default 1024 2048 4096 8000)")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="relative depths of the passkey in the prompt (default 0 0.25 0.5 0.75 1)")
     p.add_argument("--trials", type=int, default=3, help="passkeys per cell")
-    p.add_argument("--png", type=Path, default=Path("out/passkey.png"))
+    p.add_argument("--png", type=Path, default=Path("out/passkey.png"),
+                   help="heatmap of accuracy per length and depth (default out/passkey.png)")
     common(p)
 
     p = sub.add_parser("ppl", help="perplexity of the last tokens of a long stdlib-text prompt")
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--last", type=int, default=1024)
+    p.add_argument("--seqlen", type=int, default=8192, help="prompt tokens (default 8192)")
+    p.add_argument("--last", type=int, default=1024, help="tokens at the end whose perplexity is measured (default 1024)")
     p.add_argument("--text", type=Path, default=None,
                    help="UTF-8 text file to read instead of this Python's stdlib sources (which "
                         "differ between Python versions)")

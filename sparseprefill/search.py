@@ -32,8 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layers in the written config (default: up to the last captured)")
     parser.add_argument("--target", type=float, default=None,
                         help="kernel cost per head to match (default: A-shape 1024+4096)")
-    parser.add_argument("--tolerance", type=float, default=0.05)
-    parser.add_argument("--out", type=Path, default=Path("minference-config.json"))
+    parser.add_argument("--tolerance", type=float, default=0.05,
+                        help="relative kernel-cost mismatch accepted while resizing candidates (default 0.05)")
+    parser.add_argument("--out", type=Path, default=Path("minference-config.json"),
+                        help="where the JSON config is written (default minference-config.json)")
 
 
 def _layers(args: argparse.Namespace, device: torch.device, dtype: torch.dtype

@@ -45,7 +45,8 @@ def _count_params() -> list[tuple[str, str, str]]:
                 continue
             fn = spec.plan_fn(pkg_name) if spec.plan_based else spec.reference_run
             for p in inspect.signature(fn).parameters.values():
-                if p.kind is p.KEYWORD_ONLY and p.annotation in ("int", int) and "block" not in p.name:
+                if (p.kind is p.KEYWORD_ONLY and p.annotation in ("int", int) and "block" not in p.name
+                        and p.name != "layer"):  # an index into a config, not a count
                     out.append((pkg_name, spec.name, p.name))
     return out
 
@@ -55,7 +56,7 @@ def test_huge_counts_mean_everything(pkg: str, method: str, param: str) -> None:
     """`param=2**63` (or 2**40) plans (or computes) exactly what `param=4 N` does."""
     q, k, v = _qkv()
     spec = METHODS[method]
-    params = dict(spec.demo_params(N))
+    params = spec.call_params(spec.demo_params(N), q)
     if spec.plan_based:
         fn = spec.plan_fn(pkg)
         base = fn(q, k, **{**params, param: 4 * N})
@@ -194,7 +195,7 @@ def test_fast_is_forward_only(name: str) -> None:
     q, k, v = _qkv()
     q.requires_grad_(True)
     fn: Any = getattr(fast, name)
-    kwargs = dict(METHODS[name].demo_params(N)) if name in METHODS else {}
+    kwargs = METHODS[name].call_params(METHODS[name].demo_params(N), q.detach()) if name in METHODS else {}
     args: list[Any] = [q, k] if name == "recall" else [q, k, v]
     if name in ("sparse_attention", "recall"):
         args.append(reference.dense_plan(q.detach(), k, block_m=16, block_n=16))

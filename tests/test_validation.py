@@ -79,7 +79,7 @@ def valid_qkv(dtype: torch.dtype = torch.float16, n: int = N) -> tuple[torch.Ten
 def method_kwargs(name: str) -> dict[str, Any]:
     for spec in METHODS.values():
         if name in (spec.name, f"{spec.name}_plan"):
-            return dict(spec.demo_params(N))
+            return spec.call_params(spec.demo_params(N), valid_qkv()[0])
     return {}
 
 

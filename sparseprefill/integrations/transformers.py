@@ -370,7 +370,7 @@ class SparsePrefillAttention:
         if not spec.plan_based and all(c == first for c in choices):
             # A method that is not one plan's attention (Delta-KV) runs end to end.
             run = spec.run_fn("fast" if use_fast else "reference")
-            result: torch.Tensor = run(q, k, v, **_resolve_params(first, int(q.shape[2])), scale=scale)
+            result: torch.Tensor = run(q, k, v, **_resolve_params(first, q), scale=scale)
             return result.to(out_dtype)
         plan = build_plan(q, k, choices, fast_plans=use_fast)
         impl = fast if use_fast else reference
@@ -394,9 +394,10 @@ def _is_plain_causal(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> b
     return True
 
 
-def _resolve_params(choice: Choice, n: int) -> dict[str, Any]:
+def _resolve_params(choice: Choice, q: torch.Tensor) -> dict[str, Any]:
     spec = METHODS[choice.method]
-    return dict(spec.demo_params(n) if choice.params is None else choice.params)
+    params = spec.demo_params(int(q.shape[2])) if choice.params is None else choice.params
+    return spec.call_params(params, q) if choice.params is None else dict(params)
 
 
 def build_plan(
@@ -432,20 +433,20 @@ def build_plan(
 
     first = choices[0]
     if all(c == first for c in choices):
-        return plan_fn(first)(q, k, **_resolve_params(first, n))
+        return plan_fn(first)(q, k, **_resolve_params(first, q))
     plans: list[BlockColumnPlan | None] = [None] * hq
     sizes: dict[str, int] | None = None
     for h, choice in enumerate(choices):
         if choice == Choice("dense", None):
             continue
         kv = h // group
-        plan = plan_fn(choice)(q[:, h : h + 1], k[:, kv : kv + 1], **_resolve_params(choice, n))
+        plan = plan_fn(choice)(q[:, h : h + 1], k[:, kv : kv + 1], **_resolve_params(choice, q[:, h : h + 1]))
         plans[h] = plan
         sizes = sizes or {"block_m": plan.block_m, "block_n": plan.block_n}
     for h, choice in enumerate(choices):
         if plans[h] is None:
             kv = h // group
-            params = sizes if sizes is not None else _resolve_params(Choice("dense", None), n)
+            params = sizes if sizes is not None else _resolve_params(Choice("dense", None), q)
             plans[h] = plan_fn(Choice("dense", None))(q[:, h : h + 1], k[:, kv : kv + 1], **params)
     return stack_plans([p for p in plans if p is not None])
 

@@ -1,0 +1,217 @@
+"""AnchorAttention on the GPU (see `reference.anchor_attention` for the spec and choices).
+
+Three kernel passes, as the paper's Alg. 1-3:
+
+1. anchor: `block_column_attention` over the anchor blocks (the initial key block
+   and the group's window) from an empty `AttentionState`; the state's row max
+   `m` (natural-log units of the scaled logits) is Equation 1's `x_a`;
+2. identification: `stripe_index` (Triton counting pass, one host sync for the
+   width, fill pass) pools queries and anchors per query block and keeps the
+   group's keys within `theta` of the pooled anchor;
+3. stripes: `block_column_attention` over the stripes alone (a plan with no
+   blocks, one column list per group: `column_group = step`), resuming from the
+   anchor state, so the anchor region is never computed twice.
+
+Plan memory: `4 * B * Hq * (Qb + G * W)` bytes for the stripes (`G = ceil(Qb /
+step)` groups, `W` the longest stripe list of any group and head) plus the anchor
+block lists, stored once for all heads (expanded views). `W` is data-dependent and
+can reach the last group's whole search region (about N), so `anchor_attention`
+plans and runs query heads in groups whose stripe plan cannot exceed `PLAN_BYTES`
+whatever the data (at 128K tokens, blocks of 128 and step 16, 32 MB per head at
+most: 8 heads per group at B = 1); `anchor_attention_plan` returns the whole plan.
+
+The identification computes pooled scores in fp32 from a two-part 16-bit pooled
+query, and the anchors come from the kernel's fp32 state: keys whose float64
+difference lies within `conformance.ties.anchor_margin` of `theta` may be decided
+differently from the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
+from ..reference.anchor_attention import STEP, THETA, check_anchor_params
+from ..reference.attention import AttentionState
+from ..reference.plan import BlockColumnPlan, cdiv
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
+from .kernels.anchor_stripes import search_width_bound, stripe_index
+from .vertical_slash import head_group
+
+# Largest stripe plan `anchor_attention` builds at once (the issue's 128K budget).
+PLAN_BYTES = 256 << 20
+
+
+def anchor_block_lists(
+    seqlen: int, *, step: int, block_m: int, block_n: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 1's key blocks as lists: (count int32 `[Qb]`, index int32 `[Qb, W]`).
+
+    Block 0, then the window `[max(1, w_g), diag_i]` (see `reference.anchor_blocks`).
+    """
+    qb = cdiv(seqlen, block_m)
+    i = torch.arange(qb)
+    start = torch.clamp((i // step) * step * block_m // block_n, min=1)
+    end = (torch.clamp((i + 1) * block_m, max=seqlen) - 1) // block_n
+    window = torch.clamp(end - start + 1, min=0)
+    width = 1 + int(window.max())
+    t = torch.arange(width - 1)
+    index = torch.zeros(qb, width, dtype=torch.int32)
+    index[:, 1:] = torch.where(t[None, :] < window[:, None], start[:, None] + t[None, :], 0).to(torch.int32)
+    return (1 + window).to(torch.int32).to(device), index.to(device)
+
+
+def _plans(
+    b: int, h: int, seqlen: int, *, step: int, block_m: int, block_n: int,
+    counts: torch.Tensor | None, index: torch.Tensor | None, device: torch.device,
+    with_blocks: bool,
+) -> BlockColumnPlan:
+    """A plan of the anchor blocks (if `with_blocks`) and the stripes (if given), valid
+    by construction: stripes lie in the search regions, outside every anchor block."""
+    qb = cdiv(seqlen, block_m)
+    groups = cdiv(qb, step)
+    if with_blocks:
+        bcount, bindex = anchor_block_lists(seqlen, step=step, block_m=block_m, block_n=block_n,
+                                            device=device)
+    else:
+        bcount = torch.zeros(qb, dtype=torch.int32, device=device)
+        bindex = torch.zeros(qb, 0, dtype=torch.int32, device=device)
+    if counts is None or index is None:
+        ccount = torch.zeros(b, h, qb, dtype=torch.int32, device=device)
+        cindex = torch.zeros(b, h, groups, 0, dtype=torch.int32, device=device)
+    else:
+        owner = torch.arange(qb, device=device) // step
+        ccount = counts[:, :, owner].contiguous()
+        cindex = index
+    return BlockColumnPlan(
+        seqlen=seqlen, block_m=block_m, block_n=block_n,
+        block_count=bcount.expand(b, h, qb), block_index=bindex.expand(b, h, *bindex.shape),
+        column_count=ccount, column_index=cindex, columns_disjoint=True, column_group=step,
+    ).mark_valid()
+
+
+def _check(
+    q: torch.Tensor, *, theta: float, step: int, block_m: int, block_n: int
+) -> float:
+    theta = check_anchor_params(theta=theta, step=step, block_m=block_m, block_n=block_n)
+    check_kernel_block_sizes(block_m, block_n)
+    check_kernel_device(q)
+    return theta
+
+
+def anchor_maxima(
+    q: torch.Tensor, k: torch.Tensor, *, step: int, block_m: int, block_n: int, scale: float
+) -> torch.Tensor:
+    """Equation 1 on the GPU: `x_a`, fp32 `[B, Hq, N]`, the row max of the scaled logits over
+    the anchor blocks (the anchor pass's state `m`, with `k` as values; see
+    `reference.anchor_attention.anchor_scores`). Arguments are checked by the caller."""
+    b, h, n = q.shape[0], q.shape[1], q.shape[2]
+    anchor = _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=None, index=None,
+                    device=q.device, with_blocks=True)
+    state = AttentionState.like(q)
+    block_column_attention(q, k, k, anchor, scale=scale, state=state, validate_plan=False)
+    return state.m
+
+
+def anchor_attention_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    theta: float = THETA,
+    step: int = STEP,
+    block_m: int = 128,
+    block_n: int = 128,
+    scale: float | None = None,
+) -> BlockColumnPlan:
+    """AnchorAttention plan (see `reference.anchor_attention_plan`).
+
+    Runs the anchor pass (with `k` as values: only the state's `m` is used) and the
+    stripe identification; block sizes must be multiples of 16.
+
+    Args:
+        q: `[B, Hq, N, D]` fp16/bf16; k: `[B, Hkv, N, D]`.
+        theta: the difference threshold of Equation 2, in natural-log units of the
+            scaled logits (>= 0; the paper uses 12).
+        step: query blocks per group sharing one stripe list (>= 1; the paper: 16).
+        block_m, block_n: query rows and keys per block (the paper: 128, 128).
+        scale: softmax scale, `1/sqrt(D)` if None (Equations 1 and 2 use it).
+
+    Returns:
+        The plan: anchor blocks per query block (shared by all heads) and each group's
+        stripes as grouped columns (`column_group = step`, `columns_disjoint`).
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters, before any kernel launch.
+    """
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    theta = _check(q, theta=theta, step=step, block_m=block_m, block_n=block_n)
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    b, h, n = shape.batch, shape.q_heads, shape.seqlen
+    x_a = anchor_maxima(q, k, step=step, block_m=block_m, block_n=block_n, scale=sm_scale)
+    counts, index = stripe_index(q, k, x_a, theta=theta, step=step, block_m=block_m,
+                                 block_n=block_n, scale=sm_scale)
+    return _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=counts, index=index,
+                  device=q.device, with_blocks=True)
+
+
+def stripe_plan_nbytes(batch: int, heads: int, seqlen: int, *, step: int, block_m: int, width: int) -> int:
+    """Bytes of the stripe part of a plan: per-query-block counts and per-group lists."""
+    qb = cdiv(seqlen, block_m)
+    return 4 * batch * heads * (qb + cdiv(qb, step) * width)
+
+
+def anchor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    theta: float = THETA,
+    step: int = STEP,
+    block_m: int = 128,
+    block_n: int = 128,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """AnchorAttention (see `reference.anchor_attention`): anchor pass, Triton stripe
+    identification from its state, stripe pass resuming from the state.
+
+    Query heads are processed in groups whose stripe plan fits `PLAN_BYTES` at any
+    stripe count (see the module doc); each group has its own state.
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters, before any kernel launch.
+    """
+    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_forward_only(q, k, v)
+    theta = _check(q, theta=theta, step=step, block_m=block_m, block_n=block_n)
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    b, n, g = shape.batch, shape.seqlen, shape.group
+    bound = search_width_bound(n, step=step, block_m=block_m, block_n=block_n)
+    per_head = stripe_plan_nbytes(b, 1, n, step=step, block_m=block_m, width=max(1, bound))
+    heads = head_group(shape.q_heads, g, PLAN_BYTES // per_head)
+
+    def run(h0: int, h1: int) -> torch.Tensor:
+        kv0, kv1 = h0 // g, (h1 - 1) // g + 1
+        qs, ks, vs = q[:, h0:h1], k[:, kv0:kv1], v[:, kv0:kv1]
+        anchor = _plans(b, h1 - h0, n, step=step, block_m=block_m, block_n=block_n, counts=None,
+                        index=None, device=q.device, with_blocks=True)
+        state = AttentionState.like(qs)
+        block_column_attention(qs, ks, vs, anchor, scale=sm_scale, state=state,
+                               validate_plan=False)  # Alg. 1
+        counts, index = stripe_index(qs, ks, state.m, theta=theta, step=step,  # Alg. 2
+                                     block_m=block_m, block_n=block_n, scale=sm_scale)
+        stripes = _plans(b, h1 - h0, n, step=step, block_m=block_m, block_n=block_n, counts=counts,
+                         index=index, device=q.device, with_blocks=False)
+        out, _ = block_column_attention(qs, ks, vs, stripes, scale=sm_scale, state=state,
+                                        validate_plan=False)  # Alg. 3
+        return out
+
+    if heads == shape.q_heads:
+        return run(0, shape.q_heads)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for h0 in range(0, shape.q_heads, heads):
+        h1 = min(h0 + heads, shape.q_heads)
+        out[:, h0:h1] = run(h0, h1)
+    return out

@@ -1,0 +1,260 @@
+"""Triton kernel for AnchorAttention's stripe identification (Alg. 2): anchors -> stripe lists.
+
+For every group `g` of `step` query blocks and every key `j` of its search region
+`[block_n, w_g * block_n)`, the group keeps `j` when some query block `i` of the
+group has `avgpool(x_a)_i - scale * avgpool(Q)_i . k_j <= theta` (see
+`reference.anchor_attention` for the notation and the choices). The
+`[Qb, N]` pooled scores (4 GB at 128K tokens and 32 heads in fp32) are never
+stored: one program per (key tile of `BLOCK_K` keys, batch row and query head)
+loads its key tile once and walks every group whose search region reaches the
+tile, `BLOCK_Q` pooled queries at a time.
+
+The kernel runs twice: a counting pass writes the kept keys per (group, key tile);
+the launcher turns them into exclusive prefix sums over the tiles (the write
+offsets) and group counts, reads the largest group count (the one host
+synchronisation, to size the lists exactly) and the fill pass writes every tile's
+kept keys, in order, at its offset. Each group's list comes out sorted.
+
+Precision: pooled queries and anchors are fp32 means; each pooled query is split
+into two 16-bit parts `hi + lo` of the keys' dtype so the tensor-core dot products
+(exact products, fp32 sums) carry about 16 (bf16) or 22 (fp16) bits of it. A key
+whose float64 difference lies within `conformance.ties.anchor_margin` of `theta`
+may be decided differently from the reference.
+
+Layout: kernel -> launchers (`count_stripes`, `fill_stripes`) -> `stripe_index`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...reference._checks import HALF_DTYPES, check_positive_int, check_qk
+from ...reference.plan import cdiv
+from .block_column import check_kernel_device, interpreter_active
+
+# Keys per program and warps (a key tile is loaded once and reused for every group).
+_BLOCK_K = 128
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    # The CPU interpreter multiplies bfloat16 tiles wrongly; products of 16-bit floats
+    # are exact in fp32, so upcasting there changes nothing else.
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _anchor_stripes_kernel(
+    QH, QL, AMEAN, K, TILE_COUNT, TILE_OFFSET, INDEX,
+    theta, sm_scale, seqlen, head_dim, num_heads, group, num_qblocks, step,
+    block_m, block_n, num_groups, num_tiles, width,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WRITE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // num_heads
+    i_h = i_bh % num_heads
+    i_hkv = i_h // group
+    k0 = i_t * BLOCK_K
+    o_k = k0 + tl.arange(0, BLOCK_K)
+    o_d = tl.arange(0, HEAD_DIM)
+    m_d = o_d < head_dim
+    p_k = K + i_b * stride_kb + i_hkv * stride_kh + o_k.to(tl.int64)[None, :] * stride_kn \
+        + o_d[:, None] * stride_kd
+    b_k = tl.load(p_k, mask=(o_k[None, :] < seqlen) & m_d[:, None], other=0.0)
+    p_qh = QH + i_bh * num_qblocks * head_dim + o_d[None, :]
+    p_ql = QL + i_bh * num_qblocks * head_dim + o_d[None, :]
+    p_a = AMEAN + i_bh * num_qblocks
+    p_row = i_bh * num_groups * num_tiles
+
+    # Group g searches keys [block_n, floor(g * span / block_n) * block_n), span = step * block_m:
+    # the first group reaching this tile has floor(g * span / block_n) > k0 // block_n.
+    span = step * block_m
+    g_first = ((k0 // block_n + 1) * block_n + span - 1) // span
+    for g in range(g_first, num_groups):
+        # Alg. 2 lines 7-8: the group's search region.
+        end = g * span // block_n * block_n
+        m_key = (o_k >= block_n) & (o_k < end)
+        q0 = g * step
+        q1 = tl.minimum(q0 + step, num_qblocks)
+        hit = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for c in range(q0, q1, BLOCK_Q):
+            o_q = c + tl.arange(0, BLOCK_Q)
+            m_q = o_q < q1
+            m_qd = m_q[:, None] & m_d[None, :]
+            b_qh = tl.load(p_qh + o_q.to(tl.int64)[:, None] * head_dim, mask=m_qd, other=0.0)
+            b_ql = tl.load(p_ql + o_q.to(tl.int64)[:, None] * head_dim, mask=m_qd, other=0.0)
+            b_a = tl.load(p_a + o_q, mask=m_q, other=0.0)
+            # Alg. 2 line 10: scale * avgpool(Q) . k, from the two parts of the pooled query.
+            b_s = (_dot(b_qh, b_k, DOT_F32) + _dot(b_ql, b_k, DOT_F32)) * sm_scale
+            # Alg. 2 line 11 / Equation 2, and Section 3.4's union over the group.
+            b_keep = ((b_a[:, None] - b_s) <= theta) & m_q[:, None]
+            hit = tl.maximum(hit, tl.max(b_keep.to(tl.int32), 0))
+        hit = tl.where(m_key, hit, 0)
+        p_cell = p_row + g * num_tiles + i_t
+        if WRITE:
+            offset = tl.load(TILE_OFFSET + p_cell)
+            pos = offset + tl.cumsum(hit, 0) - hit
+            p_out = INDEX + (i_bh * num_groups + g) * width + pos
+            tl.store(p_out, o_k, mask=(hit > 0) & (pos < width))
+        else:
+            tl.store(TILE_COUNT + p_cell, tl.sum(hit, 0))
+
+
+def _launch(
+    q_hi: torch.Tensor, q_lo: torch.Tensor, a_mean: torch.Tensor, k: torch.Tensor,
+    tile_count: torch.Tensor, tile_offset: torch.Tensor, index: torch.Tensor, *,
+    theta: float, sm_scale: float, step: int, block_m: int, block_n: int, num_groups: int,
+    write: bool,
+) -> None:
+    b, hq, qb, d = q_hi.shape
+    n = k.shape[2]
+    tiles = tile_count.shape[2]
+    block_q = min(64, max(16, triton.next_power_of_2(step)))
+    head_dim = max(16, triton.next_power_of_2(d))
+    _anchor_stripes_kernel[(tiles, b * hq)](
+        q_hi, q_lo, a_mean, k, tile_count, tile_offset, index,
+        theta, sm_scale, n, d, hq, hq // k.shape[1], qb, step,
+        block_m, block_n, num_groups, tiles, index.shape[-1],
+        *k.stride(),
+        BLOCK_K=_BLOCK_K, BLOCK_Q=block_q, HEAD_DIM=head_dim, WRITE=write,
+        DOT_F32=interpreter_active(), num_warps=_NUM_WARPS,
+        num_stages=1 if interpreter_active() else 2,
+    )
+
+
+def pooled_queries(q: torch.Tensor, block_m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 2 line 1, `avgpool(Q)`, as two parts `(hi, lo)` of `dtype`, `[B, Hq, Qb, D]` each.
+
+    The fp32 mean (the last block averages its real rows) equals `hi + lo` to about
+    16 (bf16) or 22 (fp16) bits.
+    """
+    b, h, n, d = q.shape
+    full = n // block_m
+    parts = []
+    if full:
+        parts.append(q[:, :, : full * block_m].reshape(b, h, full, block_m, d)
+                     .sum(dim=3, dtype=torch.float32) / block_m)
+    if n > full * block_m:
+        tail = q[:, :, full * block_m:]
+        parts.append(tail.sum(dim=2, keepdim=True, dtype=torch.float32) / (n - full * block_m))
+    mean = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    hi = mean.to(dtype)
+    lo = (mean - hi.to(torch.float32)).to(dtype)
+    return hi.contiguous(), lo.contiguous()
+
+
+def pooled_anchor(x_a: torch.Tensor, block_m: int) -> torch.Tensor:
+    """Alg. 2 line 2, `avgpool(x_a)`: fp32 `[B, Hq, Qb]`, the mean anchor of each query block."""
+    b, h, n = x_a.shape
+    qb = cdiv(n, block_m)
+    padded = torch.zeros(b, h, qb * block_m, dtype=torch.float32, device=x_a.device)
+    padded[:, :, :n] = x_a
+    sizes = (n - torch.arange(qb, device=x_a.device) * block_m).clamp(max=block_m)
+    return (padded.reshape(b, h, qb, block_m).sum(dim=3) / sizes.to(torch.float32)).contiguous()
+
+
+def search_width_bound(seqlen: int, *, step: int, block_m: int, block_n: int) -> int:
+    """The most keys any group's search region holds (the last group's), from the sizes alone."""
+    groups = cdiv(cdiv(seqlen, block_m), step)
+    end = (groups - 1) * step * block_m // block_n * block_n
+    return max(0, end - block_n)
+
+
+def count_stripes(
+    q_hi: torch.Tensor, q_lo: torch.Tensor, a_mean: torch.Tensor, k: torch.Tensor, *,
+    theta: float, sm_scale: float, step: int, block_m: int, block_n: int,
+) -> torch.Tensor:
+    """The counting pass: kept keys per (batch row and head, group, key tile), int32
+    `[B * Hq, G, ceil(N / 128)]` (no host synchronisation)."""
+    b, hq, qb, _ = q_hi.shape
+    groups = cdiv(qb, step)
+    tiles = cdiv(k.shape[2], _BLOCK_K)
+    tile_count = torch.zeros(b * hq, groups, tiles, dtype=torch.int32, device=k.device)
+    _launch(q_hi, q_lo, a_mean, k, tile_count, tile_count, tile_count, theta=theta,
+            sm_scale=sm_scale, step=step, block_m=block_m, block_n=block_n, num_groups=groups,
+            write=False)
+    return tile_count
+
+
+def fill_stripes(
+    q_hi: torch.Tensor, q_lo: torch.Tensor, a_mean: torch.Tensor, k: torch.Tensor,
+    tile_count: torch.Tensor, *, width: int, theta: float, sm_scale: float, step: int,
+    block_m: int, block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fill pass (no host sync): (group counts int32 `[B, Hq, G]`, sorted keys int32
+    `[B, Hq, G, width]`, padding 0), `width` at least the largest group count."""
+    b, hq, qb, _ = q_hi.shape
+    groups = tile_count.shape[1]
+    offsets = (torch.cumsum(tile_count, dim=2, dtype=torch.int32) - tile_count).contiguous()
+    counts = tile_count.sum(dim=2, dtype=torch.int32).reshape(b, hq, groups)
+    index = torch.zeros(b * hq, groups, width, dtype=torch.int32, device=k.device)
+    if width > 0:
+        _launch(q_hi, q_lo, a_mean, k, tile_count, offsets, index, theta=theta, sm_scale=sm_scale,
+                step=step, block_m=block_m, block_n=block_n, num_groups=groups, write=True)
+    return counts, index.reshape(b, hq, groups, width)
+
+
+def stripe_index(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    x_a: torch.Tensor,
+    *,
+    theta: float,
+    step: int,
+    block_m: int,
+    block_n: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 2 on the GPU: every group's stripe keys (see `reference.anchor_attention.stripe_sets`).
+
+    Args:
+        q: `[B, Hq, N, D]` fp16/bf16; k: `[B, Hkv, N, D]` (any strides).
+        x_a: fp32 `[B, Hq, N]`, the anchors (the `m` of the anchor pass's state).
+        theta: Equation 2's threshold (natural-log units, >= 0).
+        step, block_m, block_n: group size in query blocks; block sizes.
+        scale: softmax scale.
+
+    Returns:
+        (counts int32 `[B, Hq, G]`, keys int32 `[B, Hq, G, W]`): each group's kept keys,
+        sorted, `W` the largest count (one host synchronisation; the parameter bound
+        `search_width_bound` while a CUDA graph is being captured).
+
+    Raises:
+        TypeError, ValueError: bad shapes, dtypes or devices, head dim > 256.
+    """
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    check_kernel_device(q)
+    for name, value in (("step", step), ("block_m", block_m), ("block_n", block_n)):
+        check_positive_int(name, value)
+    if shape.head_dim > 256:
+        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
+    want = (shape.batch, shape.q_heads, shape.seqlen)
+    if not isinstance(x_a, torch.Tensor) or x_a.dtype != torch.float32 or tuple(x_a.shape) != want:
+        got = (x_a.dtype, tuple(x_a.shape)) if isinstance(x_a, torch.Tensor) else type(x_a).__name__
+        raise ValueError(f"x_a must be a float32 tensor of shape {list(want)}, got {got}")
+    if x_a.device != q.device:
+        raise ValueError(f"x_a must be on the device of q ({q.device}), got {x_a.device}")
+    if math.isnan(theta) or theta < 0:
+        raise ValueError(f"theta must be >= 0, got {theta}")
+    # Groups of more query blocks than exist are one group: keeps the kernel's ints small.
+    step = min(step, cdiv(shape.seqlen, block_m))
+    q_hi, q_lo = pooled_queries(q, block_m, k.dtype)
+    a_mean = pooled_anchor(x_a, block_m)
+    tile_count = count_stripes(q_hi, q_lo, a_mean, k, theta=float(theta), sm_scale=float(scale),
+                               step=step, block_m=block_m, block_n=block_n)
+    if k.is_cuda and torch.cuda.is_current_stream_capturing():
+        width = search_width_bound(shape.seqlen, step=step, block_m=block_m, block_n=block_n)
+    else:
+        width = int(tile_count.sum(dim=2).max().item()) if tile_count.numel() else 0
+    return fill_stripes(q_hi, q_lo, a_mean, k, tile_count, width=width, theta=float(theta),
+                        sm_scale=float(scale), step=step, block_m=block_m, block_n=block_n)

@@ -1,0 +1,163 @@
+"""SampleAttention on the GPU (see `reference.sample_attention` for the specification).
+
+Stage 1: `sampled_block_scores` (Triton; the `[R, N]` softmax of the sampled rows
+is never stored), block scores summed in float64. Stage 2: `find_k` and
+`arg_topk` of the reference on the block scores, on the device (`[B, Hq, Kb]`
+float64, a sort of Kb values per head; nothing of length N is sorted). Merge:
+`sample_attention_index` (Triton), then the block/column kernel.
+
+The fp32 sampling differs from the float64 reference in the last bits, so where a
+block's score ties (or nearly ties) the last kept one, or a cumulative sum lands
+within rounding of `alpha`, the fast plan may keep one block more or less than the
+reference; `conformance.ties.sample_attention_tie_check` accepts exactly those
+differences.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..reference._checks import HALF_DTYPES, check_block_size, check_positive_int, check_qk, check_qkv, resolve_scale
+from ..reference.plan import BlockColumnPlan
+from ..reference.sample_attention import (
+    DEFAULT_CHUNK_N,
+    SampleAttentionSettings,
+    arg_topk,
+    find_k,
+    resolve_params,
+    sampled_rows,
+)
+from .kernels import block_column_attention, check_forward_only
+from .kernels.sample_index import sample_attention_index
+from .kernels.sampled_scores import sampled_block_scores
+
+
+def check_kernel_block_size(block_size: object) -> int:
+    """Raise TypeError/ValueError unless `block_size` is a block size (`check_block_size`)
+    and a multiple of 16 (the kernels' tiles); before any launch."""
+    bs = check_block_size("block_size", block_size)
+    if bs % 16:
+        raise ValueError(f"block_size must be a multiple of 16 for the fast kernels, got {bs}")
+    return bs
+
+
+def sample_attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    chunk_n: int = DEFAULT_CHUNK_N,
+    block_size: int = 128,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 (Alg. 1 lines 1-4): (column, slash) float64 `[B, Hq, Kb]`.
+
+    Raises:
+        TypeError, ValueError: bad inputs.
+    """
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    check_positive_int("chunk_n", chunk_n)
+    check_kernel_block_size(block_size)
+    resolve_scale(scale, shape.head_dim)
+    spans = sampled_rows(shape.seqlen, chunk_n, block_size)
+    return sampled_block_scores(q, k, spans=spans, block_size=block_size, scale=scale)
+
+
+def sample_attention_selection(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    alpha_c: float | None = None,
+    alpha_s: float | None = None,
+    chunk_n: int | None = None,
+    block_size: int = 128,
+    settings: SampleAttentionSettings | str | os.PathLike[str] | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stages 1 and 2: kept (column blocks, block diagonals), bool `[B, Hq, Kb]`.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    a_c, a_s, c_n = resolve_params(shape.seqlen, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
+                                   block_size=block_size, settings=settings)
+    column, slash = sample_attention_scores(q, k, chunk_n=c_n, block_size=block_size, scale=scale)
+    return arg_topk(column, find_k(column, a_c)), arg_topk(slash, find_k(slash, a_s))
+
+
+def sample_attention_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    alpha_c: float | None = None,
+    alpha_s: float | None = None,
+    chunk_n: int | None = None,
+    block_size: int = 128,
+    settings: SampleAttentionSettings | str | os.PathLike[str] | None = None,
+    scale: float | None = None,
+) -> BlockColumnPlan:
+    """SampleAttention plan (see `reference.sample_attention_plan`).
+
+    Args:
+        q: `[B, Hq, N, D]` float16/bfloat16; k: `[B, Hkv, N, D]`. Each query head
+            samples its own queries against its KV head's keys and selects its own blocks.
+        alpha_c: CRA threshold of the column blocks, in [0, 1].
+        alpha_s: CRA threshold of the slash blocks (block diagonals), in [0, 1].
+        chunk_n: sampling chunks (>= 1); more than `N / block_size` samples every row.
+        block_size: the block grid of sampling, selection and plan (a multiple of 16 here).
+        settings: tuned per-length settings (`SampleAttentionSettings` or a path to its
+            JSON); they supply whichever of alpha_c, alpha_s, chunk_n is None. Without
+            settings those default to 0.95, 0.95 and 1.
+        scale: softmax scale of the sampling, `1/sqrt(D)` if None.
+
+    Returns:
+        A `BlockColumnPlan` with `block_m = block_n = block_size` and no columns; its
+        block lists are as wide as the largest `k_c + k_s + 1` (one host sync).
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    resolve_params(shape.seqlen, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
+                   block_size=block_size, settings=settings)
+    check_kernel_block_size(block_size)
+    resolve_scale(scale, shape.head_dim)
+    columns, slashes = sample_attention_selection(
+        q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n, block_size=block_size,
+        settings=settings, scale=scale,
+    )
+    return sample_attention_index(columns, slashes, seqlen=shape.seqlen, block_size=block_size)
+
+
+def sample_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    alpha_c: float | None = None,
+    alpha_s: float | None = None,
+    chunk_n: int | None = None,
+    block_size: int = 128,
+    settings: SampleAttentionSettings | str | os.PathLike[str] | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SampleAttention sparse attention (see `reference.sample_attention`).
+
+    Args:
+        q, k, alpha_c, alpha_s, chunk_n, block_size, settings, scale: as in
+            `sample_attention_plan`. v: `[B, Hkv, N, D]`.
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_forward_only(q, k, v)
+    plan = sample_attention_plan(q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
+                                 block_size=block_size, settings=settings, scale=scale)
+    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
+    return out
