@@ -6,11 +6,13 @@ source snippet, its replacement, a one-line description). For each bug the harne
 1. copies the package sources (the folders `pyproject.toml` maps to `sparseprefill.*`)
    and `tests/` into a scratch folder, laid out as the installed package
    (`<tmp>/pkg/sparseprefill/...`), and plants the bug there;
-2. runs only the conformance properties (`tests/test_conformance.py -k
-   "test_method_property or test_kernel_property"`) at the CI example count
-   (`SPARSEPREFILL_TEST_EXAMPLES`, 12 by default) with `PYTHONPATH=<tmp>/pkg`, so
+2. runs only conformance properties (`tests/test_conformance.py`) at the CI example
+   count (`SPARSEPREFILL_TEST_EXAMPLES`, 12 by default) with `PYTHONPATH=<tmp>/pkg`, so
    Python imports the scratch copy before the editable install of the work tree
-   (the `_planted_probe` plugin checks that it did);
+   (the `_planted_probe` plugin checks that it did): first the bug's own properties
+   (`target_select`: the target method's, or the kernel properties for the shared
+   mechanism), and every property (`test_method_property or test_kernel_property`)
+   if those pass;
 3. records whether the properties failed, which (method, property) rows failed and at
    which example each first failed (the plugin counts the examples of every row).
 
@@ -23,8 +25,8 @@ properties pass without a bug.
     python tools/planted_bugs.py --json benches/results/planted-bugs.json [--methods vertical_slash,kernel]
     python tools/planted_bugs.py --bugs kernel-causal-off-by-one --examples 100
 
-One bug costs one run of the property suite (about 4 minutes on 2 CPU cores when it
-passes, less when a property fails early). See docs/conformance.md.
+A bug its own properties catch costs seconds to a minute on 2 CPU cores; one they miss
+costs a run of every property too (about 4 minutes). See docs/planted-bugs.md.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PROPERTY_TESTS = "test_method_property or test_kernel_property"
+# Targets in the shared mechanism: the kernel properties (random plans, masks, resumed
+# state, block means, non-finite inputs, plan validation) are their conformance.
+SHARED_TARGETS = ("kernel", "plan", "metrics", "state")
+
+
+def target_select(target: str) -> str:
+    """The pytest -k expression of a bug's own properties: the kernel properties for the
+    shared mechanism, else the target method's properties (ids `[<method>-<property>]`)."""
+    if target in SHARED_TARGETS:
+        return "test_kernel_property"
+    return f"test_method_property and {target}"
 
 
 @dataclass(frozen=True)
@@ -482,13 +495,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bugs", default="", help="comma-separated bug names (default: all)")
     p.add_argument("--methods", default="", help="comma-separated targets (kernel, vertical_slash, ...)")
     p.add_argument("--examples", type=int, default=int(os.environ.get("SPARSEPREFILL_TEST_EXAMPLES", "12")))
-    p.add_argument("--select", default=PROPERTY_TESTS, help="pytest -k expression (default: every property)")
+    p.add_argument("--select", default="", help="pytest -k expression for every bug (default: the bug's "
+                   "own properties first (`target_select`), every property if those miss it)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per bug")
     p.add_argument("--json", type=Path, default=None, help="write results here (after every bug)")
     p.add_argument("--resume", action="store_true", help="skip bugs already in --json")
     p.add_argument("--control", action="store_true", help="first run the unmodified copy")
     p.add_argument("--keep", action="store_true", help="keep the scratch copies")
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--snapshot", action="store_true",
+                   help="plant into a copy of the checkout taken now (keep editing while it runs)")
     args = p.parse_args(argv)
 
     bugs = list(BUGS)
@@ -507,9 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         for b in bugs:
             print(f"{b.name:<40} {b.target:<15} {b.file}: {b.description}")
         return 0
-    dirs = package_dirs(ROOT)
+    root = ROOT
+    dirs = package_dirs(root)
     for b in bugs:
-        apply((ROOT / b.file).read_text(), b)
+        apply((root / b.file).read_text(), b)
         packaged_path(b.file, dirs)
     if args.check:
         print(f"{len(bugs)} bugs: every snippet applies")
@@ -521,11 +538,23 @@ def main(argv: list[str] | None = None) -> int:
     done = {r["bug"] for r in results}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    if dirty:
+        commit += "+uncommitted"
+    if args.snapshot:
+        snap = Path(tempfile.mkdtemp(prefix="planted-snapshot-"))
+        for folder in {*dirs.values(), "tests"}:
+            shutil.copytree(ROOT / folder, snap / folder, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copy2(ROOT / "pyproject.toml", snap / "pyproject.toml")
+        root = snap
+        print(f"snapshot of {commit} in {snap}", flush=True)
 
     def save() -> None:
         if args.json is None:
             return
-        payload = {"commit": commit, "examples": args.examples, "select": args.select,
+        payload = {"commit": commit, "examples": args.examples, "select": args.select or "per target",
                    "bugs": {b.name: asdict(b) for b in BUGS}, "results": results}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
@@ -535,14 +564,25 @@ def main(argv: list[str] | None = None) -> int:
     for bug in todo:
         name = bug.name if bug else "control"
         print(f"{name} ...", flush=True)
-        result = run_one(ROOT, bug, examples=args.examples, timeout=args.timeout, select=args.select,
+        select = args.select or (PROPERTY_TESTS if bug is None else target_select(bug.target))
+        result = run_one(root, bug, examples=args.examples, timeout=args.timeout, select=select,
                          python=args.python, keep=args.keep)
+        result["select"] = select
+        result["commit"] = commit
+        if bug is not None and not result["caught"] and not args.select and select != PROPERTY_TESTS:
+            print(f"  missed by {select!r}; every property ...", flush=True)
+            result = run_one(root, bug, examples=args.examples, timeout=args.timeout,
+                             select=PROPERTY_TESTS, python=args.python, keep=args.keep)
+            result["select"] = PROPERTY_TESTS
+            result["commit"] = commit
         results = [r for r in results if r["bug"] != name] + [result]
         save()
         by = ", ".join(f"{k}@{v['example']}" for k, v in result["caught_by"].items()) or "-"
         verdict = ("FAILED" if result["caught"] else "passed") if bug is None else \
             ("CAUGHT" if result["caught"] else "MISSED")
         print(f"  {verdict} in {result['seconds']} s by {by}", flush=True)
+    if root is not ROOT:
+        shutil.rmtree(root, ignore_errors=True)
     missed = [r["bug"] for r in results if r["bug"] != "control" and not r["caught"]]
     control = next((r for r in results if r["bug"] == "control"), None)
     if control is not None and control["caught"]:
