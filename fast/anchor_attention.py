@@ -107,6 +107,20 @@ def _check(
     return theta
 
 
+def anchor_maxima(
+    q: torch.Tensor, k: torch.Tensor, *, step: int, block_m: int, block_n: int, scale: float
+) -> torch.Tensor:
+    """Equation 1 on the GPU: `x_a`, fp32 `[B, Hq, N]`, the row max of the scaled logits over
+    the anchor blocks (the anchor pass's state `m`, with `k` as values; see
+    `reference.anchor_attention.anchor_scores`). Arguments are checked by the caller."""
+    b, h, n = q.shape[0], q.shape[1], q.shape[2]
+    anchor = _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=None, index=None,
+                    device=q.device, with_blocks=True)
+    state = AttentionState.like(q)
+    block_column_attention(q, k, k, anchor, scale=scale, state=state, validate_plan=False)
+    return state.m
+
+
 def anchor_attention_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,11 +155,8 @@ def anchor_attention_plan(
     theta = _check(q, theta=theta, step=step, block_m=block_m, block_n=block_n)
     sm_scale = resolve_scale(scale, shape.head_dim)
     b, h, n = shape.batch, shape.q_heads, shape.seqlen
-    anchor = _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=None, index=None,
-                    device=q.device, with_blocks=True)
-    state = AttentionState.like(q)
-    block_column_attention(q, k, k, anchor, scale=sm_scale, state=state, validate_plan=False)
-    counts, index = stripe_index(q, k, state.m, theta=theta, step=step, block_m=block_m,
+    x_a = anchor_maxima(q, k, step=step, block_m=block_m, block_n=block_n, scale=sm_scale)
+    counts, index = stripe_index(q, k, x_a, theta=theta, step=step, block_m=block_m,
                                  block_n=block_n, scale=sm_scale)
     return _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=counts, index=index,
                   device=q.device, with_blocks=True)
