@@ -10,7 +10,10 @@ Three kernel passes, as the paper's Alg. 1-3:
    group's keys within `theta` of the pooled anchor;
 3. stripes: `block_column_attention` over the stripes alone (a plan with no
    blocks, one column list per group: `column_group = step`), resuming from the
-   anchor state, so the anchor region is never computed twice.
+   anchor state, so the anchor region is never computed twice. Key blocks that a
+   group's stripes hold entirely are read as blocks
+   (`BlockColumnPlan.with_full_blocks`): at high stripe density a column gather
+   runs far below the dense rate.
 
 Plan memory: `4 * B * Hq * (Qb + G * W)` bytes for the stripes (`G = ceil(Qb /
 step)` groups, `W` the longest stripe list of any group and head) plus the anchor
@@ -104,6 +107,20 @@ def _check(
     return theta
 
 
+def anchor_maxima(
+    q: torch.Tensor, k: torch.Tensor, *, step: int, block_m: int, block_n: int, scale: float
+) -> torch.Tensor:
+    """Equation 1 on the GPU: `x_a`, fp32 `[B, Hq, N]`, the row max of the scaled logits over
+    the anchor blocks (the anchor pass's state `m`, with `k` as values; see
+    `reference.anchor_attention.anchor_scores`). Arguments are checked by the caller."""
+    b, h, n = q.shape[0], q.shape[1], q.shape[2]
+    anchor = _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=None, index=None,
+                    device=q.device, with_blocks=True)
+    state = AttentionState.like(q)
+    block_column_attention(q, k, k, anchor, scale=scale, state=state, validate_plan=False)
+    return state.m
+
+
 def anchor_attention_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -138,11 +155,8 @@ def anchor_attention_plan(
     theta = _check(q, theta=theta, step=step, block_m=block_m, block_n=block_n)
     sm_scale = resolve_scale(scale, shape.head_dim)
     b, h, n = shape.batch, shape.q_heads, shape.seqlen
-    anchor = _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=None, index=None,
-                    device=q.device, with_blocks=True)
-    state = AttentionState.like(q)
-    block_column_attention(q, k, k, anchor, scale=sm_scale, state=state, validate_plan=False)
-    counts, index = stripe_index(q, k, state.m, theta=theta, step=step, block_m=block_m,
+    x_a = anchor_maxima(q, k, step=step, block_m=block_m, block_n=block_n, scale=sm_scale)
+    counts, index = stripe_index(q, k, x_a, theta=theta, step=step, block_m=block_m,
                                  block_n=block_n, scale=sm_scale)
     return _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=counts, index=index,
                   device=q.device, with_blocks=True)
@@ -203,6 +217,9 @@ def anchor_attention(
                                      block_m=block_m, block_n=block_n, scale=sm_scale)
         stripes = _plans(b, h1 - h0, n, step=step, block_m=block_m, block_n=block_n, counts=counts,
                          index=index, device=q.device, with_blocks=False)
+        # Key blocks a group's stripes hold whole run as blocks (dense rate), not as
+        # column gathers: the H200 bench's 128K stripe pass took 1159 ms as columns.
+        stripes = stripes.with_full_blocks()
         out, _ = block_column_attention(qs, ks, vs, stripes, scale=sm_scale, state=state,
                                         validate_plan=False)  # Alg. 3
         return out

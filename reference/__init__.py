@@ -17,6 +17,7 @@ from .delta_kv import (
     delta_kv_plans,
     delta_pack,
 )
+from .flexprefill_vs import flexprefill_vs, flexprefill_vs_plan
 from .metrics import density, recall, relative_error
 from .minference import (
     HeadPattern,
@@ -26,19 +27,37 @@ from .minference import (
     minference_plan,
     search_patterns,
 )
-from .plan import BlockColumnPlan
+from .plan import BlockColumnPlan, stack_plans
 from .sample_attention import SampleAttentionSettings, sample_attention, sample_attention_plan
+from .shareprefill import (
+    ClusterLayout,
+    LayerDecision,
+    Pivot,
+    SharePattern,
+    SharePrefillState,
+    shareprefill,
+    shareprefill_layer,
+    shareprefill_layer_plan,
+    shareprefill_plan,
+    shareprefill_stack,
+)
 from .streaming import streaming, streaming_plan
+from .varlen import varlen_attention, varlen_plans
 from .vertical_slash import vertical_slash, vertical_slash_plan
 
 __all__ = [
     "AttentionState",
     "BlockColumnPlan",
+    "ClusterLayout",
     "HeadPattern",
+    "LayerDecision",
     "MInferenceConfig",
     "PackedKV",
+    "Pivot",
     "SampleAttentionSettings",
     "SearchResult",
+    "SharePattern",
+    "SharePrefillState",
     "a_shape",
     "a_shape_plan",
     "anchor_attention",
@@ -55,6 +74,8 @@ __all__ = [
     "dense",
     "dense_plan",
     "density",
+    "flexprefill_vs",
+    "flexprefill_vs_plan",
     "minference",
     "minference_plan",
     "recall",
@@ -62,9 +83,17 @@ __all__ = [
     "sample_attention",
     "sample_attention_plan",
     "search_patterns",
+    "shareprefill",
+    "shareprefill_layer",
+    "shareprefill_layer_plan",
+    "shareprefill_plan",
+    "shareprefill_stack",
     "sparse_attention",
+    "stack_plans",
     "streaming",
     "streaming_plan",
+    "varlen_attention",
+    "varlen_plans",
     "vertical_slash",
     "vertical_slash_plan",
 ]

@@ -31,6 +31,13 @@ dropout, logit soft-capping, position biases and learned sinks. Left-padded
 batches are refused on the sparse path (the plan would count pad tokens as keys);
 run such prompts one by one or in equal-length batches.
 
+Methods with state across layers (SharePrefill; `MethodSpec.new_state`): one state
+per forward pass, made at the first sparse layer call and replaced when a layer index
+comes again (the next forward) or the batch size, length or device change; each
+layer runs the method's `*_layer` function with the model's `layer_idx`, so layer
+order is the model's. Such a method must be the choice of every head of its layers.
+`SparsePrefillAttention.last_state(method)` returns the state of the latest prefill
+(its per-layer decisions, for instance).
 `use_ops=True` runs the fast path through the `torch.library` custom ops of
 `sparseprefill.fast.ops` (`torch.ops.sparseprefill.<method>` when every head of a
 layer shares one choice: estimate, plan and kernel in one op, with the method's own
@@ -123,6 +130,12 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
                 inspect.signature(spec_.reference_run).bind(None, None, None, **params)
         except TypeError as exc:
             raise TypeError(f"{where}: bad parameters for {method!r}: {exc}") from None
+        new_state = METHODS[method].new_state
+        if new_state is not None:
+            try:
+                new_state(params)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{where}: bad parameters for {method!r}: {exc}") from None
         return Choice(method, params)
     raise TypeError(f"{where}: expected None, a method name or a dict of parameters, got {type(spec).__name__}")
 
@@ -231,6 +244,8 @@ class SparsePrefillAttention:
         self._config = config
         self._per_layer = isinstance(config, Mapping) and any(isinstance(key, int) for key in config)
         self._resolved: dict[tuple[int | None, int], list[Choice] | None] = {}
+        # Per stateful method: (state, layers done in this forward pass, (B, N, device)).
+        self._forward: dict[str, tuple[Any, set[int], tuple[int, int, torch.device]]] = {}
         self._validate_config()
 
     def _validate_config(self) -> None:
@@ -323,8 +338,53 @@ class SparsePrefillAttention:
             )
         self._check_sparse_call(layer_idx, q_len, attention_mask, dropout, kwargs)
         self.calls["sparse"] += 1
-        out = self.sparse_attention(query, key, value, choices, scale=scaling)
+        if any(METHODS[c.method].new_state is not None for c in choices):
+            out = self.stateful_attention(query, key, value, choices, layer_idx, scale=scaling)
+        else:
+            out = self.sparse_attention(query, key, value, choices, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
+
+    def stateful_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        choices: Sequence[Choice],
+        layer_idx: int | None,
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """One layer of a method with state across layers (see the module doc).
+
+        Raises:
+            ValueError: the layer mixes the method with others, or has no `layer_idx`.
+        """
+        choice = choices[0]
+        if any(c != choice for c in choices):
+            raise ValueError(f"{self.name}, layer {layer_idx}: {choice.method!r} carries state across "
+                             "heads and layers; give it to every head of the layer")
+        if layer_idx is None:
+            raise ValueError(f"{self.name}: {choice.method!r} needs attention modules with an int layer_idx")
+        spec = METHODS[choice.method]
+        assert spec.new_state is not None and spec.reference_layer is not None and spec.fast_layer is not None
+        use_fast = self.backend == "fast" or (self.backend == "auto" and q.is_cuda)
+        out_dtype = q.dtype
+        if use_fast and q.dtype not in HALF_DTYPES:
+            q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
+        shape = (int(q.shape[0]), int(q.shape[2]), q.device)
+        current = self._forward.get(choice.method)
+        if current is None or layer_idx in current[1] or current[2] != shape:
+            current = (spec.new_state(_resolve_params(choice, q)), set(), shape)
+            self._forward[choice.method] = current
+        current[1].add(layer_idx)
+        layer_fn = spec.fast_layer if use_fast else spec.reference_layer
+        out: torch.Tensor = layer_fn(q, k, v, current[0], layer=layer_idx, scale=scale)
+        return out.to(out_dtype)
+
+    def last_state(self, method: str) -> Any:
+        """The state of the latest prefill of a stateful method (None before the first)."""
+        current = self._forward.get(method)
+        return None if current is None else current[0]
 
     def _check_sparse_call(
         self, layer_idx: int | None, n: int, mask: torch.Tensor | None, dropout: float, kwargs: Mapping[str, Any]
