@@ -9,8 +9,8 @@
 Importing this module registers, in the `sparseprefill` namespace:
 
 * `sparse_attention(q, k, v, block_count, block_index, column_count, column_index,
-  seqlen, block_m, block_n, columns_disjoint=False, column_group=1, *, scale=None,
-  validate=True) -> out` and `sparse_attention_lse(...) -> (out, lse)`: the
+  seqlen, block_m, block_n, columns_disjoint=False, column_group=1, query_offset=0, *,
+  scale=None, validate=True) -> out` and `sparse_attention_lse(...) -> (out, lse)`: the
   block/column kernel on a plan passed as its four tensors and its ints (an op takes
   tensors and scalars, not a dataclass). `sparse_attention(q, k, v, plan)` below
   unpacks a `BlockColumnPlan`.
@@ -57,7 +57,7 @@ from typing import Any, Literal, Union, overload
 import torch
 
 from ..conformance.registry import METHODS
-from ..reference._checks import HALF_DTYPES, check_qkv
+from ..reference._checks import HALF_DTYPES
 from ..reference.minference import MInferenceConfig
 from ..reference.plan import BlockColumnPlan
 from .capture import static_widths
@@ -115,6 +115,23 @@ SYNC: dict[str, SyncStatus] = {
         note="a layer mixing patterns merges its head plans with torch.tensor(list, device=...) "
              "(reference.minference.merge_head_plans): a host-to-device copy that capture refuses; "
              "a layer of one pattern is capture-safe through <pattern>_static"),
+    "flexprefill_vs": SyncStatus(
+        syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item())",
+               "counting pass: as vertical_slash"),
+        static_bound="N lines per head, then min(Kb, N * ...) = Kb key blocks per query block",
+        note="static lines are padded to N (the counting pass walks all N offsets per query block); "
+             "columns stay shared when per-block lists exceed 512 MB"),
+    "shareprefill": SyncStatus(
+        syncs=("decision: the per-head walk of Alg. 3/4 on the host reads the [B, Hq] distances "
+               "(reference choose_patterns, float(d_sparse[row, h]))",
+               "plan: whether any head is vertical-slash (bool(is_vs.any()))",
+               "plan: the shared and dense heads (nonzero().tolist(), int(pattern), int(cluster))",
+               "pivots: int(decision.cluster[h]) per dense head",
+               "attention: the dense (row, head) pairs (nonzero().tolist())",
+               "vertical-slash heads: line lists and counting pass, as flexprefill_vs"),
+        capture_safe=False,
+        note="the pattern of each head is decided on the host from the data (and copied back with "
+             "torch.tensor(..., device=...)); the dense heads' passes depend on it"),
     "delta_kv": SyncStatus(
         syncs=("packing: the packed buffer's size (offsets[-1].item())",
                "packing: repeat_interleave of segment ids (output size read back)",
@@ -239,7 +256,19 @@ def _fresh(out: torch.Tensor) -> torch.Tensor:
 
 
 def _fake_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    """The output of every op: a new contiguous `[B, Hq, N, D]` in q's dtype.
+
+    Checks what the shapes alone decide (`check_qkv` refuses meta tensors, which a
+    fake implementation must take); k, v may hold a cached prefix (`P + N` keys).
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"q, k, v must be [B, Hq, N, D], [B, Hkv, P + N, D] twice; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype in float16/bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, hq, n, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or k.shape[2] < n or hq % k.shape[1] != 0:
+        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}")
     return q.new_empty(q.shape)
 
 
@@ -292,26 +321,28 @@ def register_method_op(name: str, fn: Callable[..., torch.Tensor], status: SyncS
 def _plan_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_count: torch.Tensor,
                block_index: torch.Tensor, column_count: torch.Tensor, column_index: torch.Tensor,
                seqlen: int, block_m: int, block_n: int, columns_disjoint: bool, column_group: int,
-               scale: float | None, validate: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+               query_offset: int, scale: float | None, validate: bool,
+               return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     plan = BlockColumnPlan(seqlen=seqlen, block_m=block_m, block_n=block_n, block_count=block_count,
                            block_index=block_index, column_count=column_count, column_index=column_index,
-                           columns_disjoint=columns_disjoint, column_group=column_group)
+                           columns_disjoint=columns_disjoint, column_group=column_group,
+                           query_offset=query_offset)
     return block_column_attention(q, k, v, plan, scale=scale, return_lse=return_lse, validate_plan=validate)
 
 
 _PLAN_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor block_count, Tensor block_index, Tensor column_count, "
                 "Tensor column_index, SymInt seqlen, SymInt block_m, SymInt block_n, bool columns_disjoint=False, "
-                "SymInt column_group=1, *, float? scale=None, bool validate=True)")
+                "SymInt column_group=1, SymInt query_offset=0, *, float? scale=None, bool validate=True)")
 
 
 @torch.library.custom_op(f"{NAMESPACE}::sparse_attention", mutates_args=(), schema=_PLAN_SCHEMA + " -> Tensor")
 def _sparse_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_count: torch.Tensor,
                          block_index: torch.Tensor, column_count: torch.Tensor, column_index: torch.Tensor,
                          seqlen: int, block_m: int, block_n: int, columns_disjoint: bool = False,
-                         column_group: int = 1, *, scale: float | None = None,
+                         column_group: int = 1, query_offset: int = 0, *, scale: float | None = None,
                          validate: bool = True) -> torch.Tensor:
     out, _ = _plan_impl(q, k, v, block_count, block_index, column_count, column_index, seqlen, block_m,
-                        block_n, columns_disjoint, column_group, scale, validate, False)
+                        block_n, columns_disjoint, column_group, query_offset, scale, validate, False)
     return _fresh(out)
 
 
@@ -320,10 +351,10 @@ def _sparse_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
 def _sparse_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_count: torch.Tensor,
                              block_index: torch.Tensor, column_count: torch.Tensor, column_index: torch.Tensor,
                              seqlen: int, block_m: int, block_n: int, columns_disjoint: bool = False,
-                             column_group: int = 1, *, scale: float | None = None,
+                             column_group: int = 1, query_offset: int = 0, *, scale: float | None = None,
                              validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _plan_impl(q, k, v, block_count, block_index, column_count, column_index, seqlen, block_m,
-                          block_n, columns_disjoint, column_group, scale, validate, True)
+                          block_n, columns_disjoint, column_group, query_offset, scale, validate, True)
     assert lse is not None
     return _fresh(out), _fresh(lse)
 
@@ -365,7 +396,8 @@ def sparse_attention(
     """`fast.sparse_attention` through the `sparseprefill::sparse_attention` op.
 
     Args:
-        q: `[B, Hq, N, D]` float16/bfloat16; k, v: `[B, Hkv, N, D]`.
+        q: `[B, Hq, N, D]` float16/bfloat16; k, v: `[B, Hkv, P + N, D]` (P the plan's
+            `query_offset`: a chunk after a cached prefix).
         plan: a `BlockColumnPlan` for `[B, Hq, N]`.
         scale: softmax scale, `1/sqrt(D)` if None.
         return_lse: also return the natural-log lse, float32 `[B, Hq, N]`.
@@ -383,7 +415,8 @@ def sparse_attention(
         raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
     check = not plan._checked if validate is None else bool(validate)
     args = (q, k, v, plan.block_count, plan.block_index, plan.column_count, plan.column_index,
-            plan.seqlen, plan.block_m, plan.block_n, plan.columns_disjoint, plan.column_group)
+            plan.seqlen, plan.block_m, plan.block_n, plan.columns_disjoint, plan.column_group,
+            plan.query_offset)
     if return_lse:
         out, lse = torch.ops.sparseprefill.sparse_attention_lse(*args, scale=scale, validate=check)
         return out, lse

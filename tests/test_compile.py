@@ -251,6 +251,27 @@ def test_sparse_attention_validates_unchecked_plans_only() -> None:
         ops.sparse_attention(q, k, v, "plan")  # type: ignore[call-overload]
 
 
+def test_chunk_after_a_cached_prefix_and_meta_inputs() -> None:
+    """A plan's `query_offset` travels through the op (queries `[P, P + N)` against keys
+    `[0, P + N)`); the fake implementations take meta tensors."""
+    q, k, v = _qkv(n=56)
+    chunk = q[:, :, 32:]
+    plan = fast.dense_plan(chunk, k, block_m=16, block_n=16)
+    assert plan.query_offset == 32
+    want = fast.sparse_attention(chunk, k, v, plan)
+    assert torch.equal(ops.sparse_attention(chunk, k, v, plan), want)
+    args = (chunk, k, v, plan.block_count, plan.block_index, plan.column_count, plan.column_index,
+            plan.seqlen, plan.block_m, plan.block_n, plan.columns_disjoint, plan.column_group,
+            plan.query_offset)
+    torch.library.opcheck(torch.ops.sparseprefill.sparse_attention.default, args,
+                          test_utils=("test_faketensor",))
+    meta = [t.to("meta") for t in (chunk, k, v)]
+    out = torch.ops.sparseprefill.vertical_slash(*meta, vertical_size=4, slash_size=8)
+    assert out.device.type == "meta" and out.shape == chunk.shape and out.dtype == chunk.dtype
+    with pytest.raises(ValueError, match="does not fit"):
+        torch.ops.sparseprefill.dense(meta[0], meta[1][:, :, :10], meta[2][:, :, :10])
+
+
 def test_plan_built_inside_the_compiled_graph() -> None:
     """A plan from shapes alone (dense, streaming) traces into the graph; the kernel op
     takes its tensors."""
