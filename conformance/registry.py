@@ -18,9 +18,11 @@ from .ties import (
     anchor_attention_tie_check,
     block_sparse_tie_check,
     flexprefill_vs_tie_check,
+    dpxa_tie_check,
     sample_attention_tie_check,
     shareprefill_tie_check,
     vertical_slash_tie_check,
+    xattention_tie_check,
 )
 from .tolerance import Estimate
 
@@ -487,6 +489,78 @@ def _register_delta_kv() -> None:
 _register_delta_kv()
 
 
+def _tile_threshold(draw: Callable[[Any], Any]) -> float:
+    """XAttention / DPXA threshold in (0, 1]: the extremes, the papers' values, or any."""
+    from hypothesis import strategies as st
+
+    return float(draw(st.one_of(
+        st.sampled_from([1.0, 0.9, 0.95, 0.8, 1e-6]),
+        st.floats(min_value=0.0, max_value=1.0, exclude_min=True, allow_nan=False),
+    )))
+
+
+def _tile_block(draw: Callable[[Any], Any]) -> int:
+    from hypothesis import strategies as st
+
+    return int(draw(st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128])))
+
+
+def _xattention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    # 3 exercises groups that straddle no tile but end short (the naive ablation's stride).
+    return {"stride": int(draw(st.sampled_from([1, 2, 4, 8, 16, 3]))),
+            "threshold": _tile_threshold(draw), "block": _tile_block(draw),
+            "scoring": str(draw(st.sampled_from(["antidiagonal", "antidiagonal", "naive"])))}
+
+
+def _dpxa_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    cos = draw(st.one_of(st.sampled_from([0.75, 0.78, -1.0, 1.0, 0.0]),
+                         st.floats(min_value=-1.0, max_value=1.0, allow_nan=False)))
+    return {"cos_threshold": float(cos), "threshold": _tile_threshold(draw), "block": _tile_block(draw)}
+
+
+# The greedy threshold, the knob of XAttention and DPXA (`sparseprefill compare`).
+_TILE_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.98)
+
+
+def _tile_demo_block(n: int) -> int:
+    # 128 (the papers') once a sequence has a few dozen tiles; smaller below so the demo's
+    # short workload still has tiles to skip.
+    return 128 if n >= 4096 else 64
+
+
+register(MethodSpec(
+    name="xattention",
+    reference_plan=reference.xattention_plan,
+    fast_plan=fast.xattention_plan,
+    reference_run=reference.xattention,
+    fast_run=fast.xattention,
+    params=_xattention_params,
+    demo_params=lambda n: {"stride": 8, "threshold": 0.9, "block": _tile_demo_block(n)},
+    exact_plans=False,
+    tie_check=xattention_tie_check,
+    sweep=lambda n: [{"stride": 8, "threshold": t, "block": _tile_demo_block(n)} for t in _TILE_SWEEP],
+    notes="XAttention: antidiagonal stride-level scores, row softmax summed into tiles, greedy "
+          "threshold selection (thesis sec. 2.5)",
+))
+
+register(MethodSpec(
+    name="dpxa",
+    reference_plan=reference.dpxa_plan,
+    fast_plan=fast.dpxa_plan,
+    reference_run=reference.dpxa,
+    fast_run=fast.dpxa,
+    params=_dpxa_params,
+    demo_params=lambda n: {"cos_threshold": 0.75, "threshold": 0.9, "block": _tile_demo_block(n)},
+    exact_plans=False,
+    tie_check=dpxa_tie_check,
+    sweep=lambda n: [{"cos_threshold": 0.75, "threshold": t, "block": _tile_demo_block(n)} for t in _TILE_SWEEP],
+    notes="DPXA: delta anchors of Q and K per tile, anchor-pair tile scores, XAttention's greedy "
+          "selection (thesis sec. 4.3)",
+))
 def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     from hypothesis import strategies as st
 

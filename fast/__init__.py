@@ -25,6 +25,7 @@ from .delta_kv import (
     delta_pack,
 )
 from .flexprefill_vs import flexprefill_vs, flexprefill_vs_plan
+from .dpxa import dpxa, dpxa_plan, dpxa_scoring_ratio, dpxa_tile_weights
 from .metrics import density, recall, relative_error
 from .minference import minference, minference_plan, search_patterns
 from .sample_attention import sample_attention, sample_attention_plan
@@ -38,6 +39,7 @@ from .shareprefill import (
 from .streaming import streaming, streaming_plan
 from .varlen import varlen_attention, varlen_plans
 from .vertical_slash import vertical_slash, vertical_slash_plan
+from .xattention import select_tiles, xattention, xattention_plan, xattention_tile_weights
 
 __all__ = [
     "AttentionState",
@@ -70,6 +72,10 @@ __all__ = [
     "density",
     "flexprefill_vs",
     "flexprefill_vs_plan",
+    "dpxa",
+    "dpxa_plan",
+    "dpxa_scoring_ratio",
+    "dpxa_tile_weights",
     "minference",
     "minference_plan",
     "recall",
@@ -82,6 +88,7 @@ __all__ = [
     "shareprefill_layer_plan",
     "shareprefill_plan",
     "shareprefill_stack",
+    "select_tiles",
     "sparse_attention",
     "stack_plans",
     "streaming",
@@ -90,4 +97,7 @@ __all__ = [
     "varlen_plans",
     "vertical_slash",
     "vertical_slash_plan",
+    "xattention",
+    "xattention_plan",
+    "xattention_tile_weights",
 ]

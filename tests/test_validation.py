@@ -158,6 +158,7 @@ COVERED_ELSEWHERE = {
     "varlen_plans": "tests/test_varlen.py",
     "varlen_attention": "tests/test_varlen.py",
     "shareprefill_stack": "tests/test_shareprefill.py",  # lists of per-layer q, k, v
+    "select_tiles": "tests/test_xattention.py",
 }
 
 
