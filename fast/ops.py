@@ -132,6 +132,12 @@ SYNC: dict[str, SyncStatus] = {
         capture_safe=False,
         note="the pattern of each head is decided on the host from the data (and copied back with "
              "torch.tensor(..., device=...)); the dense heads' passes depend on it"),
+    "xattention": SyncStatus(
+        syncs=("tiles to plan: the most kept tiles of a row (reference.plan.mask_to_list, .max().item())",),
+        static_bound="T = ceil(N / block) key blocks per query block"),
+    "dpxa": SyncStatus(
+        syncs=("tiles to plan: as xattention",),
+        static_bound="as xattention"),
     "delta_kv": SyncStatus(
         syncs=("packing: the packed buffer's size (offsets[-1].item())",
                "packing: repeat_interleave of segment ids (output size read back)",

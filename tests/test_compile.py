@@ -290,6 +290,8 @@ def test_plan_built_inside_the_compiled_graph() -> None:
 
 
 def test_static_widths_give_the_same_plans_wider() -> None:
+    """vertical-slash, AnchorAttention, SampleAttention and XAttention (DPXA shares its
+    `tiles_to_plan`) under `static_widths()`: as wide as the bound, the same plan."""
     q, k, v = _qkv(b=1, n=72)
     n = 72
     # Two slashes (the diagonal and one more) reach at most 4 of the 5 key blocks.
@@ -302,6 +304,7 @@ def test_static_widths_give_the_same_plans_wider() -> None:
          search_width_bound(n, step=2, block_m=16, block_n=16), "column_index"),
         (lambda: fast.sample_attention_plan(q, k, alpha_c=0.2, alpha_s=0.2, block_size=16), cdiv(n, 16),
          "block_index"),
+        (lambda: fast.xattention_plan(q, k, stride=4, threshold=0.3, block=16), cdiv(n, 16), "block_index"),
     ]
     for build, bound, field in cases:
         tight = build()
