@@ -147,6 +147,12 @@ SYNC: dict[str, SyncStatus] = {
         capture_safe=False,
         note="the packed keys' count is data-dependent; a static variant would size the buffer "
              "for no compression (B * Hkv * N keys)"),
+    # Merged after the ops were written; their host reads are not audited yet.
+    **{name: SyncStatus(
+        syncs=("plan lists: the selected tiles' list width is read on the host (mask_to_list)",),
+        capture_safe=False,
+        note="not audited for CUDA-graph capture yet: treat as unsafe")
+       for name in ("xattention", "dpxa", "flexprefill_vs", "shareprefill")},
 }
 
 

@@ -173,16 +173,10 @@ def _block_column_fwd(
     BLOCK_MEAN: tl.constexpr, GUARD: tl.constexpr, NONFINITE: tl.constexpr,
     HAS_KV_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VARLEN: tl.constexpr,
 ):
-    # Longest rows first: later query tiles list more blocks. A varlen batch runs on a
-    # 1-D grid, tile-major over every (sequence, head), so the longest sequence's last
-    # tiles start first instead of forming the tail of the launch.
-    if HAS_VARLEN:
-        n_bh = num_bh
-        i_m = num_tiles - 1 - tl.program_id(0) // n_bh
-        i_bh = tl.program_id(0) % n_bh
-    else:
-        i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-        i_bh = tl.program_id(1)
+    # Longest rows first: later query tiles list more blocks. (A tile-major 1-D grid for
+    # varlen batches measured slower on the H200: 89.6 vs 83.3 ms on 4K + 16K + 60K.)
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
     i_hkv = i_h // group
@@ -795,7 +789,7 @@ def _launch(
 
             k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
             v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
-        grid = (triton.cdiv(n, block_m), b * hq) if varlen is None else (triton.cdiv(n, block_m) * b * hq, 1)
+        grid = (triton.cdiv(n, block_m), b * hq)
         try:
             _block_column_fwd[grid](
                 q, k, v, out, lse, mask_arg,
