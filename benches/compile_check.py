@@ -224,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         report("graph", "*", None, "needs CUDA", 0.0)
     for name in args.methods if cuda else []:
-        status = ops.SYNC[name]
+        status = ops.SYNC.get(name)
+        if status is None:
+            report("graph", name, False, "no line in sparseprefill.fast.ops.SYNC", 0.0)
+            continue
         if not status.capture_safe:
             report("graph", name, None, f"not capture-safe: {status.note}", 0.0)
             continue
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Last: a refused capture may leave the device's capture state behind it.
     for name in args.methods if cuda else []:
-        if ops.SYNC[name].syncs:
+        if name in ops.SYNC and ops.SYNC[name].syncs:
             default = ops.method_op(name)
 
             def run_default(op: Any = default, params: dict[str, Any] = _params(name, q)) -> torch.Tensor:

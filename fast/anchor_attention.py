@@ -37,6 +37,7 @@ from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
 from ..reference.anchor_attention import STEP, THETA, check_anchor_params
 from ..reference.attention import AttentionState
 from ..reference.plan import BlockColumnPlan, cdiv
+from .capture import static_widths_active
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
 from .kernels.anchor_stripes import search_width_bound, stripe_index
 from .vertical_slash import head_group
@@ -185,9 +186,11 @@ def anchor_attention(
     Query heads are processed in groups whose stripe plan fits `PLAN_BYTES` at any
     stripe count (see the module doc); each group has its own state.
 
-    Host synchronisation: one per head group, the longest stripe list. Inside
+    Host synchronisations per head group: the longest stripe list, and the promotion of
+    whole stripe blocks to blocks (`with_full_blocks`, three reads). Inside
     `fast.capture.static_widths()` (`torch.ops.sparseprefill.anchor_attention_static`)
-    and during CUDA-graph capture the width is the search-region bound instead: no
+    and during CUDA-graph capture the width is the search-region bound and the stripes
+    stay columns (no promotion; the same attention at the column-gather rate): no
     sync, capture-safe (docs/serving.md).
 
     Returns:
@@ -219,7 +222,10 @@ def anchor_attention(
                          index=index, device=q.device, with_blocks=False)
         # Key blocks a group's stripes hold whole run as blocks (dense rate), not as
         # column gathers: the H200 bench's 128K stripe pass took 1159 ms as columns.
-        stripes = stripes.with_full_blocks()
+        # The promotion reads list widths back (host syncs): static widths (and graph
+        # capture) keep the stripes as columns, the same attention, slower.
+        if not static_widths_active(q):
+            stripes = stripes.with_full_blocks()
         out, _ = block_column_attention(qs, ks, vs, stripes, scale=sm_scale, state=state,
                                         validate_plan=False)  # Alg. 3
         return out

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
 from sparseprefill import fast  # noqa: E402
+from sparseprefill.conformance import tolerance  # noqa: E402
 from sparseprefill.conformance.registry import METHODS  # noqa: E402
 from sparseprefill.fast import ops  # noqa: E402
 from sparseprefill.fast.anchor_attention import anchor_attention_plan  # noqa: E402
@@ -314,6 +315,24 @@ def test_static_widths_give_the_same_plans_wider() -> None:
         assert not reads, sorted(reads)
         assert getattr(loose, field).shape[3] == bound > getattr(tight, field).shape[3]
         assert loose.equal(tight)
+
+
+def test_anchor_static_keeps_stripes_as_columns() -> None:
+    """Every search key kept (theta huge): the default run promotes whole stripe blocks
+    to blocks (host reads), the static op keeps them as columns (none); both are full
+    causal attention under the tolerance policy."""
+    q, k, v = _qkv(b=1, n=72)
+    params = {"theta": 1e9, "step": 2, "block_m": 16, "block_n": 16}
+    with host_reads() as sites:
+        default = fast.anchor_attention(q, k, v, **params)
+    assert "plan.py:mask_to_list" in sites  # reached only when a block was promoted
+    with host_reads() as sites:
+        static = ops.call("anchor_attention", q, k, v, static=True, **params)
+    assert sites <= HOST_ARITHMETIC, sorted(sites)
+    golden, _ = tolerance.golden_attention(q, k, v, None)
+    baseline, _ = tolerance.baseline_attention(q, k, v, None)
+    for out in (default, static):
+        tolerance.check_output(out, golden, baseline, context="anchor_attention, theta 1e9")
 
 
 # -- models ----------------------------------------------------------------------------------
