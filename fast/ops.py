@@ -124,12 +124,27 @@ SYNC: dict[str, SyncStatus] = {
         capture_safe=False,
         note="the packed keys' count is data-dependent; a static variant would size the buffer "
              "for no compression (B * Hkv * N keys)"),
-    # Merged after the ops were written; their host reads are not audited yet.
-    **{name: SyncStatus(
-        syncs=("plan lists: the selected tiles' list width is read on the host (mask_to_list)",),
+    # Merged after the ops were written: host reads as the compile tests' detector found
+    # them (CPU); not audited for CUDA-graph capture.
+    "xattention": SyncStatus(
+        syncs=("selection: the selected tiles' list width (mask_to_list)",),
+        capture_safe=False, note="not audited for CUDA-graph capture yet"),
+    "dpxa": SyncStatus(
+        syncs=("selection: the selected tiles' list width (mask_to_list)",),
+        capture_safe=False, note="not audited for CUDA-graph capture yet"),
+    "flexprefill_vs": SyncStatus(
+        syncs=("padded_lines: the longest vertical / slash line set",
+               "vertical-slash index: the widest block list (block_widths)"),
+        capture_safe=False, note="not audited for CUDA-graph capture yet"),
+    "shareprefill": SyncStatus(
+        syncs=("choose_patterns: the per-head decisions read on the host",
+               "layer_plan / shareprefill_layer: which heads are dense, shared or sparse",
+               "the pivot dictionary's per-cluster entries (dict comprehension)",
+               "flexprefill_vs fallback: padded_lines",
+               "vertical-slash index: block_widths",
+               "shareprefill_layer: the merged plan's widths"),
         capture_safe=False,
-        note="not audited for CUDA-graph capture yet: treat as unsafe")
-       for name in ("xattention", "dpxa", "flexprefill_vs", "shareprefill")},
+        note="per-head decisions are host control flow: not capturable as one graph"),
 }
 
 
