@@ -22,6 +22,10 @@ only reason a fast plan differs: it raises AssertionError otherwise.
   the fast plan must be exactly the index of the fast selection, and that selection
   must be a valid `cover_threshold` of the float64 shares up to `share_tolerance`
   per entry and `mass_tolerance` on the cumulative share (`check_cover_modulo_ties`).
+* XAttention and DPXA (greedy threshold selection, `check_greedy_modulo_ties`): the
+  kept tiles are a greedy selection of the float64 tile weights up to
+  `tile_weight_tolerance` (order and threshold crossing); DPXA's anchors are
+  Delta-KV's stage 1, bit-identical in both packages.
 * anchor attention (thresholds, not top-k): the anchor blocks must be exactly
   Alg. 1's, and a stripe key may differ between the plans only where, for some
   query block of its group, the float64 difference `avgpool(x_a) - s` lies within
@@ -63,6 +67,7 @@ from ..reference.flexprefill_vs import (
     lines_index,
     normalized_lines,
 )
+from ..reference.dpxa import anchor_tile_scores, dpxa_anchors
 from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
 from ..reference.sample_attention import (
     merge_index,
@@ -88,6 +93,7 @@ from ..reference.vertical_slash import (
     vertical_slash_index,
     vertical_slash_scores,
 )
+from ..reference.xattention import xattention_tile_weights
 
 
 def line_tolerance(rows: int) -> float:
@@ -410,6 +416,113 @@ def shareprefill_tie_check(
                             forced=first_lines(ref_state.init_columns, n, cpu), what="verticals")
     check_cover_modulo_ties(a_s, slashes, gamma=ref_state.gamma,
                             forced=first_lines(ref_state.local_diagonals, n, cpu), what="slashes")
+# -- XAttention / DPXA: greedy threshold selection of tiles ----------------------
+
+
+def tile_weight_tolerance(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> float:
+    """Largest fp32-vs-float64 difference of a normalised tile weight or a sum of them.
+
+    The fast scores round fp32 sums of exact fp32 products, so a logit is off by about
+    `1e-7` of the largest possible logit `L = scale * max|q_i| * max|k_j|` (all the
+    kernels' arithmetic is relative to it); a weight `w` then by about `w * 1e-7 * L`,
+    and a cumulative sum of weights by the same amount. `1e-5 * (1 + L)` leaves ~100x.
+    """
+    d = q.shape[-1]
+    sm_scale = scale if scale is not None else d ** -0.5
+    q_max = float(q.to(torch.float64).norm(dim=-1).max())
+    k_max = float(k.to(torch.float64).norm(dim=-1).max())
+    return 1e-5 * (1.0 + sm_scale * q_max * k_max)
+
+
+def check_greedy_modulo_ties(
+    weights: torch.Tensor, keep: torch.Tensor, *, threshold: float, tolerance: float, what: str
+) -> None:
+    """`keep` is the greedy threshold selection of `weights` up to ties and rounding.
+
+    Per query tile `i`: tile 0 and tile `i` are kept, nothing non-causal is; no dropped
+    tile outweighs a kept free tile by more than `tolerance`; the kept weight reaches
+    `threshold` (less `tolerance`) unless every causal tile is kept; and without its
+    lightest free tile it stays below `threshold` (plus `tolerance`), so no tile was
+    kept once the threshold was reached. `threshold == 1` must keep every causal tile.
+
+    Args:
+        weights: float64 `[B, H, T, T]`, rows summing to 1 over `j <= i`.
+        keep: bool `[B, H, T, T]`.
+
+    Raises:
+        AssertionError: naming the first (b, h, query tile) that breaks a rule.
+    """
+    weights = weights.to(torch.float64).cpu()
+    keep = keep.cpu()
+    tiles = weights.shape[-1]
+    idx = torch.arange(tiles)
+    causal = idx[None, :] <= idx[:, None]
+    forced = (idx[None, :] == 0) | (idx[None, :] == idx[:, None])
+    free = causal & ~forced
+
+    def first(bad: torch.Tensor, message: str) -> None:
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise _fail(f"{what} at (b, h, query tile) {at[:3]}: {message}")
+
+    first((keep & ~causal).any(-1), "a non-causal tile is kept")
+    first((forced & ~keep).any(-1), "the first or the diagonal tile is missing")
+    if threshold >= 1.0:
+        first((causal & ~keep).any(-1), "threshold 1 must keep every causal tile")
+        return
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    kept_free = keep & free
+    dropped = free & ~keep
+    lightest_kept = torch.where(kept_free, weights, inf).amin(-1)
+    heaviest_dropped = torch.where(dropped, weights, -inf).amax(-1)
+    first(heaviest_dropped - lightest_kept > tolerance,
+          f"a dropped tile outweighs a kept one by more than {tolerance:.3g}")
+    total = torch.where(keep, weights, 0.0).sum(-1)
+    first(dropped.any(-1) & (total < threshold - tolerance),
+          f"tiles were dropped before the kept weight reached threshold {threshold}")
+    without_last = total - torch.where(kept_free.any(-1), lightest_kept, 0.0)
+    first(kept_free.any(-1) & (without_last >= threshold + tolerance),
+          f"a tile was kept after the kept weight had reached threshold {threshold}")
+
+
+def xattention_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of XAttention: the fast tiles are a greedy selection of the
+    float64 tile weights, up to `tile_weight_tolerance`."""
+    del expected
+    got = got.to("cpu").validate()
+    if bool((got.column_count != 0).any()):
+        raise _fail("XAttention plans list no columns")
+    scale = params.get("scale")
+    weights = xattention_tile_weights(
+        q, k, stride=int(params.get("stride", 8)), block=int(params.get("block", 128)),
+        scoring=str(params.get("scoring", "antidiagonal")), scale=scale,
+    )
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+                             tolerance=tile_weight_tolerance(q, k, scale), what="xattention tiles")
+
+
+def dpxa_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of DPXA: the fast tiles are a greedy selection of the
+    float64 tile weights, up to `tile_weight_tolerance` (the anchors are the same in both
+    packages: Delta-KV's stage 1, bit-identical)."""
+    del expected
+    got = got.to("cpu").validate()
+    if bool((got.column_count != 0).any()):
+        raise _fail("DPXA plans list no columns")
+    cos_threshold = float(params.get("cos_threshold", 0.75))
+    block = int(params.get("block", 128))
+    scale = params.get("scale")
+    q_anchors = dpxa_anchors(q, cos_threshold=cos_threshold, block=block).cpu()
+    k_anchors = dpxa_anchors(k, cos_threshold=cos_threshold, block=block).cpu()
+    sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = anchor_tile_scores(q.cpu(), k.cpu(), q_anchors, k_anchors, block=block, scale=sm_scale)
+    weights = scores / scores.sum(dim=-1, keepdim=True)
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+                             tolerance=tile_weight_tolerance(q, k, scale), what="dpxa tiles")
 # Relative error budget of the fast anchor path's decision quantity (see `anchor_margin`).
 ANCHOR_RELATIVE_MARGIN = 2.0**-12
 

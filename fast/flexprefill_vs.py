@@ -25,6 +25,7 @@ from ..reference.flexprefill_vs import (
     first_lines,
 )
 from ..reference.plan import BlockColumnPlan
+from .capture import static_widths_active
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 from .kernels.last_q_estimate import last_q_scores
 from .kernels.vertical_slash_index import vertical_slash_index
@@ -69,12 +70,13 @@ def flexprefill_vs_lines(
 def padded_lines(kept: torch.Tensor) -> torch.Tensor:
     """bool `[B, H, N]` -> int32 `[B, H, W]` kept indices ascending, padded with N.
 
-    `W` is the largest count (at least 1; one host synchronisation). The index
+    `W` is the largest count (at least 1; one host synchronisation), or N inside
+    `fast.capture.static_widths()` and during CUDA-graph capture. The index
     kernel reads offset N as a slash that reaches no row, and a column N is never
     causal, so the padding adds nothing.
     """
     n = kept.shape[-1]
-    width = max(1, int(kept.sum(dim=-1).max().item()))
+    width = n if static_widths_active(kept) else max(1, int(kept.sum(dim=-1).max().item()))
     ids = torch.arange(n, dtype=torch.int32, device=kept.device)
     ranked = torch.where(kept, ids, n)
     return torch.sort(ranked, dim=-1).values[..., :width].contiguous()
@@ -144,6 +146,11 @@ def flexprefill_vs(
     scale: float | None = None,
 ) -> torch.Tensor:
     """FlexPrefill-style vertical-slash sparse attention (see `reference.flexprefill_vs`).
+
+    Host synchronisations: the padded line width and the index's counting pass. Inside
+    `fast.capture.static_widths()` (`torch.ops.sparseprefill.flexprefill_vs_static`)
+    and during CUDA-graph capture both use their bounds (N lines, Kb blocks): no sync,
+    capture-safe (docs/serving.md).
 
     Returns:
         `[B, Hq, N, D]` in q's dtype.

@@ -351,6 +351,9 @@ def shareprefill(
 ) -> torch.Tensor:
     """SharePrefill attention of one layer as a whole prefill (see `reference.shareprefill`).
 
+    Host synchronisations: each head's pattern is decided on the host from the data
+    (Alg. 3/4), and the dispatch reads it back; not capture-safe (docs/serving.md).
+
     Returns:
         `[B, Hq, N, D]` in q's dtype.
 

@@ -18,6 +18,7 @@ from .delta_kv import (
     delta_pack,
 )
 from .flexprefill_vs import flexprefill_vs, flexprefill_vs_plan
+from .dpxa import dpxa, dpxa_plan, dpxa_scoring_ratio, dpxa_tile_weights
 from .metrics import density, recall, relative_error
 from .minference import (
     HeadPattern,
@@ -27,7 +28,7 @@ from .minference import (
     minference_plan,
     search_patterns,
 )
-from .plan import BlockColumnPlan
+from .plan import BlockColumnPlan, stack_plans
 from .sample_attention import SampleAttentionSettings, sample_attention, sample_attention_plan
 from .shareprefill import (
     ClusterLayout,
@@ -42,7 +43,9 @@ from .shareprefill import (
     shareprefill_stack,
 )
 from .streaming import streaming, streaming_plan
+from .varlen import varlen_attention, varlen_plans
 from .vertical_slash import vertical_slash, vertical_slash_plan
+from .xattention import select_tiles, xattention, xattention_plan, xattention_tile_weights
 
 __all__ = [
     "AttentionState",
@@ -75,6 +78,10 @@ __all__ = [
     "density",
     "flexprefill_vs",
     "flexprefill_vs_plan",
+    "dpxa",
+    "dpxa_plan",
+    "dpxa_scoring_ratio",
+    "dpxa_tile_weights",
     "minference",
     "minference_plan",
     "recall",
@@ -87,9 +94,16 @@ __all__ = [
     "shareprefill_layer_plan",
     "shareprefill_plan",
     "shareprefill_stack",
+    "select_tiles",
     "sparse_attention",
+    "stack_plans",
     "streaming",
     "streaming_plan",
+    "varlen_attention",
+    "varlen_plans",
     "vertical_slash",
     "vertical_slash_plan",
+    "xattention",
+    "xattention_plan",
+    "xattention_tile_weights",
 ]

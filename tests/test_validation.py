@@ -154,7 +154,11 @@ COVERED_ELSEWHERE = {
     "delta_pack": "tests/test_delta_kv.py",
     "delta_kv_plans": "tests/test_delta_kv.py",
     "delta_kv_density": "tests/test_delta_kv.py",
+    "stack_plans": "tests/test_varlen.py",
+    "varlen_plans": "tests/test_varlen.py",
+    "varlen_attention": "tests/test_varlen.py",
     "shareprefill_stack": "tests/test_shareprefill.py",  # lists of per-layer q, k, v
+    "select_tiles": "tests/test_xattention.py",
 }
 
 

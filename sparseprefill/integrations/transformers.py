@@ -38,6 +38,11 @@ layer runs the method's `*_layer` function with the model's `layer_idx`, so laye
 order is the model's. Such a method must be the choice of every head of its layers.
 `SparsePrefillAttention.last_state(method)` returns the state of the latest prefill
 (its per-layer decisions, for instance).
+`use_ops=True` runs the fast path through the `torch.library` custom ops of
+`sparseprefill.fast.ops` (`torch.ops.sparseprefill.<method>` when every head of a
+layer shares one choice: estimate, plan and kernel in one op, with the method's own
+scale handling; the plan kernel op otherwise), so `torch.compile` sees each sparse
+attention as one opaque op with a known output shape (docs/serving.md).
 
 Supported: Llama-, Qwen2- and Mistral-style decoders (grouped-query attention is
 native: K and V are never copied per query head), batch > 1 with equal lengths.
@@ -206,6 +211,7 @@ class SparsePrefillAttention:
         fast_dtype: dtype q, k, v are cast to for the fast backend when they are not
             float16/bfloat16 (the Triton kernels take half precision only); the
             output is cast back to the model's dtype.
+        use_ops: run the fast backend through `sparseprefill.fast.ops` (see the module doc).
         calls: counts of attention calls by path, "sparse" and "sdpa".
     """
 
@@ -218,6 +224,7 @@ class SparsePrefillAttention:
         min_seqlen: int = 4096,
         fast_dtype: torch.dtype = torch.float16,
         name: str | None = None,
+        use_ops: bool = False,
     ) -> None:
         self.method = _check_method(method)
         if backend not in _BACKENDS:
@@ -227,6 +234,11 @@ class SparsePrefillAttention:
         if fast_dtype not in HALF_DTYPES:
             raise ValueError(f"fast_dtype must be torch.float16 or torch.bfloat16, got {fast_dtype}")
         self.fast_dtype = fast_dtype
+        if not isinstance(use_ops, bool):
+            raise TypeError(f"use_ops must be a bool, got {type(use_ops).__name__}")
+        self.use_ops = use_ops
+        if use_ops:
+            from ..fast import ops  # noqa: F401  (registers torch.ops.sparseprefill.*)
         self.name = name if name is not None else f"sparseprefill-{next(_NAMES)}"
         self.calls: Counter[str] = Counter()
         self._config = config
@@ -428,6 +440,8 @@ class SparsePrefillAttention:
             q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
         first = choices[0]
         spec = METHODS[first.method]
+        if use_fast and self.use_ops:
+            return self._ops_attention(q, k, v, choices, scale=scale).to(out_dtype)
         if not spec.plan_based and all(c == first for c in choices):
             # A method that is not one plan's attention (Delta-KV) runs end to end.
             run = spec.run_fn("fast" if use_fast else "reference")
@@ -437,6 +451,19 @@ class SparsePrefillAttention:
         impl = fast if use_fast else reference
         out: torch.Tensor = impl.sparse_attention(q, k, v, plan, scale=scale)
         return out.to(out_dtype)
+
+    def _ops_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, choices: Sequence[Choice], *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """The fast path through `sparseprefill.fast.ops` (half-precision q, k, v)."""
+        from ..fast import ops
+
+        first = choices[0]
+        if all(c == first for c in choices):
+            return ops.call(first.method, q, k, v, **_resolve_params(first, q), scale=scale)
+        plan = build_plan(q, k, choices, fast_plans=True)
+        return ops.sparse_attention(q, k, v, plan, scale=scale)
 
 
 def _is_plain_causal(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> bool:
@@ -520,6 +547,7 @@ def register_attention(
     min_seqlen: int = 4096,
     fast_dtype: torch.dtype = torch.float16,
     name: str | None = None,
+    use_ops: bool = False,
 ) -> SparsePrefillAttention:
     """Register a sparse attention with transformers under a new name.
 
@@ -540,6 +568,8 @@ def register_attention(
         min_seqlen: prompts shorter than this run SDPA.
         fast_dtype: half dtype for the fast backend when the model is float32.
         name: registration key; a fresh "sparseprefill-<n>" if None.
+        use_ops: run the fast backend through the custom ops of `sparseprefill.fast.ops`
+            (for `torch.compile`; see docs/serving.md).
 
     Returns:
         The registered `SparsePrefillAttention` (its `calls` counts the paths taken).
@@ -548,7 +578,8 @@ def register_attention(
         TypeError, ValueError: an unknown method or a malformed config.
     """
     attn = SparsePrefillAttention(
-        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype, name=name
+        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype, name=name,
+        use_ops=use_ops,
     )
     AttentionInterface.register(attn.name, attn)
     # Without a mask function under our name transformers builds no mask at all, and
@@ -575,13 +606,14 @@ def patch(
     backend: Backend = "auto",
     min_seqlen: int = 4096,
     fast_dtype: torch.dtype = torch.float16,
+    use_ops: bool = False,
 ) -> SparsePrefillAttention:
     """Switch a loaded model's attention to a sparse prefill method.
 
     Args:
         model: a transformers `PreTrainedModel` whose attention goes through
             `AttentionInterface` (Llama, Qwen2, Mistral and most decoders).
-        method, config, backend, min_seqlen, fast_dtype: see `register_attention`.
+        method, config, backend, min_seqlen, fast_dtype, use_ops: see `register_attention`.
 
     Returns:
         The registered `SparsePrefillAttention`.
@@ -601,7 +633,7 @@ def patch(
             "methods are causal self-attention only"
         )
     attn = register_attention(
-        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype
+        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype, use_ops=use_ops
     )
     if isinstance(config, Mapping) and attn._per_layer:
         known = _layer_indices(model)
