@@ -1079,12 +1079,25 @@ def context_parallel_plan(
     return split_plan(plan, layout, comm.rank, estimate=kind)
 
 
-class _Fetch:
-    """The K/V rows a rank's remote plan lists, asked for and received with two all-to-alls."""
+class KVFetch:
+    """The K/V rows a rank's remote plan lists, asked for and received with two all-to-alls.
+
+    Constructing it runs the first (a bit per key and KV head, blocking) and starts the
+    second (the rows, asynchronous); `finish` waits and writes the rows into full-length
+    buffers. Every rank of the group must construct its fetch at the same point.
+
+    Args:
+        k, v: `[B, Hkv, n_local, D]`, this rank's keys and values (local order).
+        remote: this rank's `RankPlan.remote`.
+        layout: the split.
+        group: the process group (default: the world).
+        traffic: a `Traffic` the bytes are added to, or None.
+    """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, remote: BlockColumnPlan, layout: ZigZagLayout,
-                 comm: _Comm) -> None:
-        self.comm, self.layout = comm, layout
+                 group: dist.ProcessGroup | None = None, traffic: Traffic | None = None) -> None:
+        comm = _Comm(group)
+        self.comm, self.layout, self.traffic = comm, layout, traffic
         device = k.device
         b, hkv, _, d = k.shape
         need = needed_keys(remote, hkv)
@@ -1100,9 +1113,17 @@ class _Fetch:
         self.recv_rows = [int(a.sum()) for a in self.asks]
         self.pieces, self.work = comm.all_to_all(send, [r * 2 * d for r in self.recv_rows], "kv",
                                                  async_op=True)
+        if traffic is not None:
+            traffic.index += comm.traffic.index
+            traffic.kv += comm.traffic.kv
 
     def finish(self, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
-        """Wait for the rows and write them at their global positions in the buffers."""
+        """Wait for the rows and write them at their global positions.
+
+        Args:
+            k_buf, v_buf: `[B, Hkv, N, D]`, written at the fetched (batch, head, key)
+                entries only.
+        """
         if self.work is not None:
             self.work.wait()
         d = k_buf.shape[3]
@@ -1233,7 +1254,7 @@ def context_parallel_attention(
     v_buf = v.new_zeros(b, hkv, layout.seqlen, d)
     k_buf.index_copy_(2, tokens, k)
     v_buf.index_copy_(2, tokens, v)
-    fetch = _Fetch(k, v, rp.remote, layout, comm)
+    fetch = KVFetch(k, v, rp.remote, layout, group, traffic)
     # The rows over the keys held here while the fetch is under way...
     own = attend_rows(impl, q, k_buf, v_buf, rp.own, tokens, scale=scale)
     fetch.finish(k_buf, v_buf)
@@ -1245,8 +1266,6 @@ def context_parallel_attention(
         lengths = [layout.local_length(r) for r in range(comm.world)]
         out = layout.unshard(comm.all_gather(out, lengths, 2, "output"))
         lse = layout.unshard(comm.all_gather(lse, lengths, 2, "output"))
-    traffic.index += comm.traffic.index
-    traffic.kv += comm.traffic.kv
     traffic.output += comm.traffic.output
     return ContextParallelOutput(out=out, lse=lse, plan=rp, traffic=traffic)
 
@@ -1256,6 +1275,7 @@ __all__ = [
     "GATHER_NEEDS",
     "ContextParallelOutput",
     "DistributedEstimate",
+    "KVFetch",
     "RankPlan",
     "Traffic",
     "ZigZagLayout",

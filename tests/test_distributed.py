@@ -218,6 +218,24 @@ def _errors(rank: int, world: int) -> dict[str, Any]:
     return {"checked": len(expect)}
 
 
+def _bench_rows(rank: int, world: int) -> dict[str, Any]:
+    """`sparseprefill bench --distributed`'s rows, structurally (gloo, reference, N = 256)."""
+    from sparseprefill.distributed_bench import format_rows, run_rows
+
+    rows = run_rows([256], ["dense", "vertical_slash"], modes=["head", "context"], batch=1, q_heads=2 * world,
+                    kv_heads=world, head_dim=16, dtype=torch.float16, impl="reference", align=128, reps=1,
+                    dense_max=256, device=torch.device("cpu"), log=lambda line: None)
+    assert [r["method"] for r in rows] == ["dense", "vertical_slash"]
+    for r in rows:
+        for key in ("one_ms", "head_ms", "head_gather_ms", "context_ms", "head_efficiency", "context_efficiency",
+                    "ring_bytes", "bytes_vs_ring"):
+            assert r[key] > 0, key
+        assert r["head_max_diff"] == 0 and r["context_max_diff"] < 1e-3
+        assert r["bytes"]["kv"] <= r["ring_bytes"]
+    assert "vertical_slash" in format_rows(rows)
+    return {"bytes_vs_ring": [r["bytes_vs_ring"] for r in rows]}
+
+
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     **{f"cp_{m}": _cp_case(m, p) for m, p in CP_PARAMS.items()},
     "cp_vertical_slash_all_rows": _cp_case("vertical_slash", VS_ALL_ROWS),
@@ -234,9 +252,28 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "hp_replicated_kv": _hp_case("vertical_slash", {**CP_PARAMS["vertical_slash"], "last_q": 16},
                                  replicated=True),
     "errors": _errors,
+    "bench_rows": _bench_rows,
 }
 # The Triton kernels under the interpreter: slower, run in their own spawn.
-FAST_SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+FAST_def _bench_rows(rank: int, world: int) -> dict[str, Any]:
+    """`sparseprefill bench --distributed`'s rows, structurally (gloo, reference, N = 256)."""
+    from sparseprefill.distributed_bench import format_rows, run_rows
+
+    rows = run_rows([256], ["dense", "vertical_slash"], modes=["head", "context"], batch=1, q_heads=2 * world,
+                    kv_heads=world, head_dim=16, dtype=torch.float16, impl="reference", align=128, reps=1,
+                    dense_max=256, device=torch.device("cpu"), log=lambda line: None)
+    assert [r["method"] for r in rows] == ["dense", "vertical_slash"]
+    for r in rows:
+        for key in ("one_ms", "head_ms", "head_gather_ms", "context_ms", "head_efficiency", "context_efficiency",
+                    "ring_bytes", "bytes_vs_ring"):
+            assert r[key] > 0, key
+        assert r["head_max_diff"] == 0 and r["context_max_diff"] < 1e-3
+        assert r["bytes"]["kv"] <= r["ring_bytes"]
+    assert "vertical_slash" in format_rows(rows)
+    return {"bytes_vs_ring": [r["bytes_vs_ring"] for r in rows]}
+
+
+SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "cp_vertical_slash_fast": _cp_case("vertical_slash", CP_PARAMS["vertical_slash"], impl="fast"),
 }
 # Three ranks (slow: three processes share the CI's two cores): the issue's methods and the errors.
@@ -465,6 +502,18 @@ def test_bit_packing_round_trips(n: int) -> None:
 def test_ring_bytes() -> None:
     layout = D.ZigZagLayout(1000, 4)
     assert D.ring_bytes(layout, batch=2, kv_heads=8, head_dim=128, itemsize=2) == 3 * 2 * 2 * 8 * 1000 * 128 * 2
+
+
+def test_bench_distributed_needs_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sparseprefill import bench
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--distributed", "--seqlens", "256"])
+    with pytest.raises(SystemExit, match="launch it with torchrun"):
+        bench.run(args)
 
 
 def test_estimate_kinds() -> None:
