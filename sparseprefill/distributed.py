@@ -740,43 +740,46 @@ def _shape_only(spec_name: str) -> EstimateFn:
     return build
 
 
-def _gather_rows(shard: _Shard, start: int, stop: int, comm: _Comm) -> torch.Tensor:
-    """q rows `[start, stop)` on every rank: `[B, Hq, stop - start, D]` (broadcast or all-reduce)."""
-    owner = shard.layout.owner()[start:stop]
-    rows = torch.zeros(shard.batch, shard.q_heads, stop - start, shard.head_dim, dtype=shard.q.dtype,
-                       device=shard.q.device)
-    mine = (shard.tokens >= start) & (shard.tokens < stop)
+def _gather_rows(shard: _Shard, rows: torch.Tensor, comm: _Comm) -> torch.Tensor:
+    """The q rows `rows` (int64, ascending, global) on every rank: `[B, Hq, R, D]`.
+
+    Broadcast from their holder when one rank holds them all, else an all-reduce of
+    zero-padded copies (each row is non-zero on its one holder: the sum is exact).
+    """
+    layout = shard.layout
+    owner = layout.owner()[rows.cpu()]
+    out = torch.zeros(shard.batch, shard.q_heads, rows.numel(), shard.head_dim, dtype=shard.q.dtype,
+                      device=shard.q.device)
+    # Position of every global token in this rank's local order (-1: not held here).
+    local = torch.full((layout.seqlen,), -1, dtype=torch.int64, device=shard.q.device)
+    local[shard.tokens] = torch.arange(shard.tokens.numel(), device=shard.q.device)
+    where = local[rows.to(shard.q.device)]
+    mine = where >= 0
     if bool(mine.any()):
-        rows.index_copy_(2, shard.tokens[mine] - start, shard.q[:, :, mine])
+        out[:, :, mine] = shard.q[:, :, where[mine]]
     holders = torch.unique(owner).tolist()
     if len(holders) == 1:
-        comm.broadcast(rows, int(holders[0]), "estimate")
+        comm.broadcast(out, int(holders[0]), "estimate")
     else:
-        # Each row is non-zero on its one holder: the sum is exact.
-        comm.all_reduce(rows, "estimate")
-    return rows
+        comm.all_reduce(out, "estimate")
+    return out
 
 
-def distributed_last_q_scores(shard: _Shard, q_last: torch.Tensor, *, scale: float,
-                              comm: _Comm) -> tuple[torch.Tensor, torch.Tensor]:
-    """MInference Alg. 2 lines 2-6 with the keys split over ranks, up to the local scores.
+def _global_softmax(shard: _Shard, q_rows: torch.Tensor, row_ids: torch.Tensor, *, scale: float, comm: _Comm,
+                    consume: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """`softmax(Q_rows K^T)` over every rank's keys, handed to `consume` a local key chunk at a time.
 
-    `A_hat = softmax(Q_last K^T)` over all keys: every rank computes the logits of
-    the last queries against its own keys; the row maxima (all-reduce max) and the
-    row sums of `exp(logit - max)` (all-reduce sum) make the softmax global.
-
-    Returns:
-        (vertical float64 `[B, Hq, n_local]`: the mass of each local key column,
-        complete; slash float64 `[B, Hq, N]`: this rank's part of every diagonal's
-        mass, to be summed over ranks). Equal to the one-process scores up to the
-        order of float64 additions.
+    Every rank computes the float64 logits of the rows against its own keys; the
+    row maxima (all-reduce max) and the row sums of `exp(logit - max)` (all-reduce
+    sum) make the softmax global. `consume(a_hat [B, Hq, R, c], cols [c])` gets the
+    probabilities of each chunk of local keys (`cols`: their global positions);
+    non-causal entries are 0.
     """
-    b, hq, rows, d = q_last.shape
-    hkv, n = shard.kv_heads, shard.layout.seqlen
+    b, hq, rows, d = q_rows.shape
+    hkv = shard.kv_heads
     g = hq // hkv
-    device = q_last.device
-    row_ids = torch.arange(n - rows, n, device=device)
-    qg = q_last.to(torch.float64).reshape(b, hkv, g, rows, d)
+    device = q_rows.device
+    qg = q_rows.to(torch.float64).reshape(b, hkv, g, rows, d)
     n_local = shard.k.shape[2]
     step = max(1, _ESTIMATE_CHUNK_BYTES // max(1, b * hq * rows * 8))
 
@@ -795,17 +798,40 @@ def distributed_last_q_scores(shard: _Shard, q_last: torch.Tensor, *, scale: flo
     for c0 in range(0, n_local, step):
         total += torch.exp(logits(c0, min(n_local, c0 + step))[0] - shift).sum(dim=-1)
     comm.all_reduce(total, "estimate")
-    vertical = torch.zeros(b, hq, n_local, dtype=torch.float64, device=device)
-    slash = torch.zeros(b, hq, n, dtype=torch.float64, device=device)
     for c0 in range(0, n_local, step):
-        c1 = min(n_local, c0 + step)
-        s, cols = logits(c0, c1)
-        a_hat = (torch.exp(s - shift) / total.unsqueeze(-1)).reshape(b, hq, rows, -1)
+        s, cols = logits(c0, min(n_local, c0 + step))
+        consume((torch.exp(s - shift) / total.unsqueeze(-1)).reshape(b, hq, rows, -1), cols)
+
+
+def distributed_last_q_scores(shard: _Shard, q_last: torch.Tensor, *, scale: float,
+                              comm: _Comm) -> tuple[torch.Tensor, torch.Tensor]:
+    """MInference Alg. 2 lines 2-6 with the keys split over ranks, up to the local scores.
+
+    `A_hat = softmax(Q_last K^T)` over all keys (`_global_softmax`).
+
+    Returns:
+        (vertical float64 `[B, Hq, n_local]`: the mass of each local key column,
+        complete; slash float64 `[B, Hq, N]`: this rank's part of every diagonal's
+        mass, to be summed over ranks). Equal to the one-process scores up to the
+        order of float64 additions.
+    """
+    b, hq, rows, _ = q_last.shape
+    n = shard.layout.seqlen
+    row_ids = torch.arange(n - rows, n, device=q_last.device)
+    vertical = torch.zeros(b, hq, shard.k.shape[2], dtype=torch.float64, device=q_last.device)
+    slash = torch.zeros(b, hq, n, dtype=torch.float64, device=q_last.device)
+    start = 0
+
+    def consume(a_hat: torch.Tensor, cols: torch.Tensor) -> None:
+        nonlocal start
         # Alg. 2 line 4: sum_v, the mass of every (local) key column.
-        vertical[..., c0:c1] = a_hat.sum(dim=2)
+        vertical[..., start:start + cols.numel()] = a_hat.sum(dim=2)
+        start += cols.numel()
         # Alg. 2 line 6: sum_s by offset row - col; non-causal entries are 0 (park on 0).
         offset = (row_ids[:, None] - cols[None, :]).clamp(min=0).expand(b, hq, rows, -1)
         slash.scatter_add_(2, offset.reshape(b, hq, -1), a_hat.reshape(b, hq, -1))
+
+    _global_softmax(shard, q_last, row_ids, scale=scale, comm=comm, consume=consume)
     return vertical, slash
 
 
@@ -876,7 +902,7 @@ def _vertical_slash_estimate(shard: _Shard, params: dict[str, Any], impl: str, s
     rows = min(p["last_q"], n)
     sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
     # Alg. 2 line 2: the last queries live on the ranks holding the sequence's end.
-    q_last = _gather_rows(shard, n - rows, n, comm)
+    q_last = _gather_rows(shard, torch.arange(n - rows, n, device=shard.q.device), comm)
     vertical, slash_part = distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
     # Alg. 2 lines 4 and 6: argtopk with the forced lines, ties to the lower index.
     verticals = distributed_argtopk(
@@ -947,6 +973,54 @@ def _block_sparse_estimate(shard: _Shard, params: dict[str, Any], impl: str, sca
     return BlockColumnPlan.from_masks(blocks, None, seqlen=n, block_m=bs, block_n=bs)
 
 
+def _sample_attention_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+                               comm: _Comm) -> BlockColumnPlan:
+    from .reference.sample_attention import arg_topk, find_k, merge_index, resolve_params, sampled_rows
+
+    p = dict(params)
+    unknown = set(p) - {"alpha_c", "alpha_s", "chunk_n", "block_size", "settings"}
+    if unknown:
+        raise TypeError(f"sample_attention got unexpected parameters {sorted(unknown)}")
+    layout = shard.layout
+    n = layout.seqlen
+    bs = check_block_size("block_size", p.get("block_size", 128))
+    a_c, a_s, c_n = resolve_params(n, alpha_c=p.get("alpha_c"), alpha_s=p.get("alpha_s"),
+                                   chunk_n=p.get("chunk_n"), block_size=bs, settings=p.get("settings"))
+    layout.check_blocks(bs, bs)
+    device = shard.q.device
+    b, hq, kb = shard.batch, shard.q_heads, cdiv(n, bs)
+    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
+    # Alg. 1 line 2: the sampled rows, wherever they live.
+    rows = torch.cat([torch.arange(a, z, device=device) for a, z in sampled_rows(n, c_n, bs)])
+    q_rows = _gather_rows(shard, rows, comm)
+    # Alg. 1 lines 3-4: the sampled softmax over every rank's keys, reduced per block cell.
+    scores = torch.zeros(2, b, hq, kb + 1, dtype=torch.float64, device=device)
+    diag_of = (rows // bs)[:, None]
+
+    def consume(a_hat: torch.Tensor, cols: torch.Tensor) -> None:
+        blocks = cols // bs
+        cells = torch.zeros(b, hq, rows.numel(), kb, dtype=torch.float64, device=device)
+        cells.index_add_(3, blocks, a_hat)
+        scores[0, ..., :kb] += cells.sum(dim=2)
+        diag = diag_of - torch.arange(kb, device=device)[None, :]
+        diag = torch.where(diag >= 0, diag, kb).expand(b, hq, -1, kb).reshape(b, hq, -1)
+        scores[1].scatter_add_(2, diag, cells.reshape(b, hq, -1))
+
+    _global_softmax(shard, q_rows, rows, scale=sm_scale, comm=comm, consume=consume)
+    # Column scores are complete on the block's holder, slash scores partial: one all-reduce.
+    comm.all_reduce(scores, "estimate")
+    column, slash = scores[0, ..., :kb], scores[1, ..., :kb]
+    # Alg. 1 lines 6-9 on every rank (the scores are [B, Hq, Kb]: tiny).
+    columns = arg_topk(column, find_k(column, a_c))
+    slashes = arg_topk(slash, find_k(slash, a_s))
+    if impl == "fast":
+        from .fast.kernels.sample_index import sample_attention_index
+
+        return sample_attention_index(columns, slashes, seqlen=n, block_size=bs)
+    plan: BlockColumnPlan = merge_index(columns, slashes, seqlen=n, block_size=bs)
+    return plan
+
+
 def _block_ids(layout: ZigZagLayout, rank: int, block: int, device: torch.device) -> torch.Tensor:
     """int64: the global indices of the `block`-sized blocks `rank` holds, in local order."""
     ids = [torch.arange(s // block, cdiv(e, block), device=device) for s, e in layout.rank_chunks(rank) if e > s]
@@ -981,6 +1055,12 @@ ESTIMATES: dict[str, DistributedEstimate] = {
         "native",
         "the mean-pooled keys of every rank (all-gather of `[B, Hkv, N / block_size, D]` float64)",
         _block_sparse_estimate),
+    "sample_attention": DistributedEstimate(
+        "native",
+        "the sampled query rows (`chunk_n` chunks' last `block_size` rows; broadcast or all-reduced "
+        "from their holders); per-row softmax max and sum (two all-reduces of `[B, Hq, R]`); one "
+        "all-reduce of the float64 column and block-diagonal scores `[2, B, Hq, N / block_size]`",
+        _sample_attention_estimate),
 }
 
 GATHER_NEEDS = ("all of q and k (all-gather): the estimate reads queries against keys across the "
