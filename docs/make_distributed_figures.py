@@ -56,15 +56,16 @@ def plan_panel(ax: plt.Axes, qkv: str) -> None:
     spec = METHODS["vertical_slash"]
     plan = spec.plan_fn("reference")(q, k, **spec.demo_params(n))
     rp = D.split_plan(plan, D.ZigZagLayout(n, WORLD, 128), RANK)
-    own = np.nan_to_num(plan_image(rp.own, size=256))
-    remote = np.nan_to_num(plan_image(rp.remote, size=256))
+    # A pixel is coloured if it holds any kept key (single columns would vanish as shares).
+    own = (np.nan_to_num(plan_image(rp.own, size=256)) > 0).astype(float)
+    remote = (np.nan_to_num(plan_image(rp.remote, size=256)) > 0).astype(float)
     rgb = np.ones((*own.shape, 3))
     rgb -= own[..., None] * np.array([0.9, 0.5, 0.0])
     rgb -= remote[..., None] * np.array([0.0, 0.8, 0.8])
     ax.imshow(rgb.clip(0, 1), interpolation="nearest")
     need = D.needed_keys(rp.remote, k.shape[1])[0, 0].numpy()
     ax.set_title(f"rank {RANK}'s rows, vertical-slash, SmolLM2 layer 14 head 0 (N = {n})\n"
-                 f"blue: keys it holds; red: keys it fetches ({need.mean():.0%} of the sequence for KV head 0)",
+                 f"pixels with a kept key: blue held, red fetched ({need.mean():.0%} of the keys, KV head 0)",
                  fontsize=8)
     ax.set_xlabel("key")
     ax.set_xticks([])
