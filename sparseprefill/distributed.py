@@ -605,8 +605,9 @@ def split_plan(plan: BlockColumnPlan, layout: ZigZagLayout, rank: int, *, estima
         ValueError: the plan's block sizes do not divide `layout.align`, or its length
             is not the layout's.
     """
-    if plan.seqlen != layout.seqlen:
-        raise ValueError(f"plan.seqlen={plan.seqlen} does not match the layout's N={layout.seqlen}")
+    if plan.seqlen != layout.seqlen or plan.query_offset != 0:
+        raise ValueError(f"plan must cover the layout's whole prompt (seqlen={layout.seqlen}, query_offset 0), "
+                         f"got seqlen={plan.seqlen}, query_offset={plan.query_offset}")
     layout.check_blocks(plan.block_m, plan.block_n)
     ranges = layout.query_block_ranges(rank, plan.block_m)
     owner = layout.owner(plan.device)
@@ -1239,25 +1240,25 @@ def attend_rows(
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
     plan: BlockColumnPlan,
-    tokens: torch.Tensor,
+    chunks: Sequence[tuple[int, int]],
     *,
     scale: float | None,
 ) -> AttentionState:
     """The online-softmax state of a rank's query rows over the keys `plan` lists.
 
-    The one local-compute step of context-parallel attention. `plan` has global
-    sizes and lists keys only for the rows in `tokens`; `k_buf, v_buf: [B, Hkv, N, D]`
-    hold at least those keys at their global positions. Today the local rows are
-    placed in a zero `[B, Hq, N, D]` query tensor and the plan's other rows are empty
-    (correct, wasteful in memory); with a plan `query_offset` this becomes one
-    kernel call per chunk of rows `[P, P + n)` over keys `[0, P + n)`.
+    The one local-compute step of context-parallel attention: one kernel call per
+    chunk `[P, P + n)` of rows, on the chunk's plan rows (`plan.rows(P, P + n)`,
+    `query_offset = P`) and the keys `[0, P + n)`.
 
     Args:
         impl: "reference" or "fast".
-        q: `[B, Hq, n_local, D]`, the local rows in local order.
-        k_buf, v_buf: `[B, Hkv, N, D]`.
-        plan: a valid plan of the global sizes.
-        tokens: int64 `[n_local]`, the global row of every local row.
+        q: `[B, Hq, n_local, D]`, the local rows in local order (the chunks one after
+            the other).
+        k_buf, v_buf: `[B, Hkv, N, D]`, holding at least the keys the plan lists at
+            their global positions.
+        plan: a valid plan of the global sizes (`query_offset` 0).
+        chunks: the global rows `[start, stop)` of the local rows, in local order; each
+            start a multiple of `plan.block_m`, each stop one too or N.
         scale: softmax scale, `1/sqrt(D)` if None.
 
     Returns:
@@ -1265,16 +1266,23 @@ def attend_rows(
     """
     mod = _check_impl(impl)
     b, hq, n_local, d = q.shape
-    n = k_buf.shape[2]
     dtype = torch.float32 if impl == "fast" else torch.float64
-    if n_local == 0:
+    parts, offset = [], 0
+    for start, stop in chunks:
+        if stop <= start:
+            continue
+        rows = stop - start
+        state = AttentionState.empty(b, hq, rows, d, device=q.device, dtype=dtype)
+        mod.sparse_attention(q[:, :, offset:offset + rows], k_buf[:, :, :stop], v_buf[:, :, :stop],
+                             plan.rows(start, stop), scale=scale, state=state)
+        parts.append(state)
+        offset += rows
+    if offset != n_local:
+        raise ValueError(f"chunks hold {offset} rows, q has {n_local}")
+    if not parts:
         return AttentionState.empty(b, hq, 0, d, device=q.device, dtype=dtype)
-    q_full = q.new_zeros(b, hq, n, d)
-    q_full.index_copy_(2, tokens, q)
-    state = AttentionState.like(q_full, dtype=dtype)
-    mod.sparse_attention(q_full, k_buf, v_buf, plan, scale=scale, state=state)
-    return AttentionState(m=state.m.index_select(2, tokens), l=state.l.index_select(2, tokens),
-                          acc=state.acc.index_select(2, tokens))
+    return AttentionState(m=torch.cat([p.m for p in parts], dim=2), l=torch.cat([p.l for p in parts], dim=2),
+                          acc=torch.cat([p.acc for p in parts], dim=2))
 
 
 @dataclass(frozen=True)
@@ -1336,10 +1344,11 @@ def context_parallel_attention(
     v_buf.index_copy_(2, tokens, v)
     fetch = KVFetch(k, v, rp.remote, layout, group, traffic)
     # The rows over the keys held here while the fetch is under way...
-    own = attend_rows(impl, q, k_buf, v_buf, rp.own, tokens, scale=scale)
+    chunks = layout.rank_chunks(comm.rank)
+    own = attend_rows(impl, q, k_buf, v_buf, rp.own, chunks, scale=scale)
     fetch.finish(k_buf, v_buf)
     # ...then over the fetched keys; the two states merge exactly (lse weights).
-    state = own.merge(attend_rows(impl, q, k_buf, v_buf, rp.remote, tokens, scale=scale))
+    state = own.merge(attend_rows(impl, q, k_buf, v_buf, rp.remote, chunks, scale=scale))
     out = state.output(q.dtype)
     lse = state.lse().to(torch.float32)
     if gather_output:
