@@ -926,6 +926,45 @@ def _vertical_slash_estimate(shard: _Shard, params: dict[str, Any], impl: str, s
     return plan
 
 
+def _flexprefill_vs_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+                             comm: _Comm) -> BlockColumnPlan:
+    from .reference._checks import check_count
+    from .reference.flexprefill_vs import GAMMA, check_flexprefill_vs_params, cover_threshold, first_lines
+
+    p = {"gamma": GAMMA, "last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 1, "local_diagonals": 1,
+         **params}
+    unknown = set(p) - {"gamma", "last_q", "block_m", "block_n", "init_columns", "local_diagonals"}
+    if unknown:
+        raise TypeError(f"flexprefill_vs got unexpected parameters {sorted(unknown)}")
+    check_flexprefill_vs_params(**p)
+    layout = shard.layout
+    layout.check_blocks(p["block_m"], p["block_n"])
+    n = layout.seqlen
+    last_q = check_count("last_q", p["last_q"], cap=n)
+    init_columns = check_count("init_columns", p["init_columns"], cap=n, minimum=0)
+    local_diagonals = check_count("local_diagonals", p["local_diagonals"], cap=n, minimum=0)
+    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
+    device = shard.q.device
+    # Alg. 5 line 1: the last queries' softmax over every rank's keys (as vertical-slash).
+    q_last = _gather_rows(shard, torch.arange(n - last_q, n, device=device), comm)
+    vertical_local, slash = distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
+    # Alg. 5 lines 2-8 need every line's share on every rank: gather the columns, sum the slashes.
+    lengths = [layout.local_length(r) for r in range(comm.world)]
+    vertical = layout.unshard(comm.all_gather(vertical_local, lengths, 2, "estimate"))
+    comm.all_reduce(slash, "estimate")
+    total = vertical.sum(dim=-1, keepdim=True)
+    verticals = cover_threshold(vertical / total, p["gamma"], first_lines(init_columns, n, device))
+    slashes = cover_threshold(slash / total, p["gamma"], first_lines(local_diagonals, n, device))
+    if impl == "fast":
+        from .fast.flexprefill_vs import lines_index as fast_lines_index
+
+        return fast_lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
+    from .reference.flexprefill_vs import lines_index
+
+    plan: BlockColumnPlan = lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
+    return plan
+
+
 def _block_sparse_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
                            comm: _Comm) -> BlockColumnPlan:
     p = {"block_size": 64, **params}
@@ -1056,6 +1095,12 @@ ESTIMATES: dict[str, DistributedEstimate] = {
         "native",
         "the mean-pooled keys of every rank (all-gather of `[B, Hkv, N / block_size, D]` float64)",
         _block_sparse_estimate),
+    "flexprefill_vs": DistributedEstimate(
+        "native",
+        "as vertical-slash up to the scores; then, since the cumulative threshold needs every "
+        "line's share, the column shares are all-gathered and the slash sums all-reduced "
+        "(float64 `[B, Hq, N]` each)",
+        _flexprefill_vs_estimate),
     "sample_attention": DistributedEstimate(
         "native",
         "the sampled query rows (`chunk_n` chunks' last `block_size` rows; broadcast or all-reduced "

@@ -44,6 +44,7 @@ CP_PARAMS: dict[str, dict[str, Any]] = {
 VS_ALL_ROWS = {**CP_PARAMS["vertical_slash"], "last_q": 10_000}
 SAMPLE_PARAMS = {"alpha_c": 0.9, "alpha_s": 0.9, "chunk_n": 2, "block_size": 32}
 ANCHOR_PARAMS = {"theta": 4.0, "step": 2, "block_m": 16, "block_n": 32}
+FLEX_PARAMS = {"gamma": 0.9, "last_q": 40, "block_m": 32, "block_n": 16}
 
 
 def _inputs(world: int, *, q_heads: int = 4, kv_heads: int = 2, seqlen: int | None = None,
@@ -118,7 +119,8 @@ def _cp_native_equals_gather(rank: int, world: int) -> dict[str, Any]:
     out = {}
     for method, params in (("vertical_slash", CP_PARAMS["vertical_slash"]), ("vertical_slash", VS_ALL_ROWS),
                            ("block_sparse", CP_PARAMS["block_sparse"]), ("sample_attention", SAMPLE_PARAMS),
-                           ("sample_attention", {**SAMPLE_PARAMS, "chunk_n": 1000})):
+                           ("sample_attention", {**SAMPLE_PARAMS, "chunk_n": 1000}),
+                           ("flexprefill_vs", FLEX_PARAMS)):
         native = D.context_parallel_plan(qs, ks, method=method, params=params, layout=layout)
         gathered = D.context_parallel_plan(qs, ks, method=method, params=params, layout=layout,
                                            estimate="gather")
@@ -243,6 +245,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     **{f"cp_{m}": _cp_case(m, p) for m, p in CP_PARAMS.items()},
     "cp_vertical_slash_all_rows": _cp_case("vertical_slash", VS_ALL_ROWS),
     "cp_sample_attention": _cp_case("sample_attention", SAMPLE_PARAMS),
+    "cp_flexprefill_vs": _cp_case("flexprefill_vs", FLEX_PARAMS),
     "cp_anchor_attention_gather": _cp_case("anchor_attention", ANCHOR_PARAMS),
     "cp_native_equals_gather": _cp_native_equals_gather,
     "cp_dense_below_ring": _cp_dense_below_ring,
