@@ -19,17 +19,20 @@ chunks `r` and `2 * world - 1 - r`, so the causal work of every rank is the same
 Per rank:
 
 1. estimate where the inputs live (`context_parallel_plan`): each method says what
-   its estimate reads (`ESTIMATES`); shape-only plans move nothing, vertical-slash
-   broadcasts the last queries and reduces its line scores, block-sparse
-   all-gathers the pooled keys, any other plan-based method all-gathers q and k
-   (`estimate="gather"`, correct for every method, and as costly as a dense ring);
+   its estimate reads (`ESTIMATES`); shape-only plans move nothing; vertical-slash
+   and its FlexPrefill-style variant broadcast the last queries and reduce their
+   line scores, SampleAttention broadcasts its sampled rows and reduces block
+   scores, block-sparse all-gathers the pooled keys; any other plan-based method
+   all-gathers q and k (`estimate="gather"`: correct for every method, and costlier
+   than a dense ring);
 2. the plan rows of the rank's query blocks are split into the keys it holds
    (`RankPlan.own`) and the keys held elsewhere (`RankPlan.remote`);
 3. the rank tells every other rank which of its keys it needs (a bit per key and
    KV head, one `all_to_all_single`), and fetches exactly those K/V rows (a second
    `all_to_all_single`, started asynchronously);
 4. while the fetch runs it computes its rows over its own keys; then over the
-   fetched keys; the two online-softmax states merge exactly with the lse
+   fetched keys (`attend_rows`: one kernel call per chunk on the plan's
+   `query_offset` rows); the two online-softmax states merge exactly with the lse
    (`AttentionState.merge`).
 
 `Traffic` counts the bytes every collective moves (the payload a rank sends,
