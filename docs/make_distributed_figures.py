@@ -91,7 +91,7 @@ def bytes_panel(ax: plt.Axes, path: str) -> None:
     ax.set_xlim(0, max(1.6, max(k + e for k, e in zip(kv, est)) * 1.05))
     ax.set_xlabel(f"bytes moved / ring attention's, {WORLD} ranks, 3 layers")
     ax.set_title("SmolLM2 N = 8192, demo parameters\n* estimate all-gathers q and k", fontsize=8)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def main() -> None:
