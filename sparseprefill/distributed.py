@@ -19,17 +19,20 @@ chunks `r` and `2 * world - 1 - r`, so the causal work of every rank is the same
 Per rank:
 
 1. estimate where the inputs live (`context_parallel_plan`): each method says what
-   its estimate reads (`ESTIMATES`); shape-only plans move nothing, vertical-slash
-   broadcasts the last queries and reduces its line scores, block-sparse
-   all-gathers the pooled keys, any other plan-based method all-gathers q and k
-   (`estimate="gather"`, correct for every method, and as costly as a dense ring);
+   its estimate reads (`ESTIMATES`); shape-only plans move nothing; vertical-slash
+   and its FlexPrefill-style variant broadcast the last queries and reduce their
+   line scores, SampleAttention broadcasts its sampled rows and reduces block
+   scores, block-sparse all-gathers the pooled keys; any other plan-based method
+   all-gathers q and k (`estimate="gather"`: correct for every method, and costlier
+   than a dense ring);
 2. the plan rows of the rank's query blocks are split into the keys it holds
    (`RankPlan.own`) and the keys held elsewhere (`RankPlan.remote`);
 3. the rank tells every other rank which of its keys it needs (a bit per key and
    KV head, one `all_to_all_single`), and fetches exactly those K/V rows (a second
    `all_to_all_single`, started asynchronously);
 4. while the fetch runs it computes its rows over its own keys; then over the
-   fetched keys; the two online-softmax states merge exactly with the lse
+   fetched keys (`attend_rows`: one kernel call per chunk on the plan's
+   `query_offset` rows); the two online-softmax states merge exactly with the lse
    (`AttentionState.merge`).
 
 `Traffic` counts the bytes every collective moves (the payload a rank sends,
@@ -605,8 +608,9 @@ def split_plan(plan: BlockColumnPlan, layout: ZigZagLayout, rank: int, *, estima
         ValueError: the plan's block sizes do not divide `layout.align`, or its length
             is not the layout's.
     """
-    if plan.seqlen != layout.seqlen:
-        raise ValueError(f"plan.seqlen={plan.seqlen} does not match the layout's N={layout.seqlen}")
+    if plan.seqlen != layout.seqlen or plan.query_offset != 0:
+        raise ValueError(f"plan must cover the layout's whole prompt (seqlen={layout.seqlen}, query_offset 0), "
+                         f"got seqlen={plan.seqlen}, query_offset={plan.query_offset}")
     layout.check_blocks(plan.block_m, plan.block_n)
     ranges = layout.query_block_ranges(rank, plan.block_m)
     owner = layout.owner(plan.device)
@@ -740,43 +744,46 @@ def _shape_only(spec_name: str) -> EstimateFn:
     return build
 
 
-def _gather_rows(shard: _Shard, start: int, stop: int, comm: _Comm) -> torch.Tensor:
-    """q rows `[start, stop)` on every rank: `[B, Hq, stop - start, D]` (broadcast or all-reduce)."""
-    owner = shard.layout.owner()[start:stop]
-    rows = torch.zeros(shard.batch, shard.q_heads, stop - start, shard.head_dim, dtype=shard.q.dtype,
-                       device=shard.q.device)
-    mine = (shard.tokens >= start) & (shard.tokens < stop)
+def _gather_rows(shard: _Shard, rows: torch.Tensor, comm: _Comm) -> torch.Tensor:
+    """The q rows `rows` (int64, ascending, global) on every rank: `[B, Hq, R, D]`.
+
+    Broadcast from their holder when one rank holds them all, else an all-reduce of
+    zero-padded copies (each row is non-zero on its one holder: the sum is exact).
+    """
+    layout = shard.layout
+    owner = layout.owner()[rows.cpu()]
+    out = torch.zeros(shard.batch, shard.q_heads, rows.numel(), shard.head_dim, dtype=shard.q.dtype,
+                      device=shard.q.device)
+    # Position of every global token in this rank's local order (-1: not held here).
+    local = torch.full((layout.seqlen,), -1, dtype=torch.int64, device=shard.q.device)
+    local[shard.tokens] = torch.arange(shard.tokens.numel(), device=shard.q.device)
+    where = local[rows.to(shard.q.device)]
+    mine = where >= 0
     if bool(mine.any()):
-        rows.index_copy_(2, shard.tokens[mine] - start, shard.q[:, :, mine])
+        out[:, :, mine] = shard.q[:, :, where[mine]]
     holders = torch.unique(owner).tolist()
     if len(holders) == 1:
-        comm.broadcast(rows, int(holders[0]), "estimate")
+        comm.broadcast(out, int(holders[0]), "estimate")
     else:
-        # Each row is non-zero on its one holder: the sum is exact.
-        comm.all_reduce(rows, "estimate")
-    return rows
+        comm.all_reduce(out, "estimate")
+    return out
 
 
-def distributed_last_q_scores(shard: _Shard, q_last: torch.Tensor, *, scale: float,
-                              comm: _Comm) -> tuple[torch.Tensor, torch.Tensor]:
-    """MInference Alg. 2 lines 2-6 with the keys split over ranks, up to the local scores.
+def _global_softmax(shard: _Shard, q_rows: torch.Tensor, row_ids: torch.Tensor, *, scale: float, comm: _Comm,
+                    consume: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """`softmax(Q_rows K^T)` over every rank's keys, handed to `consume` a local key chunk at a time.
 
-    `A_hat = softmax(Q_last K^T)` over all keys: every rank computes the logits of
-    the last queries against its own keys; the row maxima (all-reduce max) and the
-    row sums of `exp(logit - max)` (all-reduce sum) make the softmax global.
-
-    Returns:
-        (vertical float64 `[B, Hq, n_local]`: the mass of each local key column,
-        complete; slash float64 `[B, Hq, N]`: this rank's part of every diagonal's
-        mass, to be summed over ranks). Equal to the one-process scores up to the
-        order of float64 additions.
+    Every rank computes the float64 logits of the rows against its own keys; the
+    row maxima (all-reduce max) and the row sums of `exp(logit - max)` (all-reduce
+    sum) make the softmax global. `consume(a_hat [B, Hq, R, c], cols [c])` gets the
+    probabilities of each chunk of local keys (`cols`: their global positions);
+    non-causal entries are 0.
     """
-    b, hq, rows, d = q_last.shape
-    hkv, n = shard.kv_heads, shard.layout.seqlen
+    b, hq, rows, d = q_rows.shape
+    hkv = shard.kv_heads
     g = hq // hkv
-    device = q_last.device
-    row_ids = torch.arange(n - rows, n, device=device)
-    qg = q_last.to(torch.float64).reshape(b, hkv, g, rows, d)
+    device = q_rows.device
+    qg = q_rows.to(torch.float64).reshape(b, hkv, g, rows, d)
     n_local = shard.k.shape[2]
     step = max(1, _ESTIMATE_CHUNK_BYTES // max(1, b * hq * rows * 8))
 
@@ -795,17 +802,40 @@ def distributed_last_q_scores(shard: _Shard, q_last: torch.Tensor, *, scale: flo
     for c0 in range(0, n_local, step):
         total += torch.exp(logits(c0, min(n_local, c0 + step))[0] - shift).sum(dim=-1)
     comm.all_reduce(total, "estimate")
-    vertical = torch.zeros(b, hq, n_local, dtype=torch.float64, device=device)
-    slash = torch.zeros(b, hq, n, dtype=torch.float64, device=device)
     for c0 in range(0, n_local, step):
-        c1 = min(n_local, c0 + step)
-        s, cols = logits(c0, c1)
-        a_hat = (torch.exp(s - shift) / total.unsqueeze(-1)).reshape(b, hq, rows, -1)
+        s, cols = logits(c0, min(n_local, c0 + step))
+        consume((torch.exp(s - shift) / total.unsqueeze(-1)).reshape(b, hq, rows, -1), cols)
+
+
+def distributed_last_q_scores(shard: _Shard, q_last: torch.Tensor, *, scale: float,
+                              comm: _Comm) -> tuple[torch.Tensor, torch.Tensor]:
+    """MInference Alg. 2 lines 2-6 with the keys split over ranks, up to the local scores.
+
+    `A_hat = softmax(Q_last K^T)` over all keys (`_global_softmax`).
+
+    Returns:
+        (vertical float64 `[B, Hq, n_local]`: the mass of each local key column,
+        complete; slash float64 `[B, Hq, N]`: this rank's part of every diagonal's
+        mass, to be summed over ranks). Equal to the one-process scores up to the
+        order of float64 additions.
+    """
+    b, hq, rows, _ = q_last.shape
+    n = shard.layout.seqlen
+    row_ids = torch.arange(n - rows, n, device=q_last.device)
+    vertical = torch.zeros(b, hq, shard.k.shape[2], dtype=torch.float64, device=q_last.device)
+    slash = torch.zeros(b, hq, n, dtype=torch.float64, device=q_last.device)
+    start = 0
+
+    def consume(a_hat: torch.Tensor, cols: torch.Tensor) -> None:
+        nonlocal start
         # Alg. 2 line 4: sum_v, the mass of every (local) key column.
-        vertical[..., c0:c1] = a_hat.sum(dim=2)
+        vertical[..., start:start + cols.numel()] = a_hat.sum(dim=2)
+        start += cols.numel()
         # Alg. 2 line 6: sum_s by offset row - col; non-causal entries are 0 (park on 0).
         offset = (row_ids[:, None] - cols[None, :]).clamp(min=0).expand(b, hq, rows, -1)
         slash.scatter_add_(2, offset.reshape(b, hq, -1), a_hat.reshape(b, hq, -1))
+
+    _global_softmax(shard, q_last, row_ids, scale=scale, comm=comm, consume=consume)
     return vertical, slash
 
 
@@ -876,7 +906,7 @@ def _vertical_slash_estimate(shard: _Shard, params: dict[str, Any], impl: str, s
     rows = min(p["last_q"], n)
     sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
     # Alg. 2 line 2: the last queries live on the ranks holding the sequence's end.
-    q_last = _gather_rows(shard, n - rows, n, comm)
+    q_last = _gather_rows(shard, torch.arange(n - rows, n, device=shard.q.device), comm)
     vertical, slash_part = distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
     # Alg. 2 lines 4 and 6: argtopk with the forced lines, ties to the lower index.
     verticals = distributed_argtopk(
@@ -896,6 +926,45 @@ def _vertical_slash_estimate(shard: _Shard, params: dict[str, Any], impl: str, s
                                            block_n=p["block_n"]))
     plan: BlockColumnPlan = reference_index(verticals, slashes, seqlen=n, block_m=p["block_m"],
                                             block_n=p["block_n"])
+    return plan
+
+
+def _flexprefill_vs_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+                             comm: _Comm) -> BlockColumnPlan:
+    from .reference._checks import check_count
+    from .reference.flexprefill_vs import GAMMA, check_flexprefill_vs_params, cover_threshold, first_lines
+
+    p = {"gamma": GAMMA, "last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 1, "local_diagonals": 1,
+         **params}
+    unknown = set(p) - {"gamma", "last_q", "block_m", "block_n", "init_columns", "local_diagonals"}
+    if unknown:
+        raise TypeError(f"flexprefill_vs got unexpected parameters {sorted(unknown)}")
+    check_flexprefill_vs_params(**p)
+    layout = shard.layout
+    layout.check_blocks(p["block_m"], p["block_n"])
+    n = layout.seqlen
+    last_q = check_count("last_q", p["last_q"], cap=n)
+    init_columns = check_count("init_columns", p["init_columns"], cap=n, minimum=0)
+    local_diagonals = check_count("local_diagonals", p["local_diagonals"], cap=n, minimum=0)
+    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
+    device = shard.q.device
+    # Alg. 5 line 1: the last queries' softmax over every rank's keys (as vertical-slash).
+    q_last = _gather_rows(shard, torch.arange(n - last_q, n, device=device), comm)
+    vertical_local, slash = distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
+    # Alg. 5 lines 2-8 need every line's share on every rank: gather the columns, sum the slashes.
+    lengths = [layout.local_length(r) for r in range(comm.world)]
+    vertical = layout.unshard(comm.all_gather(vertical_local, lengths, 2, "estimate"))
+    comm.all_reduce(slash, "estimate")
+    total = vertical.sum(dim=-1, keepdim=True)
+    verticals = cover_threshold(vertical / total, p["gamma"], first_lines(init_columns, n, device))
+    slashes = cover_threshold(slash / total, p["gamma"], first_lines(local_diagonals, n, device))
+    if impl == "fast":
+        from .fast.flexprefill_vs import lines_index as fast_lines_index
+
+        return fast_lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
+    from .reference.flexprefill_vs import lines_index
+
+    plan: BlockColumnPlan = lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
     return plan
 
 
@@ -947,6 +1016,54 @@ def _block_sparse_estimate(shard: _Shard, params: dict[str, Any], impl: str, sca
     return BlockColumnPlan.from_masks(blocks, None, seqlen=n, block_m=bs, block_n=bs)
 
 
+def _sample_attention_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+                               comm: _Comm) -> BlockColumnPlan:
+    from .reference.sample_attention import arg_topk, find_k, merge_index, resolve_params, sampled_rows
+
+    p = dict(params)
+    unknown = set(p) - {"alpha_c", "alpha_s", "chunk_n", "block_size", "settings"}
+    if unknown:
+        raise TypeError(f"sample_attention got unexpected parameters {sorted(unknown)}")
+    layout = shard.layout
+    n = layout.seqlen
+    bs = check_block_size("block_size", p.get("block_size", 128))
+    a_c, a_s, c_n = resolve_params(n, alpha_c=p.get("alpha_c"), alpha_s=p.get("alpha_s"),
+                                   chunk_n=p.get("chunk_n"), block_size=bs, settings=p.get("settings"))
+    layout.check_blocks(bs, bs)
+    device = shard.q.device
+    b, hq, kb = shard.batch, shard.q_heads, cdiv(n, bs)
+    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
+    # Alg. 1 line 2: the sampled rows, wherever they live.
+    rows = torch.cat([torch.arange(a, z, device=device) for a, z in sampled_rows(n, c_n, bs)])
+    q_rows = _gather_rows(shard, rows, comm)
+    # Alg. 1 lines 3-4: the sampled softmax over every rank's keys, reduced per block cell.
+    scores = torch.zeros(2, b, hq, kb + 1, dtype=torch.float64, device=device)
+    diag_of = (rows // bs)[:, None]
+
+    def consume(a_hat: torch.Tensor, cols: torch.Tensor) -> None:
+        blocks = cols // bs
+        cells = torch.zeros(b, hq, rows.numel(), kb, dtype=torch.float64, device=device)
+        cells.index_add_(3, blocks, a_hat)
+        scores[0, ..., :kb] += cells.sum(dim=2)
+        diag = diag_of - torch.arange(kb, device=device)[None, :]
+        diag = torch.where(diag >= 0, diag, kb).expand(b, hq, -1, kb).reshape(b, hq, -1)
+        scores[1].scatter_add_(2, diag, cells.reshape(b, hq, -1))
+
+    _global_softmax(shard, q_rows, rows, scale=sm_scale, comm=comm, consume=consume)
+    # Column scores are complete on the block's holder, slash scores partial: one all-reduce.
+    comm.all_reduce(scores, "estimate")
+    column, slash = scores[0, ..., :kb], scores[1, ..., :kb]
+    # Alg. 1 lines 6-9 on every rank (the scores are [B, Hq, Kb]: tiny).
+    columns = arg_topk(column, find_k(column, a_c))
+    slashes = arg_topk(slash, find_k(slash, a_s))
+    if impl == "fast":
+        from .fast.kernels.sample_index import sample_attention_index
+
+        return sample_attention_index(columns, slashes, seqlen=n, block_size=bs)
+    plan: BlockColumnPlan = merge_index(columns, slashes, seqlen=n, block_size=bs)
+    return plan
+
+
 def _block_ids(layout: ZigZagLayout, rank: int, block: int, device: torch.device) -> torch.Tensor:
     """int64: the global indices of the `block`-sized blocks `rank` holds, in local order."""
     ids = [torch.arange(s // block, cdiv(e, block), device=device) for s, e in layout.rank_chunks(rank) if e > s]
@@ -981,6 +1098,18 @@ ESTIMATES: dict[str, DistributedEstimate] = {
         "native",
         "the mean-pooled keys of every rank (all-gather of `[B, Hkv, N / block_size, D]` float64)",
         _block_sparse_estimate),
+    "flexprefill_vs": DistributedEstimate(
+        "native",
+        "as vertical-slash up to the scores; then, since the cumulative threshold needs every "
+        "line's share, the column shares are all-gathered and the slash sums all-reduced "
+        "(float64 `[B, Hq, N]` each)",
+        _flexprefill_vs_estimate),
+    "sample_attention": DistributedEstimate(
+        "native",
+        "the sampled query rows (`chunk_n` chunks' last `block_size` rows; broadcast or all-reduced "
+        "from their holders); per-row softmax max and sum (two all-reduces of `[B, Hq, R]`); one "
+        "all-reduce of the float64 column and block-diagonal scores `[2, B, Hq, N / block_size]`",
+        _sample_attention_estimate),
 }
 
 GATHER_NEEDS = ("all of q and k (all-gather): the estimate reads queries against keys across the "
@@ -1079,12 +1208,25 @@ def context_parallel_plan(
     return split_plan(plan, layout, comm.rank, estimate=kind)
 
 
-class _Fetch:
-    """The K/V rows a rank's remote plan lists, asked for and received with two all-to-alls."""
+class KVFetch:
+    """The K/V rows a rank's remote plan lists, asked for and received with two all-to-alls.
+
+    Constructing it runs the first (a bit per key and KV head, blocking) and starts the
+    second (the rows, asynchronous); `finish` waits and writes the rows into full-length
+    buffers. Every rank of the group must construct its fetch at the same point.
+
+    Args:
+        k, v: `[B, Hkv, n_local, D]`, this rank's keys and values (local order).
+        remote: this rank's `RankPlan.remote`.
+        layout: the split.
+        group: the process group (default: the world).
+        traffic: a `Traffic` the bytes are added to, or None.
+    """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, remote: BlockColumnPlan, layout: ZigZagLayout,
-                 comm: _Comm) -> None:
-        self.comm, self.layout = comm, layout
+                 group: dist.ProcessGroup | None = None, traffic: Traffic | None = None) -> None:
+        comm = _Comm(group)
+        self.comm, self.layout, self.traffic = comm, layout, traffic
         device = k.device
         b, hkv, _, d = k.shape
         need = needed_keys(remote, hkv)
@@ -1100,9 +1242,17 @@ class _Fetch:
         self.recv_rows = [int(a.sum()) for a in self.asks]
         self.pieces, self.work = comm.all_to_all(send, [r * 2 * d for r in self.recv_rows], "kv",
                                                  async_op=True)
+        if traffic is not None:
+            traffic.index += comm.traffic.index
+            traffic.kv += comm.traffic.kv
 
     def finish(self, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
-        """Wait for the rows and write them at their global positions in the buffers."""
+        """Wait for the rows and write them at their global positions.
+
+        Args:
+            k_buf, v_buf: `[B, Hkv, N, D]`, written at the fetched (batch, head, key)
+                entries only.
+        """
         if self.work is not None:
             self.work.wait()
         d = k_buf.shape[3]
@@ -1138,25 +1288,25 @@ def attend_rows(
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
     plan: BlockColumnPlan,
-    tokens: torch.Tensor,
+    chunks: Sequence[tuple[int, int]],
     *,
     scale: float | None,
 ) -> AttentionState:
     """The online-softmax state of a rank's query rows over the keys `plan` lists.
 
-    The one local-compute step of context-parallel attention. `plan` has global
-    sizes and lists keys only for the rows in `tokens`; `k_buf, v_buf: [B, Hkv, N, D]`
-    hold at least those keys at their global positions. Today the local rows are
-    placed in a zero `[B, Hq, N, D]` query tensor and the plan's other rows are empty
-    (correct, wasteful in memory); with a plan `query_offset` this becomes one
-    kernel call per chunk of rows `[P, P + n)` over keys `[0, P + n)`.
+    The one local-compute step of context-parallel attention: one kernel call per
+    chunk `[P, P + n)` of rows, on the chunk's plan rows (`plan.rows(P, P + n)`,
+    `query_offset = P`) and the keys `[0, P + n)`.
 
     Args:
         impl: "reference" or "fast".
-        q: `[B, Hq, n_local, D]`, the local rows in local order.
-        k_buf, v_buf: `[B, Hkv, N, D]`.
-        plan: a valid plan of the global sizes.
-        tokens: int64 `[n_local]`, the global row of every local row.
+        q: `[B, Hq, n_local, D]`, the local rows in local order (the chunks one after
+            the other).
+        k_buf, v_buf: `[B, Hkv, N, D]`, holding at least the keys the plan lists at
+            their global positions.
+        plan: a valid plan of the global sizes (`query_offset` 0).
+        chunks: the global rows `[start, stop)` of the local rows, in local order; each
+            start a multiple of `plan.block_m`, each stop one too or N.
         scale: softmax scale, `1/sqrt(D)` if None.
 
     Returns:
@@ -1164,16 +1314,23 @@ def attend_rows(
     """
     mod = _check_impl(impl)
     b, hq, n_local, d = q.shape
-    n = k_buf.shape[2]
     dtype = torch.float32 if impl == "fast" else torch.float64
-    if n_local == 0:
+    parts, offset = [], 0
+    for start, stop in chunks:
+        if stop <= start:
+            continue
+        rows = stop - start
+        state = AttentionState.empty(b, hq, rows, d, device=q.device, dtype=dtype)
+        mod.sparse_attention(q[:, :, offset:offset + rows], k_buf[:, :, :stop], v_buf[:, :, :stop],
+                             plan.rows(start, stop), scale=scale, state=state)
+        parts.append(state)
+        offset += rows
+    if offset != n_local:
+        raise ValueError(f"chunks hold {offset} rows, q has {n_local}")
+    if not parts:
         return AttentionState.empty(b, hq, 0, d, device=q.device, dtype=dtype)
-    q_full = q.new_zeros(b, hq, n, d)
-    q_full.index_copy_(2, tokens, q)
-    state = AttentionState.like(q_full, dtype=dtype)
-    mod.sparse_attention(q_full, k_buf, v_buf, plan, scale=scale, state=state)
-    return AttentionState(m=state.m.index_select(2, tokens), l=state.l.index_select(2, tokens),
-                          acc=state.acc.index_select(2, tokens))
+    return AttentionState(m=torch.cat([p.m for p in parts], dim=2), l=torch.cat([p.l for p in parts], dim=2),
+                          acc=torch.cat([p.acc for p in parts], dim=2))
 
 
 @dataclass(frozen=True)
@@ -1233,20 +1390,19 @@ def context_parallel_attention(
     v_buf = v.new_zeros(b, hkv, layout.seqlen, d)
     k_buf.index_copy_(2, tokens, k)
     v_buf.index_copy_(2, tokens, v)
-    fetch = _Fetch(k, v, rp.remote, layout, comm)
+    fetch = KVFetch(k, v, rp.remote, layout, group, traffic)
     # The rows over the keys held here while the fetch is under way...
-    own = attend_rows(impl, q, k_buf, v_buf, rp.own, tokens, scale=scale)
+    chunks = layout.rank_chunks(comm.rank)
+    own = attend_rows(impl, q, k_buf, v_buf, rp.own, chunks, scale=scale)
     fetch.finish(k_buf, v_buf)
     # ...then over the fetched keys; the two states merge exactly (lse weights).
-    state = own.merge(attend_rows(impl, q, k_buf, v_buf, rp.remote, tokens, scale=scale))
+    state = own.merge(attend_rows(impl, q, k_buf, v_buf, rp.remote, chunks, scale=scale))
     out = state.output(q.dtype)
     lse = state.lse().to(torch.float32)
     if gather_output:
         lengths = [layout.local_length(r) for r in range(comm.world)]
         out = layout.unshard(comm.all_gather(out, lengths, 2, "output"))
         lse = layout.unshard(comm.all_gather(lse, lengths, 2, "output"))
-    traffic.index += comm.traffic.index
-    traffic.kv += comm.traffic.kv
     traffic.output += comm.traffic.output
     return ContextParallelOutput(out=out, lse=lse, plan=rp, traffic=traffic)
 
@@ -1256,6 +1412,7 @@ __all__ = [
     "GATHER_NEEDS",
     "ContextParallelOutput",
     "DistributedEstimate",
+    "KVFetch",
     "RankPlan",
     "Traffic",
     "ZigZagLayout",

@@ -43,6 +43,8 @@ CP_PARAMS: dict[str, dict[str, Any]] = {
 # Every query estimates (last_q > N): the last queries span every rank.
 VS_ALL_ROWS = {**CP_PARAMS["vertical_slash"], "last_q": 10_000}
 SAMPLE_PARAMS = {"alpha_c": 0.9, "alpha_s": 0.9, "chunk_n": 2, "block_size": 32}
+ANCHOR_PARAMS = {"theta": 4.0, "step": 2, "block_m": 16, "block_n": 32}
+FLEX_PARAMS = {"gamma": 0.9, "last_q": 40, "block_m": 32, "block_n": 16}
 
 
 def _inputs(world: int, *, q_heads: int = 4, kv_heads: int = 2, seqlen: int | None = None,
@@ -115,9 +117,12 @@ def _cp_native_equals_gather(rank: int, world: int) -> dict[str, Any]:
     layout = D.ZigZagLayout(q.shape[2], world, ALIGN)
     qs, ks = layout.shard(q, rank), layout.shard(k, rank)
     out = {}
-    for method in ("vertical_slash", "block_sparse"):
-        native = D.context_parallel_plan(qs, ks, method=method, params=CP_PARAMS[method], layout=layout)
-        gathered = D.context_parallel_plan(qs, ks, method=method, params=CP_PARAMS[method], layout=layout,
+    for method, params in (("vertical_slash", CP_PARAMS["vertical_slash"]), ("vertical_slash", VS_ALL_ROWS),
+                           ("block_sparse", CP_PARAMS["block_sparse"]), ("sample_attention", SAMPLE_PARAMS),
+                           ("sample_attention", {**SAMPLE_PARAMS, "chunk_n": 1000}),
+                           ("flexprefill_vs", FLEX_PARAMS)):
+        native = D.context_parallel_plan(qs, ks, method=method, params=params, layout=layout)
+        gathered = D.context_parallel_plan(qs, ks, method=method, params=params, layout=layout,
                                            estimate="gather")
         assert (native.estimate, gathered.estimate) == ("native", "gather")
         assert native.plan.equal(gathered.plan), f"{method}: native estimate differs from the gathered one"
@@ -218,10 +223,30 @@ def _errors(rank: int, world: int) -> dict[str, Any]:
     return {"checked": len(expect)}
 
 
+def _bench_rows(rank: int, world: int) -> dict[str, Any]:
+    """`sparseprefill bench --distributed`'s rows, structurally (gloo, reference, N = 256)."""
+    from sparseprefill.distributed_bench import format_rows, run_rows
+
+    rows = run_rows([256], ["dense", "vertical_slash"], modes=["head", "context"], batch=1, q_heads=2 * world,
+                    kv_heads=world, head_dim=16, dtype=torch.float16, impl="reference", align=128, reps=1,
+                    dense_max=256, device=torch.device("cpu"), log=lambda line: None)
+    assert [r["method"] for r in rows] == ["dense", "vertical_slash"]
+    for r in rows:
+        for key in ("one_ms", "head_ms", "head_gather_ms", "context_ms", "head_efficiency", "context_efficiency",
+                    "ring_bytes", "bytes_vs_ring"):
+            assert r[key] > 0, key
+        assert r["head_max_diff"] == 0 and r["context_max_diff"] < 1e-3
+        assert r["bytes"]["kv"] <= r["ring_bytes"]
+    assert "vertical_slash" in format_rows(rows)
+    return {"bytes_vs_ring": [r["bytes_vs_ring"] for r in rows]}
+
+
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     **{f"cp_{m}": _cp_case(m, p) for m, p in CP_PARAMS.items()},
     "cp_vertical_slash_all_rows": _cp_case("vertical_slash", VS_ALL_ROWS),
-    "cp_sample_attention_gather": _cp_case("sample_attention", SAMPLE_PARAMS),
+    "cp_sample_attention": _cp_case("sample_attention", SAMPLE_PARAMS),
+    "cp_flexprefill_vs": _cp_case("flexprefill_vs", FLEX_PARAMS),
+    "cp_anchor_attention_gather": _cp_case("anchor_attention", ANCHOR_PARAMS),
     "cp_native_equals_gather": _cp_native_equals_gather,
     "cp_dense_below_ring": _cp_dense_below_ring,
     "hp_dense": _hp_case("dense", {"block_m": 16, "block_n": 32}),
@@ -235,13 +260,15 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
                                  replicated=True),
     "errors": _errors,
 }
-# The Triton kernels under the interpreter: slower, run in their own spawn.
-FAST_SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+# Slower, in their own spawn: the Triton kernels under the interpreter, and the bench's rows.
+SLOW_TWO_RANKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "cp_vertical_slash_fast": _cp_case("vertical_slash", CP_PARAMS["vertical_slash"], impl="fast"),
+    "bench_rows": _bench_rows,
 }
 # Three ranks (slow: three processes share the CI's two cores): the issue's methods and the errors.
 THREE_RANKS = ["cp_dense", "cp_streaming", "cp_vertical_slash", "cp_vertical_slash_all_rows", "cp_block_sparse",
-               "cp_dense_below_ring", "hp_dense", "hp_streaming", "hp_vertical_slash", "hp_replicated_kv",
+               "cp_sample_attention", "cp_native_equals_gather", "cp_dense_below_ring", "hp_dense", "hp_streaming",
+               "hp_vertical_slash", "hp_replicated_kv",
                "errors"]
 
 
@@ -252,7 +279,7 @@ def _worker(rank: int, world: int, store: str, names: list[str], out_dir: str) -
         for name in names:
             t0 = time.perf_counter()
             try:
-                info = {**SCENARIOS, **FAST_SCENARIOS}[name](rank, world)
+                info = {**SCENARIOS, **SLOW_TWO_RANKS}[name](rank, world)
                 results[name] = {"ok": True, "info": info}
             except Exception:  # noqa: BLE001 - the verdict carries the traceback to the test
                 results[name] = {"ok": False, "error": traceback.format_exc()}
@@ -282,9 +309,9 @@ _CACHE: dict[tuple[int, str], list[dict[str, Any]]] = {}
 
 def verdict(world: int, name: str) -> dict[str, Any]:
     """Run a scenario set once per world size (one spawn), then read `name`'s verdict."""
-    group = "fast" if name in FAST_SCENARIOS else "main"
+    group = "slow" if name in SLOW_TWO_RANKS else "main"
     if (world, group) not in _CACHE:
-        names = list(FAST_SCENARIOS) if group == "fast" else THREE_RANKS if world == 3 else list(SCENARIOS)
+        names = list(SLOW_TWO_RANKS) if group == "slow" else THREE_RANKS if world == 3 else list(SCENARIOS)
         _CACHE[world, group] = run_scenarios(world, names)
     results = _CACHE[world, group]
     for rank, per_rank in enumerate(results):
@@ -309,8 +336,8 @@ def test_three_ranks(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(FAST_SCENARIOS))
-def test_two_ranks_triton_kernels(name: str) -> None:
+@pytest.mark.parametrize("name", list(SLOW_TWO_RANKS))
+def test_two_ranks_slow(name: str) -> None:
     verdict(2, name)
 
 
@@ -465,6 +492,18 @@ def test_bit_packing_round_trips(n: int) -> None:
 def test_ring_bytes() -> None:
     layout = D.ZigZagLayout(1000, 4)
     assert D.ring_bytes(layout, batch=2, kv_heads=8, head_dim=128, itemsize=2) == 3 * 2 * 2 * 8 * 1000 * 128 * 2
+
+
+def test_bench_distributed_needs_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sparseprefill import bench
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--distributed", "--seqlens", "256"])
+    with pytest.raises(SystemExit, match="launch it with torchrun"):
+        bench.run(args)
 
 
 def test_estimate_kinds() -> None:
