@@ -12,6 +12,10 @@ Two layers:
 
 Outputs of `fast` are NaN-poisoned while a property runs (`nan_poisoned_empty`),
 so an element the kernel forgets to write fails instead of passing by luck.
+
+Whether the properties find bugs on their own is measured by planting realistic
+one-line bugs in a scratch copy and running only these properties
+(`tools/planted_bugs.py`, docs/conformance.md).
 """
 
 from __future__ import annotations
@@ -34,19 +38,20 @@ from .strategies import (
     draw_block_sizes,
     draw_dtype,
     draw_inputs,
+    draw_limits,
     draw_mask,
     draw_method_params,
     draw_plan,
     draw_scale,
     draw_seqlen,
     draw_shape,
-    kernel_tiles,
-    method_tiles,
+    method_blocks,
 )
 from .tolerance import (
     baseline_attention,
     check_attention,
     check_block_means,
+    check_estimate,
     check_output,
     check_recall,
     golden_attention,
@@ -172,6 +177,150 @@ def check_method_plan(
             raise _fail(context, f"{err}; method {spec.name!r} has exact_plans=False but no "
                                  "tie_check to show the difference is a tie") from err
         spec.tie_check(q, k, params, expected, got)
+
+
+def check_method_estimate(
+    spec: MethodSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    params: dict[str, Any],
+    *,
+    context: str = "",
+) -> float:
+    """The fast estimate (`spec.estimate("fast", ...)`) against the reference's, before any top-k.
+
+    Every named part must be present in both and agree under
+    `tolerance.check_estimate`. Unlike the plan property this forgives no tie: a
+    wrong score fails even where the top-k it feeds happens to pick the same lines.
+
+    Returns:
+        The largest error / allowance ratio.
+
+    Raises:
+        AssertionError: a part missing or outside its allowance.
+    """
+    if spec.estimate is None:
+        raise ValueError(f"method {spec.name!r} has no estimate")
+    expected = spec.estimate("reference", q, k, params)
+    with nan_poisoned_empty():
+        got = spec.estimate("fast", q, k, params)
+    if set(got) != set(expected):
+        raise _fail(context, f"estimate parts differ: fast {sorted(got)}, reference {sorted(expected)}")
+    ratio = 0.0
+    for name in sorted(expected):
+        cmp = check_estimate(got[name].values, expected[name], name=name, context=context)
+        ratio = max(ratio, cmp.ratio)
+    return ratio
+
+
+# -- plan validation --------------------------------------------------------------
+
+CORRUPTIONS = ("duplicate", "unsorted", "past_end", "negative", "not_causal", "count_past_width",
+               "count_negative", "disjoint_lie", "wrong_dtype", "wrong_rows")
+
+
+def corrupt_plan(plan: BlockColumnPlan, kind: str, seed: int) -> BlockColumnPlan | None:
+    """A copy of valid `plan` that breaks one invariant of `reference.plan`, or None when
+    `plan` has no entry to break that way (e.g. no list of two entries to unsort)."""
+    from dataclasses import replace
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    plan = plan.to("cpu").ungrouped()
+    fields = {name: getattr(plan, name).clone().contiguous()
+              for name in ("block_count", "block_index", "column_count", "column_index")}
+    n, bm, bn = plan.seqlen, plan.block_m, plan.block_n
+    last_row = ((torch.arange(plan.num_query_blocks) + 1) * bm - 1).clamp(max=n - 1)
+
+    def pick(mask: torch.Tensor) -> tuple[int, ...] | None:
+        where = mask.nonzero()
+        if where.shape[0] == 0:
+            return None
+        row = where[int(torch.randint(0, where.shape[0], (1,), generator=gen))]
+        return tuple(int(i) for i in row.tolist())
+
+    kinds = ["block", "column"]
+    order = torch.randperm(2, generator=gen).tolist()
+    for kind_of_list in (kinds[i] for i in order):
+        count, index = fields[f"{kind_of_list}_count"], fields[f"{kind_of_list}_index"]
+        width = index.shape[3]
+        upper = plan.num_key_blocks if kind_of_list == "block" else n
+        if kind in ("duplicate", "unsorted"):
+            at = pick(count >= 2)
+            if at is None:
+                continue
+            i = int(torch.randint(0, int(count[at]) - 1, (1,), generator=gen))
+            if kind == "duplicate":
+                index[at + (i + 1,)] = index[at + (i,)]
+            else:
+                index[at + (i,)], index[at + (i + 1,)] = int(index[at + (i + 1,)]), int(index[at + (i,)])
+        elif kind in ("past_end", "negative"):
+            at = pick(count >= 1)
+            if at is None:
+                continue
+            # The last entry past the end (still increasing), or the first below zero.
+            if kind == "past_end":
+                index[at + (int(count[at]) - 1,)] = upper
+            else:
+                index[at + (0,)] = -1
+        elif kind == "not_causal":
+            # A query block whose last entry can move past its causal horizon.
+            horizon = (last_row // bn if kind_of_list == "block" else last_row).view(1, 1, -1)
+            at = pick((count >= 1) & (horizon + 1 < upper))
+            if at is None:
+                continue
+            index[at + (int(count[at]) - 1,)] = int(horizon[0, 0, at[2]]) + 1
+        elif kind == "count_past_width":
+            at = pick(count >= 0)
+            if at is None:
+                continue
+            count[at] = width + 1
+        elif kind == "count_negative":
+            at = pick(count >= 0)
+            if at is None:
+                continue
+            count[at] = -1
+        else:
+            continue
+        return replace(plan, **fields, _checked=False)
+    if kind == "disjoint_lie":
+        inside = plan.column_mask() & plan.block_mask().repeat_interleave(bn, dim=3)[..., :n]
+        if not bool(inside.any()):
+            return None
+        return replace(plan, columns_disjoint=True, _checked=False)
+    if kind == "wrong_dtype":
+        return replace(plan, block_index=fields["block_index"].to(torch.int64), _checked=False)
+    if kind == "wrong_rows":
+        return replace(plan, block_count=fields["block_count"][:, :, :-1], _checked=False)
+    return None
+
+
+def check_plan_rejected(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    context: str = "",
+) -> float:
+    """An invalid `plan` is refused by `validate()`, `reference.sparse_attention` and
+    `fast.sparse_attention` (before any launch) with TypeError or ValueError.
+
+    Returns:
+        0.0 (an exact check).
+
+    Raises:
+        AssertionError: naming the entry point that accepted the plan.
+    """
+    checks = (("validate()", lambda: plan.validate()),
+              ("reference.sparse_attention", lambda: reference.sparse_attention(q, k, v, plan)),
+              ("fast.sparse_attention", lambda: fast.sparse_attention(q, k, v, plan.to(q.device))))
+    for what, call in checks:
+        try:
+            call()
+        except (TypeError, ValueError):
+            continue
+        raise _fail(context, f"{what} accepted an invalid plan")
+    return 0.0
 
 
 # -- attention -----------------------------------------------------------------
@@ -361,12 +510,16 @@ class Property:
 
 def _method_inputs(
     draw: Draw, caps: Caps, spec: MethodSpec
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any], str]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any], str, Any]:
+    """Inputs and parameters of one method example, with the `draw_limits` context to run in."""
     n = draw_seqlen(draw, caps)
     params = draw_method_params(draw, spec, n)
-    shape = draw_shape(draw, caps, seqlen=n, tiles=method_tiles(params))
-    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
-    return q, k, v, spec.call_params(params, q), f"{spec.name} {what} params={params}"
+    blocks = method_blocks(params)
+    shape = draw_shape(draw, caps, seqlen=n, blocks=blocks)
+    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=spec.input_kinds,
+                                blocks=blocks)
+    limits, limits_what = draw_limits(draw, caps)
+    return q, k, v, spec.call_params(params, q), f"{spec.name} {what} params={params} {limits_what}", limits
 
 
 def _need(spec: MethodSpec | None) -> MethodSpec:
@@ -377,32 +530,46 @@ def _need(spec: MethodSpec | None) -> MethodSpec:
 
 def _prop_method_plan(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
-    q, k, v, params, context = _method_inputs(draw, caps, s)
-    if s.plan_based:
-        check_method_plan(s, q, k, params, context=context)
-    else:
-        assert s.structure_check is not None
-        try:
-            s.structure_check(q, k, v, params)
-        except AssertionError as err:
-            raise _fail(context, str(err)) from err
+    q, k, v, params, context, limits = _method_inputs(draw, caps, s)
+    with limits:
+        if s.plan_based:
+            check_method_plan(s, q, k, params, context=context)
+        else:
+            assert s.structure_check is not None
+            try:
+                s.structure_check(q, k, v, params)
+            except AssertionError as err:
+                raise _fail(context, str(err)) from err
     return 0.0
+
+
+def _prop_method_estimate(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    s = _need(spec)
+    q, k, _, params, context, limits = _method_inputs(draw, caps, s)
+    with limits:
+        return check_method_estimate(s, q, k, params, context=context)
 
 
 def _prop_method_end_to_end(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
-    q, k, v, params, context = _method_inputs(draw, caps, s)
-    return check_method_end_to_end(s, q, k, v, params, context=context)
+    q, k, v, params, context, limits = _method_inputs(draw, caps, s)
+    with limits:
+        return check_method_end_to_end(s, q, k, v, params, context=context)
 
 
 def _prop_method_recall(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
-    q, k, _, params, context = _method_inputs(draw, caps, s)
-    got_plan = s.plan_fn("fast")(q, k, **params)
-    expected_plan = s.plan_fn("reference")(q, k, **params)
-    if not s.exact_plans and not expected_plan.equal(got_plan.to(expected_plan.device)):
-        expected_plan = got_plan  # a tie; `method_plan` judges it
-    return check_recall_density(q, k, got_plan, expected_selection=expected_plan, context=context)
+    q, k, _, params, context, limits = _method_inputs(draw, caps, s)
+    with limits:
+        got_plan = s.plan_fn("fast")(q, k, **params)
+        expected_plan = s.plan_fn("reference")(q, k, **params)
+        if not s.exact_plans and not expected_plan.equal(got_plan.to(expected_plan.device)):
+            expected_plan = got_plan  # a tie; `method_plan` judges it
+        return check_recall_density(q, k, got_plan, expected_selection=expected_plan, context=context)
+
+
+# Inputs of the kernel properties: random, planted lines (peaked rows), exact ties.
+_KERNEL_INPUTS = ("normal", "lines", "lattice")
 
 
 def _random_plan_inputs(
@@ -410,8 +577,9 @@ def _random_plan_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BlockColumnPlan, str]:
     n = draw_seqlen(draw, caps)
     bm, bn = draw_block_sizes(draw)
-    shape = draw_shape(draw, caps, seqlen=n, tiles=kernel_tiles(bm, bn))
-    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
+    shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn))
+    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=_KERNEL_INPUTS,
+                                blocks=(bm, bn))
     plan, plan_what = draw_plan(draw, shape, block_m=bm, block_n=bn, device=caps.device)
     return q, k, v, plan, f"{what} {plan_what}"
 
@@ -419,7 +587,26 @@ def _random_plan_inputs(
 def _prop_sparse_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     q, k, v, plan, context = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
-    return check_sparse_attention(q, k, v, plan, scale=scale, context=f"{context} scale={scale}")
+    limits, limits_what = draw_limits(draw, caps)
+    with limits:
+        return check_sparse_attention(q, k, v, plan, scale=scale,
+                                      context=f"{context} scale={scale} {limits_what}")
+
+
+def _prop_plan_validation(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    n = draw_seqlen(draw, caps)
+    bm, bn = draw_block_sizes(draw)
+    shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn))
+    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
+    plan, plan_what = draw_plan(draw, shape, block_m=bm, block_n=bn, device=caps.device)
+    # Every corruption that applies to this plan (a few kinds need lists of two or more).
+    seed = int(draw(st.integers(0, 2**31 - 1)))
+    for kind in CORRUPTIONS:
+        bad = corrupt_plan(plan, kind, seed)
+        if bad is None:
+            continue
+        check_plan_rejected(q, k, v, bad, context=f"{what} {plan_what} corruption={kind} seed={seed}")
+    return 0.0
 
 
 def split_plan(plan: BlockColumnPlan, seed: int) -> tuple[BlockColumnPlan, BlockColumnPlan]:
@@ -474,6 +661,12 @@ def check_resumed_attention(
     ratio = check_attention(out, lse, golden, baseline, context=f"{context} resumed")
     left = check_attention(state.output(q.dtype), state.lse(), golden, baseline,
                            context=f"{context} state left by the resumed call")
+    # The reference resumes the same way (its float64 state, then its own output).
+    ref_state = reference.AttentionState.like(q, dtype=torch.float64)
+    reference.sparse_attention(q, k, v, part_a, scale=scale, state=ref_state)
+    ref_out, ref_lse = reference.sparse_attention(q, k, v, part_b, scale=scale, state=ref_state,
+                                                  return_lse=True)
+    check_attention(ref_out, ref_lse, golden, baseline, context=f"{context} reference resumed")
     return max(ratio, left)
 
 
@@ -576,7 +769,8 @@ def _prop_block_means(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
 
 def _prop_masked_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     shape = draw_shape(draw, caps)
-    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
+    q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=_KERNEL_INPUTS,
+                                blocks=(128, 128))
     mask: torch.Tensor | None = None
     mask_what = "mask None"
     if bool(draw(st.sampled_from([True, True, True, False]))):
@@ -605,6 +799,10 @@ PROPERTIES: tuple[Property, ...] = (
     Property("recall_density", True, _prop_method_recall,
              "fast.recall/density of the method's plan vs reference",
              applies=lambda spec: spec.plan_based),
+    Property("estimate", True, _prop_method_estimate,
+             "the method's estimate before any top-k (scores, pooled means) vs reference, "
+             "under the tolerance policy (no tie forgiven)",
+             applies=lambda spec: spec.estimate is not None),
     Property("sparse_attention", False, _prop_sparse_attention,
              "fast.sparse_attention (out, lse) on random valid plans vs float64 golden"),
     Property("masked_attention", False, _prop_masked_attention,
@@ -617,6 +815,9 @@ PROPERTIES: tuple[Property, ...] = (
              "fast block_mean_out (mean scaled logit per listed block) vs reference"),
     Property("nonfinite", False, _prop_nonfinite,
              "NaN/inf in q, k or v reach exactly the same rows in fast and reference"),
+    Property("plan_validation", False, _prop_plan_validation,
+             "plans that break one invariant (order, range, causality, counts, disjointness, "
+             "dtype, shape) are refused by validate() and both packages before any launch"),
 )
 
 

@@ -17,11 +17,14 @@ from ..reference.plan import BlockColumnPlan
 from .ties import (
     anchor_attention_tie_check,
     block_sparse_tie_check,
+    flexprefill_vs_tie_check,
     dpxa_tie_check,
     sample_attention_tie_check,
+    shareprefill_tie_check,
     vertical_slash_tie_check,
     xattention_tie_check,
 )
+from .tolerance import Estimate
 
 PlanFn = Callable[..., BlockColumnPlan]
 RunFn = Callable[..., torch.Tensor]
@@ -62,6 +65,12 @@ class MethodSpec:
         tie_check: for `exact_plans=False`: `(q, k, params, reference_plan, fast_plan)
             -> None`, called only when the two plans differ; it raises AssertionError
             unless every difference is decided by an exactly tied score.
+        new_state, reference_layer, fast_layer: for methods that carry state across the
+            layers of one forward pass (SharePrefill). `new_state(params)` makes the
+            state of one prefill from the method's parameters; `*_layer(q, k, v, state,
+            *, layer, scale) -> out` runs one layer with it (plan, attention, update).
+            The transformers integration uses them instead of `*_plan` when set; the
+            plan functions stay the one-layer, fresh-state view used everywhere else.
 
     A method whose output is not the attention of one plan (Delta-KV reads packed
     keys) has `reference_plan = fast_plan = None` and instead:
@@ -74,6 +83,13 @@ class MethodSpec:
 
     sweep: `N -> [params, ...]`, the grid of the method's main knob that `sparseprefill
         compare` measures (docs/compare.md lists them); None: only `demo_params(N)`.
+    estimate: `(impl_name, q, k, params) -> {name: Estimate}`, the method's numbers
+        before any top-k or threshold (scores, pooled means), from `fast` or
+        `reference`; the "estimate" property compares the two under the tolerance
+        policy (`tolerance.check_estimate`), so an estimator bug cannot hide behind a
+        tie the plan property forgives. None: the method has no such stage.
+    input_kinds: the structured inputs its properties draw (`strategies.INPUT_KINDS`),
+        the first one most often.
     prepare: `(params, q) -> call parameters` for a method whose parameters depend on
         the input's shape (MInference's per-head config needs Hq): drawn, demo and sweep
         parameters go through `call_params` before every call. None: unchanged.
@@ -89,10 +105,15 @@ class MethodSpec:
     exact_plans: bool = True
     notes: str = field(default="")
     tie_check: Callable[..., None] | None = None
+    new_state: Callable[[Mapping[str, Any]], Any] | None = None
+    reference_layer: Callable[..., torch.Tensor] | None = None
+    fast_layer: Callable[..., torch.Tensor] | None = None
     golden: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     structure_check: Callable[..., None] | None = None
     view: Callable[..., MethodView] | None = None
     sweep: Callable[[int], list[dict[str, Any]]] | None = None
+    estimate: Callable[[str, torch.Tensor, torch.Tensor, dict[str, Any]], dict[str, Estimate]] | None = None
+    input_kinds: tuple[str, ...] = ("normal", "lines", "lattice", "runs")
     prepare: Callable[[dict[str, Any], torch.Tensor], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
@@ -151,11 +172,12 @@ def methods() -> Mapping[str, MethodSpec]:
 
 
 def _block_sizes(draw: Callable[[Any], Any]) -> dict[str, int]:
+    """Block sizes; block_n 256 is wider than the kernel's key tile (SUB_N > 1)."""
     from hypothesis import strategies as st
 
     return {
         "block_m": draw(st.sampled_from([16, 32, 64, 128])),
-        "block_n": draw(st.sampled_from([16, 32, 64])),
+        "block_n": draw(st.sampled_from([16, 32, 64, 128, 256])),
     }
 
 
@@ -163,16 +185,33 @@ def _dense_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     return _block_sizes(draw)
 
 
-def _sink_window(draw: Callable[[Any], Any], seqlen: int) -> dict[str, int]:
-    """`sink` and `window` draws shared by streaming and A-shape (both may exceed N)."""
+def _near_multiple(draw: Callable[[Any], Any], size: int, seqlen: int, shifts: list[int]) -> int:
+    """`j * size + shift` for a drawn multiple `j <= N / size` and a drawn shift."""
     from hypothesis import strategies as st
 
+    j = draw(st.integers(0, max(0, seqlen // max(size, 1))))
+    return int(j * size + draw(st.sampled_from(shifts)))
+
+
+def _sink_window(draw: Callable[[Any], Any], seqlen: int, block_n: int | None = None) -> dict[str, int]:
+    """`sink` and `window` draws shared by streaming and A-shape (both may exceed N).
+
+    With `block_n`, half the draws aim at block edges: a sink one below, at or above a
+    multiple of `block_n`, a window one or two past one (the window's first key block
+    then starts exactly at a block edge for query blocks aligned to `block_n`).
+    """
+    from hypothesis import strategies as st
+
+    if block_n is not None and draw(st.booleans()):
+        return {"sink": max(0, _near_multiple(draw, block_n, seqlen, [0, 1, -1])),
+                "window": max(1, _near_multiple(draw, block_n, seqlen, [1, 2, 0]))}
     return {"sink": draw(st.integers(0, max(1, seqlen))),
             "window": draw(st.integers(1, max(1, seqlen + 8)))}
 
 
 def _streaming_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
-    return {**_block_sizes(draw), **_sink_window(draw, seqlen)}
+    blocks = _block_sizes(draw)
+    return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"])}
 
 
 register(MethodSpec(
@@ -208,18 +247,43 @@ def _minference_blocks(draw: Callable[[Any], Any]) -> dict[str, int]:
 
 
 def _vertical_slash_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    """Half the draws keep few lines and force none, so the lines the estimate picks
+    (the planted ones of `strategies.draw_inputs(kinds=("lines",))`) decide the plan
+    and the index meets lines on block edges without the diagonal blocks hiding them."""
+    return {**_minference_blocks(draw), **_vertical_slash_lines(draw, seqlen)}
+
+
+def _vertical_slash_lines(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    """The line parameters of vertical-slash (and of MInference's vertical-slash heads)."""
     from hypothesis import strategies as st
 
-    params: dict[str, Any] = _minference_blocks(draw)
-    params["vertical_size"] = draw(st.integers(1, seqlen + 8))
-    params["slash_size"] = draw(st.integers(1, seqlen + 8))
+    params: dict[str, Any] = {}
+    few = bool(draw(st.booleans()))
+    top = 6 if few else seqlen + 8
+    params["vertical_size"] = draw(st.integers(1, top))
+    params["slash_size"] = draw(st.integers(1, min(top, 4) if few else top))
     # last_q > N means every query; 64 is MInference's value. The reference holds the
     # float64 [last_q, N] estimate per head, so "every query" is drawn at N <= 1024 only.
+    # 15 .. 65: around the estimate kernels' row tiles (16 to 64 rows).
     everything = [seqlen, seqlen + 7] if seqlen <= 1024 else [1000]
-    params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything]))
-    params["init_columns"] = draw(st.sampled_from([0, 1, 5, 30]))
-    params["local_diagonals"] = draw(st.sampled_from([0, 1, 7, 100]))
+    params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything, 15, 17, 33, 63, 65]))
+    params["init_columns"] = draw(st.sampled_from([0, 0] if few else [0, 1, 5, 30]))
+    params["local_diagonals"] = draw(st.sampled_from([0, 0, 1] if few else [0, 1, 7, 100]))
     return params
+
+
+def _vertical_slash_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                             params: dict[str, Any]) -> dict[str, Estimate]:
+    """Vertical and slash scores (Alg. 2 lines 2-6): sums of at most `last_q` probabilities."""
+    from ..fast.vertical_slash import vertical_slash_scores as fast_scores
+    from ..reference.vertical_slash import vertical_slash_scores as reference_scores
+
+    scores = fast_scores if impl_name == "fast" else reference_scores
+    last_q = int(params.get("last_q", 64))
+    vertical, slash = scores(q, k, last_q=last_q, scale=params.get("scale"))
+    rows = min(last_q, q.shape[2])
+    return {"vertical": Estimate(vertical, terms=rows, bound=1.0),
+            "slash": Estimate(slash, terms=rows, bound=1.0)}
 
 
 def _vertical_slash_demo(n: int) -> dict[str, Any]:
@@ -233,12 +297,39 @@ def _block_sparse_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
     from hypothesis import strategies as st
 
     block_size = draw(st.sampled_from([16, 32, 48, 64, 128]))
+    return {"block_size": block_size, "top_k": _block_sparse_top_k(draw, seqlen, block_size)}
+
+
+def _block_sparse_top_k(draw: Callable[[Any], Any], seqlen: int, block_size: int) -> int:
+    """top_k at its edges half the time: one block, two, all but one, all, past all."""
+    from hypothesis import strategies as st
+
     blocks = -(-seqlen // block_size)
-    return {"block_size": block_size, "top_k": draw(st.integers(1, blocks + 2))}
+    edge = [1, 2, max(1, blocks - 1), blocks, blocks + 1]
+    return int(draw(st.sampled_from(edge)) if draw(st.booleans()) else draw(st.integers(1, blocks + 2)))
+
+
+def _block_sparse_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                           params: dict[str, Any]) -> dict[str, Estimate]:
+    """Mean-pooled queries and keys (Alg. 3 lines 2-3): means of `block_size` values."""
+    from ..fast.block_sparse import mean_pooling as fast_pooling
+    from ..reference.block_sparse import mean_pooling as reference_pooling
+
+    pooling = fast_pooling if impl_name == "fast" else reference_pooling
+    bs = int(params.get("block_size", 64))
+    terms = min(bs, q.shape[2])
+    return {"q_pooled": Estimate(pooling(q, bs), terms=terms, bound=_max_abs(q)),
+            "k_pooled": Estimate(pooling(k, bs), terms=terms, bound=_max_abs(k))}
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    finite = x[torch.isfinite(x)]
+    return float(finite.abs().max()) if finite.numel() else 0.0
 
 
 def _a_shape_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
-    return {**_minference_blocks(draw), **_sink_window(draw, seqlen)}
+    blocks = _minference_blocks(draw)
+    return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"])}
 
 
 register(MethodSpec(
@@ -251,6 +342,8 @@ register(MethodSpec(
     demo_params=_vertical_slash_demo,
     exact_plans=False,
     tie_check=vertical_slash_tie_check,
+    estimate=_vertical_slash_estimate,
+    input_kinds=("lines", "normal", "lattice"),
     notes="MInference vertical-slash: last_q estimate, top-k columns and diagonals, Alg. 4 index",
     sweep=lambda n: [{"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f)}
                      for f in (256, 128, 64, 32, 16, 8)],
@@ -266,6 +359,8 @@ register(MethodSpec(
     demo_params=lambda n: {"top_k": 100 if n >= 32768 else max(2, n // 512)},
     exact_plans=False,
     tie_check=block_sparse_tie_check,
+    estimate=_block_sparse_estimate,
+    input_kinds=("normal", "lattice", "runs", "lines"),
     notes="MInference block-sparse: mean-pooled block scores, top-k key blocks per query block",
     sweep=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (32, 16, 8, 4, 2)],
 ))
@@ -295,6 +390,37 @@ def _anchor_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     return params
 
 
+def _anchor_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                     params: dict[str, Any]) -> dict[str, Estimate]:
+    """The anchors `x_a` (Equation 1, row maxima of D-term dot products), their block means
+    and the pooled queries (Alg. 2 lines 1-2): the numbers compared with theta."""
+    from ..fast.anchor_attention import anchor_maxima
+    from ..fast.kernels.anchor_stripes import pooled_anchor as fast_pooled_anchor
+    from ..fast.kernels.anchor_stripes import pooled_queries
+    from ..reference._checks import resolve_scale
+    from ..reference.anchor_attention import anchor_blocks, anchor_scores, pooled_anchor
+    from ..reference.block_sparse import mean_pooling
+
+    step, bm, bn = int(params.get("step", 16)), int(params.get("block_m", 128)), int(params.get("block_n", 128))
+    scale = resolve_scale(params.get("scale"), q.shape[-1])
+    if impl_name == "fast":
+        x_a = anchor_maxima(q, k, step=step, block_m=bm, block_n=bn, scale=scale)
+        a_mean = fast_pooled_anchor(x_a, bm)
+        hi, lo = pooled_queries(q, bm, k.dtype)
+        q_mean = hi.to(torch.float32) + lo.to(torch.float32)
+    else:
+        blocks = anchor_blocks(q.shape[2], step=step, block_m=bm, block_n=bn, device=q.device)
+        x_a = anchor_scores(q, k, blocks, block_n=bn, block_m=bm, scale=scale)
+        a_mean = pooled_anchor(x_a, bm)
+        q_mean = mean_pooling(q, bm)
+    d = q.shape[-1]
+    logit = scale * _max_abs(q) * _max_abs(k)  # largest |scale q_d k_d|
+    rows = min(bm, q.shape[2])
+    return {"anchor": Estimate(x_a, terms=d, bound=logit),
+            "anchor_mean": Estimate(a_mean, terms=d + rows, bound=max(logit, _max_abs(x_a))),
+            "q_mean": Estimate(q_mean, terms=rows, bound=_max_abs(q))}
+
+
 def _anchor_demo(n: int) -> dict[str, Any]:
     # The paper's theta and blocks; step 16 from 16K on, smaller below so that a
     # prompt has at least 8 groups (one group is all window, hence dense).
@@ -311,6 +437,8 @@ register(MethodSpec(
     demo_params=_anchor_demo,
     exact_plans=False,
     tie_check=anchor_attention_tie_check,
+    estimate=_anchor_estimate,
+    input_kinds=("normal", "lattice", "lines"),
     notes="AnchorAttention: initial block + group window as anchor, difference-aware stripes "
           "per group of step query blocks, stripe pass resuming the anchor state",
     sweep=lambda n: [{**_anchor_demo(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
@@ -322,13 +450,15 @@ def _delta_kv_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
 
     metric = draw(st.sampled_from(["euclidean", "cosine"]))
     if metric == "euclidean":
-        # 0 drops only identical neighbours; 1e3 leaves one anchor per chunk.
-        threshold = draw(st.sampled_from([0.0, 2.0, 4.0, 6.0, 1e3]))
+        # 0 drops only identical neighbours; 1e3 leaves one anchor per chunk; 0.5, 1 and 2
+        # are distances the "runs" inputs hit exactly.
+        threshold = draw(st.sampled_from([0.0, 2.0, 0.5, 1.0, 4.0, 6.0, 1e3]))
     else:
+        # 0.5: the "runs" inputs' cosine-1/2 twins sit exactly on it; 0: orthogonal keys.
         threshold = draw(st.sampled_from([-1.0, 0.0, 0.5, 0.8, 0.95, 1.0]))
     return {
         "threshold": threshold, "metric": metric,
-        "chunk": draw(st.sampled_from([1, 7, 16, 64, 512])),
+        "chunk": draw(st.sampled_from([1, 7, 16, 64, 512, 15, 17, 63, 65])),
         "block_m": draw(st.sampled_from([16, 32, 64])),
         "block_n": draw(st.sampled_from([16, 32, 64])),
         "count_weighted": draw(st.sampled_from([True, True, False])),
@@ -351,6 +481,7 @@ def _register_delta_kv() -> None:
         golden=delta_golden,
         structure_check=delta_structure_check,
         view=delta_view,
+        input_kinds=("runs", "normal", "lattice"),
         sweep=lambda n: [{"threshold": t, "metric": "cosine"} for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
     ))
 
@@ -494,6 +625,25 @@ def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[st
     }
 
 
+def _sample_attention_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                               params: dict[str, Any]) -> dict[str, Estimate]:
+    """Column and slash block scores of the sampled rows (Alg. 1 lines 1-4): sums of
+    probabilities, at most one per sampled row."""
+    from ..fast.sample_attention import sample_attention_scores as fast_scores
+    from ..reference.sample_attention import resolve_params, sampled_rows
+    from ..reference.sample_attention import sample_attention_scores as reference_scores
+
+    n, bs = q.shape[2], int(params.get("block_size", 128))
+    _, _, chunk_n = resolve_params(n, alpha_c=params.get("alpha_c"), alpha_s=params.get("alpha_s"),
+                                   chunk_n=params.get("chunk_n"), block_size=bs,
+                                   settings=params.get("settings"))
+    scores = fast_scores if impl_name == "fast" else reference_scores
+    column, slash = scores(q, k, chunk_n=chunk_n, block_size=bs, scale=params.get("scale"))
+    rows = sum(stop - start for start, stop in sampled_rows(n, chunk_n, bs))
+    return {"column": Estimate(column, terms=rows, bound=1.0),
+            "slash": Estimate(slash, terms=rows, bound=1.0)}
+
+
 register(MethodSpec(
     name="sample_attention",
     reference_plan=reference.sample_attention_plan,
@@ -506,6 +656,8 @@ register(MethodSpec(
                            "block_size": 128 if n >= 4096 else 64},
     exact_plans=False,
     tie_check=sample_attention_tie_check,
+    estimate=_sample_attention_estimate,
+    input_kinds=("normal", "lattice", "lines"),
     notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
     sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
 ))
@@ -525,14 +677,11 @@ def _minference_patterns(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(kinds))
         if kind == "a_shape":
-            params = {**_sink_window(draw, seqlen), "block_m": bm, "block_n": bn}
+            params = {**_sink_window(draw, seqlen, bn), "block_m": bm, "block_n": bn}
         elif kind == "vertical_slash":
-            params = {"vertical_size": draw(st.integers(1, seqlen + 8)), "slash_size": draw(st.integers(1, seqlen + 8)),
-                      "last_q": draw(st.sampled_from([1, 16, 64])), "block_m": bm, "block_n": bn,
-                      "init_columns": draw(st.sampled_from([0, 1, 5])),
-                      "local_diagonals": draw(st.sampled_from([0, 1, 7]))}
+            params = {**_vertical_slash_lines(draw, seqlen), "block_m": bm, "block_n": bn}
         else:
-            params = {"top_k": draw(st.integers(1, -(-seqlen // bm) + 2)), "block_size": bm}
+            params = {"top_k": _block_sparse_top_k(draw, seqlen, bm), "block_size": bm}
         patterns.append(HeadPattern(kind, params))
     # block_m / block_n are hints for the strategies' cost cap; `prepare` drops them.
     return {"patterns": tuple(patterns), "block_m": bm, "block_n": bn}
@@ -550,6 +699,21 @@ def _minference_demo(n: int) -> dict[str, Any]:
     )}
 
 
+def _minference_sweep(n: int) -> list[dict[str, Any]]:
+    """The demo's three patterns with budgets scaled together: vertical-slash as its own grid,
+    the A-shape window N/f, block-sparse top_k Kb/f (blocks of 64)."""
+    from ..reference.minference import HeadPattern
+
+    blocks = -(-n // 64)
+    return [{"patterns": (
+        HeadPattern("vertical_slash", {"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f),
+                                       "block_m": 64, "block_n": 64}),
+        HeadPattern("a_shape", {"sink": min(1024, max(64, n // 32)), "window": max(128, n // f),
+                                "block_m": 64, "block_n": 64}),
+        HeadPattern("block_sparse", {"top_k": max(2, blocks * 8 // f), "block_size": 64}),
+    )} for f in (128, 64, 32, 16, 8)]
+
+
 def _minference_prepare(params: dict[str, Any], q: torch.Tensor) -> dict[str, Any]:
     """Pattern `h % len(patterns)` for query head `h`: a one-layer `MInferenceConfig`."""
     from ..reference.minference import MInferenceConfig
@@ -557,6 +721,24 @@ def _minference_prepare(params: dict[str, Any], q: torch.Tensor) -> dict[str, An
     patterns = tuple(params["patterns"])
     heads = tuple(patterns[h % len(patterns)] for h in range(int(q.shape[1])))
     return {"config": MInferenceConfig((heads,)), "layer": 0}
+
+
+def _minference_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                         params: dict[str, Any]) -> dict[str, Estimate]:
+    """The estimates of every distinct vertical-slash and block-sparse pattern of the
+    layer, as MInference's dispatch runs them (on all heads), named `<pattern #>.<part>`."""
+    heads = params["config"].layer(int(params.get("layer", 0)))
+    out: dict[str, Estimate] = {}
+    seen: dict[Any, int] = {}
+    for head in heads:
+        if head.key() in seen or head.pattern not in ("vertical_slash", "block_sparse"):
+            continue
+        seen[head.key()] = len(seen)
+        pattern_params = {**head.params, "scale": params.get("scale")}
+        part = (_vertical_slash_estimate if head.pattern == "vertical_slash" else _block_sparse_estimate)(
+            impl_name, q, k, pattern_params)
+        out.update({f"{seen[head.key()]}.{head.pattern}.{name}": est for name, est in part.items()})
+    return out
 
 
 def _register_minference() -> None:
@@ -575,7 +757,93 @@ def _register_minference() -> None:
         notes="MInference per-head dispatch: each head its own pattern (vertical-slash, A-shape, "
               "block-sparse), one merged plan, one kernel launch",
         prepare=_minference_prepare,
+        sweep=_minference_sweep,
+        estimate=_minference_estimate,
+        input_kinds=("lines", "normal", "lattice"),
     ))
 
 
 _register_minference()
+
+
+def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _minference_blocks(draw)
+    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 0.95, 1.0, 0.99]))
+    everything = [seqlen, seqlen + 7] if seqlen <= 1024 else [1000]
+    params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything]))
+    params["init_columns"] = draw(st.sampled_from([1, 0, 5]))
+    params["local_diagonals"] = draw(st.sampled_from([1, 0, 7]))
+    return params
+
+
+register(MethodSpec(
+    name="flexprefill_vs",
+    reference_plan=reference.flexprefill_vs_plan,
+    fast_plan=fast.flexprefill_vs_plan,
+    reference_run=reference.flexprefill_vs,
+    fast_run=fast.flexprefill_vs,
+    params=_flexprefill_vs_params,
+    demo_params=lambda n: {"gamma": 0.9},
+    exact_plans=False,
+    tie_check=flexprefill_vs_tie_check,
+    notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
+          "estimated mass",
+    sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
+))
+
+
+# Query heads of the drawn layouts: at least the most any conformance shape has.
+_LAYOUT_HEADS = 64
+
+
+def _shareprefill_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _block_sizes(draw)
+    kind = draw(st.sampled_from(["one", "groups", "noise", "none"]))
+    if kind != "none":
+        seed = draw(st.integers(0, 2**31 - 1))
+        gen = torch.Generator().manual_seed(seed)
+        ids = {"one": 1, "groups": 3, "noise": 2}[kind]
+        row = (torch.randint(0, ids, (_LAYOUT_HEADS,), generator=gen) - int(kind == "noise")).tolist()
+        params["layout"] = reference.ClusterLayout((tuple(int(c) for c in row),))
+    params["tau"] = draw(st.sampled_from([0.2, 0.0, 0.5, 1.01]))
+    params["delta"] = draw(st.sampled_from([0.3, 1.01, 0.0, 0.6, 2.0]))
+    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 1.0]))
+    params["init_columns"] = draw(st.sampled_from([1, 0, 5]))
+    params["local_diagonals"] = draw(st.sampled_from([1, 0, 7]))
+    return params
+
+
+_SHARE_STATE_KEYS = ("layout", "tau", "delta", "gamma", "block_m", "block_n", "init_columns",
+                     "local_diagonals")
+
+
+def _shareprefill_state(params: Mapping[str, Any]) -> reference.SharePrefillState:
+    """The per-prefill state from SharePrefill's parameters (the layer comes from the model)."""
+    unknown = sorted(set(params) - set(_SHARE_STATE_KEYS))
+    if unknown:
+        raise ValueError(f"shareprefill in a model takes {_SHARE_STATE_KEYS}; got also {unknown} "
+                         "(the layer index comes from the model)")
+    return reference.SharePrefillState(**params)
+
+
+register(MethodSpec(
+    name="shareprefill",
+    reference_plan=reference.shareprefill_plan,
+    fast_plan=fast.shareprefill_plan,
+    reference_run=reference.shareprefill,
+    fast_run=fast.shareprefill,
+    params=_shareprefill_params,
+    demo_params=lambda n: {},
+    exact_plans=False,
+    tie_check=shareprefill_tie_check,
+    new_state=_shareprefill_state,
+    reference_layer=reference.shareprefill_layer,
+    fast_layer=fast.shareprefill_layer,
+    notes="SharePrefill (one layer, fresh state: first head per cluster dense, others Alg. 5); "
+          "layers share pivots through SharePrefillState",
+    sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
+))

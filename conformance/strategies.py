@@ -10,12 +10,24 @@ examples cheap and reproducible while Hypothesis still shrinks shapes and plans.
 reference's dense `[B, Hq, N, N]` masks; CPU tests under `TRITON_INTERPRET=1` use
 N <= 200 and a cap on the number of kernel tile steps, since the interpreter costs
 about 10 ms per tile step.
+
+Draws aim at boundaries, not only at random: lengths one below and above block
+multiples, head dims 16 to 256 (the kernel's tile changes above 128; the tile-step cap
+keeps the costly ones short), plan blocks wider than the kernel's tile (`SUB_N > 1`),
+columns inside listed blocks and at block edges, and structured inputs
+(`INPUT_KINDS`): planted vertical and slash lines on the first and last row or column
+of a block, small-integer "lattice" values whose scores tie exactly, and runs of
+repeated keys whose distances sit exactly on a threshold. `draw_limits` lowers the
+size limits at which the fast code changes path (key splits of the estimate, score
+chunks, per-head planning, index chunks), so N <= 200 reaches the paths that long
+inputs take.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +40,21 @@ from .registry import MethodSpec
 Draw = Callable[[st.SearchStrategy[Any]], Any]
 
 DTYPES = (torch.float16, torch.bfloat16)
-HEAD_DIMS = (16, 32, 64, 96, 128)
+# 96 and 192 are not powers of two (the kernels pad and mask the head dim); above 128
+# the block/column kernel takes 64 x 32 tiles (`fast.kernels.block_column._tile_config`).
+HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
 PLAN_BLOCK_M = (16, 32, 64, 128, 256)
-PLAN_BLOCK_N = (16, 32, 64, 128)
+# 256 is wider than the kernel's key tile (128, or 32 above D = 128): SUB_N > 1.
+PLAN_BLOCK_N = (16, 32, 64, 128, 256)
 
 # Lengths around block edges (16 .. 256) and the classic awkward ones (63, 111).
-_AWKWARD_SEQLENS = (1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 111, 127, 128, 129, 191, 200,
-                    255, 256, 257, 1000, 1023, 1025, 2047, 4097, 8191, 16383, 16384)
+_AWKWARD_SEQLENS = (1, 2, 15, 16, 17, 31, 32, 33, 47, 49, 63, 64, 65, 95, 97, 111, 127, 128,
+                    129, 143, 145, 191, 192, 193, 200, 255, 256, 257, 1000, 1023, 1025, 2047,
+                    4097, 8191, 16383, 16384)
+
+# Structured inputs (see `draw_inputs`); the kinds a method cares most about are listed in
+# its `MethodSpec.input_kinds`.
+INPUT_KINDS = ("normal", "lines", "lattice", "runs")
 
 
 @dataclass(frozen=True)
@@ -44,22 +64,25 @@ class Caps:
     Attributes:
         device: where tensors are made ("cuda", or "cpu" under the interpreter).
         max_seqlen: largest N drawn.
-        max_head_dim: largest D drawn (from `HEAD_DIMS`).
+        max_head_dim: largest D drawn (from `HEAD_DIMS`); under `max_tile_steps`, only
+            dims whose one-head cost fits are drawn (the smallest otherwise).
         max_batch, max_kv_heads, max_group: largest B, Hkv and Hq / Hkv.
         max_mask_elements: cap on `B * Hq * N * N`, the size of the reference's
             dense masks (bool bytes); B and Hq shrink at long N to respect it.
         max_tile_steps: cap on the kernel's work per example in the interpreter,
             `B * Hq * interpreter_work(...)` (about 10 ms per unit); None: no cap.
+        scaled_limits: let `draw_limits` lower the fast code's size limits (see there).
     """
 
     device: str = "cpu"
     max_seqlen: int = 200
-    max_head_dim: int = 128
+    max_head_dim: int = 256
     max_batch: int = 3
     max_kv_heads: int = 4
     max_group: int = 4
     max_mask_elements: int = 2**30
     max_tile_steps: int | None = None
+    scaled_limits: bool = True
 
 
 @dataclass(frozen=True)
@@ -81,9 +104,15 @@ class Shape:
                 f"D={self.head_dim}")
 
 
-def kernel_tiles(block_m: int, block_n: int) -> tuple[int, int]:
-    """The kernel's tile sizes for a plan's block sizes (they divide the blocks)."""
-    return math.gcd(block_m, 128), math.gcd(block_n, 64)
+def kernel_tiles(block_m: int, block_n: int, head_dim: int = 64) -> tuple[int, int]:
+    """The kernel's tile sizes for a plan's block sizes and head dim (they divide the blocks).
+
+    The kernel's own choice (`_tile_config`), so the cost model cannot drift from it.
+    """
+    from ..fast.kernels.block_column import _tile_config
+
+    tile_m, tile_n, _, _ = _tile_config(block_m, block_n, head_dim)
+    return tile_m, tile_n
 
 
 def interpreter_work(seqlen: int, head_dim: int, tiles: tuple[int, int]) -> float:
@@ -95,7 +124,8 @@ def interpreter_work(seqlen: int, head_dim: int, tiles: tuple[int, int]) -> floa
     """
     q_tiles = cdiv(seqlen, tiles[0])
     steps = q_tiles * (cdiv(seqlen, tiles[1]) + 1) / 2
-    return q_tiles + steps * (1 + tiles[0] * tiles[1] * head_dim / 100_000)
+    padded = max(16, 1 << (head_dim - 1).bit_length())  # the kernel pads D to a power of two
+    return q_tiles + steps * (1 + tiles[0] * tiles[1] * padded / 100_000)
 
 
 def draw_seqlen(draw: Draw, caps: Caps) -> int:
@@ -122,23 +152,30 @@ def draw_shape(
     caps: Caps,
     *,
     seqlen: int | None = None,
-    tiles: tuple[int, int] = (128, 64),
+    blocks: tuple[int, int] = (128, 128),
 ) -> Shape:
     """A shape within `caps`; B and Hq shrink when N is long or tiles are small.
+
+    Head dims are drawn from `HEAD_DIMS`, the common ones (64, 128) more often; under
+    `caps.max_tile_steps` a dim whose one-head kernel work does not fit is not drawn.
 
     Args:
         draw: Hypothesis's draw.
         caps: the limits.
         seqlen: N, or None to draw one (`draw_seqlen`).
-        tiles: the kernel tile sizes `(tile_m, tile_n)` the example will run with;
-            used to honour `caps.max_tile_steps`.
+        blocks: the plan block sizes `(block_m, block_n)` the example will run with
+            (the kernel's tiles follow from them and D); used for `caps.max_tile_steps`.
     """
     n = draw_seqlen(draw, caps) if seqlen is None else seqlen
     dims = [d for d in HEAD_DIMS if d <= caps.max_head_dim] or [HEAD_DIMS[0]]
-    d = int(draw(st.sampled_from(dims)))
+    if caps.max_tile_steps is not None:
+        dims = [d for d in dims if interpreter_work(n, d, kernel_tiles(*blocks, d)) <= caps.max_tile_steps] \
+            or [dims[0]]
+    weighted = dims + [d for d in (64, 128) if d in dims]
+    d = int(draw(st.sampled_from(weighted)))
     heads_budget = max(1, caps.max_mask_elements // (n * n))
     if caps.max_tile_steps is not None:
-        per_head = max(1, int(interpreter_work(n, d, tiles)))
+        per_head = max(1, int(interpreter_work(n, d, kernel_tiles(*blocks, d))))
         heads_budget = min(heads_budget, max(1, caps.max_tile_steps // per_head))
     b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget)))))
     hkv = int(draw(st.integers(1, max(1, min(caps.max_kv_heads, heads_budget // b)))))
@@ -171,25 +208,161 @@ def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x
 
 
+def block_edges(seqlen: int, sizes: Sequence[int]) -> list[int]:
+    """Positions on block edges: the first and last index of every block of each size,
+    and N - 1 (sorted, in `[0, N)`)."""
+    out = {seqlen - 1}
+    for size in sizes:
+        if size <= 0:
+            continue
+        for start in range(0, seqlen, size):
+            out.update((start, start + size - 1))
+    return sorted(p for p in out if 0 <= p < seqlen)
+
+
+def _pick(gen: torch.Generator, items: Sequence[int], count: int) -> list[int]:
+    """Up to `count` distinct items, chosen with `gen`."""
+    if not items or count <= 0:
+        return []
+    order = torch.randperm(len(items), generator=gen)[:count].tolist()
+    return sorted(items[i] for i in order)
+
+
+def _lines_inputs(
+    gen: torch.Generator, shape: Shape, magnitude: float, edges: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """q, k (float32) with planted vertical and slash lines, mostly on block edges.
+
+    Every query of a KV head's group shares a direction `u` and a per-position
+    direction `w_r`; a vertical at key `c` adds a multiple of `u` to `k_c` (every later
+    query attends to it), a slash at offset `o` adds `w_{j + o}` to `k_j` (query `r`
+    attends to key `r - o`). Planted logits are about 5 above the noise's.
+    """
+    b, hkv, g, n, d = shape.batch, shape.kv_heads, shape.group, shape.seqlen, shape.head_dim
+    root = math.sqrt(d)
+    u = torch.randn(b, hkv, 1, 1, d, generator=gen)
+    u = u / u.norm(dim=-1, keepdim=True).clamp(min=1e-6)
+    w = torch.randn(b, hkv, 1, n, d, generator=gen) / root
+    q = torch.randn(b, hkv, g, n, d, generator=gen) * 0.5 * magnitude + 2.0 * u + 2.0 * w
+    k = torch.randn(b, hkv, n, d, generator=gen) * 0.5
+    verticals = _pick(gen, list(edges), 3) + _pick(gen, list(range(n)), 1)
+    for c in verticals:
+        k[:, :, c] += 2.5 * root * u[:, :, 0, 0]
+    offsets = sorted({o for o in _pick(gen, list(edges), 2) + _pick(gen, list(range(min(n, 4))), 1)})
+    for o in offsets:
+        k[:, :, : n - o] += 2.5 * root * w[:, :, 0, o:]
+    return q.reshape(b, hkv * g, n, d), k, f"verticals {verticals} slashes {offsets}"
+
+
+def _lattice(gen: torch.Generator, *size: int) -> torch.Tensor:
+    """Values in {-1, -0.5, 0, 0.5, 1}: exact in fp16/bf16; their products sum exactly."""
+    return (torch.randint(-2, 3, size, generator=gen) * 0.5).float()
+
+
+def _lattice_inputs(gen: torch.Generator, shape: Shape, edges: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Lattice q and k with repeated keys and a repeated key block: exactly equal scores."""
+    b, hq, hkv, n, d = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, shape.head_dim
+    q = _lattice(gen, b, hq, n, d)
+    k = _lattice(gen, b, hkv, n, d)
+    repeats = _pick(gen, [p for p in edges if p > 0], 3)
+    for p in repeats:
+        k[:, :, p] = k[:, :, p - 1]
+    # A whole span copied onto a later one: equal pooled (block) scores.
+    span = int(torch.randint(1, max(2, n // 4 + 1), (1,), generator=gen))
+    if 2 * span <= n:
+        k[:, :, n - span:] = k[:, :, :span]
+    return q, k, f"repeats {repeats} span {span}"
+
+
+def _runs_inputs(
+    gen: torch.Generator, shape: Shape, magnitude: float, edges: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Keys in runs (Delta-KV's case): runs start at block edges (or one past), and in a
+    run every key is the run's first key, or differs from it by exactly 0.5, 1 or 2 in
+    one coordinate, or is its cosine-1/2 twin, so distances sit exactly on thresholds."""
+    b, hq, hkv, n, d = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, shape.head_dim
+    q = torch.randn(b, hq, n, d, generator=gen) * magnitude
+    k = torch.randn(b, hkv, n, d, generator=gen)
+    starts = sorted({0, *(p + int(torch.randint(0, 2, (1,), generator=gen)) for p in edges)} - {n})
+    styles = []
+    for i, s0 in enumerate(starts):
+        s1 = starts[i + 1] if i + 1 < len(starts) else n
+        style = int(torch.randint(0, 5, (1,), generator=gen))
+        styles.append(style)
+        if style == 0 or s1 - s0 < 2:
+            continue  # independent random keys
+        if style == 4 and d >= 4:
+            # Anchor c * e_i and keys c * (e_i + e_a + e_b + e_c): cosine exactly 1/2.
+            dims = torch.randperm(d, generator=gen)[:4]
+            base = torch.zeros(d)
+            base[dims[0]] = 1.0
+            twin = torch.zeros(d)
+            twin[dims] = 1.0
+            k[:, :, s0] = base
+            k[:, :, s0 + 1:s1] = torch.where(torch.rand(s1 - s0 - 1, 1, generator=gen) < 0.7, twin, base)
+            continue
+        base = _lattice(gen, b, hkv, 1, d)[:, :, 0]
+        k[:, :, s0:s1] = base.unsqueeze(2)
+        if style in (2, 3):
+            step = (0.5, 1.0, 2.0)[int(torch.randint(0, 3, (1,), generator=gen))]
+            for t in range(s0 + 1, s1):
+                if style == 3 or bool(torch.rand(1, generator=gen) < 0.5):
+                    k[:, :, t, int(torch.randint(0, d, (1,), generator=gen))] += step
+    return q, k, f"runs at {starts[:8]}{'...' if len(starts) > 8 else ''} styles {styles[:8]}"
+
+
 def draw_inputs(
-    draw: Draw, shape: Shape, dtype: torch.dtype, device: str
+    draw: Draw,
+    shape: Shape,
+    dtype: torch.dtype,
+    device: str,
+    *,
+    kinds: Sequence[str] = ("normal",),
+    blocks: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     """Random `q, k, v` of `shape`, plus a short description for failure messages.
 
-    Values are standard normal (q times a drawn magnitude, 0.5 to 4, so some
-    softmaxes are peaked); layouts are contiguous, `[B, N, H, D]` transposed views,
-    or views into a wider, NaN-filled head dimension.
+    Kinds (`INPUT_KINDS`; drawn from `kinds`, the first one most often):
+
+    * "normal": standard normal values (q times a drawn magnitude, 0.5 to 4, so some
+      softmaxes are peaked);
+    * "lines": planted vertical lines and slashes, mostly on the edges of `blocks`
+      (`_lines_inputs`);
+    * "lattice": values in {-1, -0.5, 0, 0.5, 1} with repeated keys and a repeated
+      span of keys: scores and pooled scores tie exactly;
+    * "runs": runs of keys starting at block edges whose members sit exactly at a
+      Euclidean distance of 0, 0.5, 1 or 2, or a cosine of 1/2, from the run's first key.
+
+    Layouts are contiguous, `[B, N, H, D]` transposed views, or views into a wider,
+    NaN-filled head dimension.
+
+    Args:
+        draw, shape, dtype, device: as the other draws.
+        kinds: the kinds to draw from.
+        blocks: block sizes whose edges the structured kinds aim at.
     """
     seed = int(draw(st.integers(0, 2**31 - 1)))
     magnitude = float(draw(st.sampled_from([1.0, 0.5, 2.0, 4.0])))
     layout = str(draw(st.sampled_from(["contiguous", "bnhd", "contiguous", "padded_d"])))
+    kinds = list(kinds) or ["normal"]
+    kind = str(draw(st.sampled_from([kinds[0], *kinds])))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     b, hq, hkv, n, d = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, shape.head_dim
-    q = (torch.randn(b, hq, n, d, generator=gen) * magnitude).to(dtype)
-    k = torch.randn(b, hkv, n, d, generator=gen).to(dtype)
-    v = torch.randn(b, hkv, n, d, generator=gen).to(dtype)
-    q, k, v = (_layout(t.to(device), layout) for t in (q, k, v))
-    what = f"{shape} {str(dtype).removeprefix('torch.')} seed={seed} |q|x{magnitude} {layout}"
+    edges = block_edges(n, blocks)
+    detail = ""
+    if kind == "lines":
+        q, k, detail = _lines_inputs(gen, shape, magnitude, edges)
+    elif kind == "lattice":
+        q, k, detail = _lattice_inputs(gen, shape, edges)
+    elif kind == "runs":
+        q, k, detail = _runs_inputs(gen, shape, magnitude, edges)
+    else:
+        q = torch.randn(b, hq, n, d, generator=gen) * magnitude
+        k = torch.randn(b, hkv, n, d, generator=gen)
+    v = torch.randn(b, hkv, n, d, generator=gen)
+    q, k, v = (_layout(t.to(dtype).to(device), layout) for t in (q, k, v))
+    what = (f"{shape} {str(dtype).removeprefix('torch.')} seed={seed} {kind}"
+            f"{f' ({detail})' if detail else ''} |q|x{magnitude} {layout}")
     return q, k, v, what
 
 
@@ -235,11 +408,13 @@ def draw_plan(
     """A random valid `BlockColumnPlan` for `shape`, and a short description.
 
     Draws a density of key blocks (0 to 1), a density of extra columns (outside the
-    listed blocks, or sometimes also inside them), some emptied query blocks, column
-    lists shared by groups of query blocks (`column_group`), whether one list is
-    shared by every batch row and head (stride-0 expanded views), the width of
-    padding past the counts and its garbage (zeros, random, int32 max, -1), and
-    strided index storage.
+    listed blocks, or sometimes also inside them), columns on block edges (the first
+    and last key of key blocks, the last row of query blocks, N - 1), some emptied
+    query blocks, column lists shared by groups of query blocks (`column_group`),
+    whether one list is shared by every batch row and head (stride-0 expanded views),
+    the width of padding past the counts and its garbage (zeros, random, int32 max,
+    -1), strided index storage, and sometimes the plan's disjoint-column form
+    (`with_disjoint_columns`, which the kernel reads without its column-in-block test).
     """
     seed = int(draw(st.integers(0, 2**31 - 1)))
     p_block = float(draw(st.sampled_from([0.3, 1.0, 0.0, 0.05, 0.6])))
@@ -251,12 +426,17 @@ def draw_plan(
     layout = str(draw(st.sampled_from(["contiguous", "strided"])))
     overlap = bool(draw(st.sampled_from([False, True, False])))
     group = int(draw(st.sampled_from([1, 1, 1, 2, 3, 1000])))
+    edge_columns = bool(draw(st.booleans()))
+    disjoint = bool(draw(st.sampled_from([False, False, True])))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     n = shape.seqlen
     qb, kb = cdiv(n, block_m), cdiv(n, block_n)
     lead = (1, 1) if shared else (shape.batch, shape.q_heads)
     blocks = torch.rand(*lead, qb, kb, generator=gen) < p_block
     columns = torch.rand(*lead, qb, n, generator=gen) < p_col
+    if edge_columns:
+        edges = torch.tensor(block_edges(n, (block_m, block_n)), dtype=torch.int64)
+        columns[..., edges] |= torch.rand(*lead, qb, len(edges), generator=gen) < 0.5
     empty = torch.rand(*lead, qb, 1, generator=gen) < p_empty
     blocks &= ~empty
     columns &= ~empty
@@ -294,10 +474,12 @@ def draw_plan(
         fields = [t.expand(*full, *t.shape[2:]) for t in fields]
     plan = BlockColumnPlan(seqlen=n, block_m=block_m, block_n=block_n, block_count=fields[0],
                            block_index=fields[1], column_count=fields[2], column_index=fields[3],
-                           column_group=group)
+                           column_group=group).validate()
+    if disjoint:
+        plan = plan.with_disjoint_columns()
     what = (f"plan {block_m}x{block_n} seed={seed} p_block={p_block} p_col={p_col} "
-            f"p_empty={p_empty} overlap={overlap} group={group} shared={shared} pad+{extra} "
-            f"{garbage} {layout}")
+            f"edge_columns={edge_columns} p_empty={p_empty} overlap={overlap} group={group} "
+            f"shared={shared} pad+{extra} {garbage} {layout} disjoint={disjoint}")
     return plan.validate(), what
 
 
@@ -323,13 +505,73 @@ def draw_method_params(draw: Draw, spec: MethodSpec, seqlen: int) -> dict[str, A
     return dict(spec.params(draw, seqlen))
 
 
-def method_tiles(params: dict[str, Any]) -> tuple[int, int]:
-    """Kernel tiles a method's parameters lead to (its defaults are 128 x 64)."""
+def method_blocks(params: dict[str, Any]) -> tuple[int, int]:
+    """Plan block sizes a method's parameters lead to (128 x 128 when it names none)."""
     bm = params.get("block_m", params.get("block_size", 128))
-    bn = params.get("block_n", params.get("block_size", 64))
+    bn = params.get("block_n", params.get("block_size", 128))
     if isinstance(bm, int) and isinstance(bn, int) and bm % 16 == 0 and bn % 16 == 0:
-        return kernel_tiles(bm, bn)
+        return bm, bn
     return 16, 16
+
+
+def method_tiles(params: dict[str, Any], head_dim: int = 64) -> tuple[int, int]:
+    """Kernel tiles a method's parameters lead to."""
+    return kernel_tiles(*method_blocks(params), head_dim)
+
+
+# Size limits at which the fast code changes path: (module, name, scaled-down values).
+# Each is read when the function runs, so `draw_limits` can lower it for one example.
+_LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
+    # Keys per split of the vertical-slash lse pass (a multiple of its 64-key tile).
+    ("sparseprefill.fast.kernels.last_q_estimate", "_SPLIT_KEYS", (64, 128)),
+    # Slashes per vector step of the Alg. 4 index kernel (a power of two).
+    ("sparseprefill.fast.kernels.vertical_slash_index", "_CHUNK", (16, 32)),
+    # Columns per vector step of the disjoint-columns kernel (a power of two).
+    ("sparseprefill.fast.kernels.own_columns", "_CHUNK", (16,)),
+    # Block-sparse pooled scores built a chunk of query blocks at a time.
+    ("sparseprefill.fast.block_sparse", "_SCORE_BYTES", (1, 4096)),
+    # Vertical-slash plans and runs heads in groups past this size.
+    ("sparseprefill.fast.vertical_slash", "PLAN_BYTES", (1,)),
+    # Vertical-slash keeps shared (not disjoint) columns past this size.
+    ("sparseprefill.fast.vertical_slash", "DISJOINT_COLUMN_BYTES", (0,)),
+    # The reference works a chunk of query rows at a time.
+    ("sparseprefill.reference.attention", "_CHUNK_BYTES", (1, 1 << 16)),
+)
+
+
+@contextmanager
+def _patched(changes: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:
+    saved = [(module, name, getattr(module, name)) for module, name, _ in changes]
+    try:
+        for module, name, value in changes:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+def draw_limits(draw: Draw, caps: Caps) -> tuple[Any, str]:
+    """A context manager that lowers some of the fast code's size limits, and a description.
+
+    Long inputs take paths that N <= 200 never reaches with the real limits: several key
+    splits in the vertical-slash estimate, several chunks of slashes in the index kernel,
+    pooled block scores in chunks, vertical-slash plans built per group of heads, shared
+    instead of disjoint columns, the reference's row chunks. Each limit keeps its real
+    value in about half the examples and takes a small one otherwise (`_LIMITS`); with
+    `caps.scaled_limits` False nothing changes.
+    """
+    import importlib
+
+    if not caps.scaled_limits:
+        return _patched([]), ""
+    changes = []
+    for module_name, name, values in _LIMITS:
+        value = draw(st.sampled_from([None, None, *values]))
+        if value is not None:
+            changes.append((importlib.import_module(module_name), name, value))
+    what = " ".join(f"{m.__name__.rsplit('.', 1)[-1]}.{n}={v}" for m, n, v in changes)
+    return _patched(changes), (f"limits {what}" if what else "")
 
 
 @st.composite

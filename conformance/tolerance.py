@@ -50,6 +50,19 @@ block/column plans with N in 1..200, D in 16..128, |q| scaled 0.5-4, fp16 and bf
   `BLOCK_MEAN_REL * max(1, max |logit|)` with `BLOCK_MEAN_REL = 2**-16`, the lse's
   relative floor; -inf must sit exactly where the reference has it (unlisted blocks).
 
+* estimates (`MethodSpec.estimate`: a method's numbers before any top-k, e.g. the
+  vertical-slash scores, sums of up to `last_q` fp32 probabilities, or block-sparse
+  pooled means, fp32 means of `block_size` fp16/bf16 values): each `Estimate` says
+  how many summands (`terms`) of what magnitude (`bound`) make an entry. Allowed:
+  `ESTIMATE_REL * terms * bound` with `ESTIMATE_REL = 2**-16` (1.5e-5 per summand).
+  Measured over 300 conformance examples per method (`TRITON_INTERPRET=1`, N <= 200,
+  D 16 to 256, random, planted-line and lattice inputs, `last_q` 1 to N, lowered key
+  splits): the vertical-slash scores erred by at most 1.1e-6 per row (7% of the
+  allowance; fp32 `exp2` of logits up to ~50 in log2 units), the pooled means by less
+  than 1e-9 relative (fp32 sums of 16-bit values are nearly exact). The allowance
+  equals the tie check's margin (`ties.line_tolerance`, 1e-5 per row): an estimate
+  that erred more could flip a top-k decision the tie check would forgive.
+
 Re-measure with `python -m sparseprefill.conformance --device cuda` (its table
 prints the largest error / allowed ratio of every property).
 """
@@ -71,6 +84,7 @@ RECALL_FLOOR = 1e-5
 RECALL_PER_LOGIT = 2e-6
 RECALL_PER_TILE = 2.0**-23
 BLOCK_MEAN_REL = 2.0**-16
+ESTIMATE_REL = 2.0**-16
 
 # Chunks of the baseline's fp32 scores: about 256 MiB, so N = 16K fits anywhere.
 _CHUNK_BYTES = 256 * 2**20
@@ -398,4 +412,69 @@ def check_block_means(
         where = tuple(int(i) for i in (diff == diff.max()).nonzero()[0].tolist())
         raise _fail(context, f"{cmp.describe()}; worst at {where}: got {got[where].item():.8g}, "
                              f"reference {expected[where].item():.8g}")
+    return cmp
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A method's intermediate numbers (before any top-k), with what bounds their rounding.
+
+    Attributes:
+        values: the numbers (any shape); -inf / +inf allowed where they mean something
+            (they must then sit at the same places in both packages).
+        terms: the most summands any entry is made of.
+        bound: the largest magnitude of one summand (of a partial sum for a mean).
+    """
+
+    values: torch.Tensor
+    terms: int
+    bound: float
+
+
+def estimate_allowance(terms: int, bound: float) -> float:
+    """Allowed absolute error of an estimate (see the module doc for the measurement)."""
+    return ESTIMATE_REL * max(1, terms) * max(bound, 2.0**-24)
+
+
+def check_estimate(
+    got: torch.Tensor,
+    expected: Estimate,
+    *,
+    name: str = "estimate",
+    context: str = "",
+) -> Comparison:
+    """Check one `fast` estimate against the reference's.
+
+    Args:
+        got: the fast values, the shape of `expected.values`.
+        expected: the reference's `Estimate` (its `terms` and `bound` set the allowance).
+        name: what is compared (for messages).
+        context: prefix for failure messages.
+
+    Raises:
+        AssertionError: shape, NaN where the reference has a number, infinities at other
+            places, or error above `estimate_allowance`.
+    """
+    want = expected.values
+    if tuple(got.shape) != tuple(want.shape):
+        raise _fail(context, f"{name} has shape {tuple(got.shape)}, reference {tuple(want.shape)}")
+    got64 = got.detach().to(torch.float64).cpu()
+    want64 = want.detach().to(torch.float64).cpu()
+    nan_bad = torch.isnan(got64) != torch.isnan(want64)
+    inf_bad = (torch.isinf(got64) | torch.isinf(want64)) & (got64 != want64)
+    bad = nan_bad | inf_bad
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise _fail(context, f"{name}: NaN or infinity where the reference differs; first at {where}: "
+                             f"got {got64[where].item()}, reference {want64[where].item()}")
+    finite = torch.isfinite(want64)
+    error = _max_abs(got64, want64, finite)
+    allowed = estimate_allowance(expected.terms, expected.bound)
+    cmp = Comparison(name, error, math.nan, allowed)
+    if error > allowed:
+        diff = torch.where(finite, (got64 - want64).abs(), 0.0)
+        where = tuple(int(i) for i in (diff == diff.max()).nonzero()[0].tolist())
+        raise _fail(context, f"{cmp.describe()} ({expected.terms} terms of at most {expected.bound:.3g}); "
+                             f"worst at {where}: got {got64[where].item():.8g}, reference "
+                             f"{want64[where].item():.8g}")
     return cmp

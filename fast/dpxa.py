@@ -59,6 +59,9 @@ def dpxa(
 ) -> torch.Tensor:
     """DPXA sparse attention (see `reference.dpxa`).
 
+    Host synchronisation: one, the block-list width (as `xattention`; T in
+    `torch.ops.sparseprefill.dpxa_static`: capture-safe, docs/serving.md).
+
     Returns:
         `[B, Hq, N, D]` in q's dtype.
 

@@ -21,6 +21,7 @@ import torch
 from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
 from ..reference.plan import BlockColumnPlan, mask_to_list, rank_nan_last
 from ..reference.xattention import check_threshold, check_weights, check_xattention_params
+from .capture import static_widths_active
 from .dense import empty_columns
 from .kernels import block_column_attention, check_forward_only, check_kernel_device
 from .kernels.xattention_score import check_fast_block, xattention_tile_weights
@@ -73,9 +74,21 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def tiles_to_plan(keep: torch.Tensor, *, seqlen: int, block: int) -> BlockColumnPlan:
-    """The kept causal tiles `[B, H, T, T]` as a plan of `block x block` key blocks (valid by construction)."""
+    """The kept causal tiles `[B, H, T, T]` as a plan of `block x block` key blocks (valid by construction).
+
+    The lists are as wide as the most kept tiles of a row (`mask_to_list`: one host
+    synchronisation), or `T` inside `fast.capture.static_widths()` and during CUDA-graph
+    capture (no read).
+    """
     b, h, tiles, _ = keep.shape
-    count, index = mask_to_list(keep)
+    if static_widths_active(keep):
+        # `mask_to_list` at the full width T: a stable sort puts the kept tiles first, in order.
+        count = keep.sum(dim=-1)
+        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+        index = torch.where(torch.arange(tiles, device=keep.device) < count.unsqueeze(-1), order, 0)
+        count, index = count.to(torch.int32), index.to(torch.int32)
+    else:
+        count, index = mask_to_list(keep)
     col_count, col_index = empty_columns(b, h, tiles, keep.device)
     return BlockColumnPlan(
         seqlen=seqlen, block_m=block, block_n=block, block_count=count, block_index=index,
@@ -118,6 +131,10 @@ def xattention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """XAttention sparse attention (see `reference.xattention`).
+
+    Host synchronisation: one, the block-list width. Inside `fast.capture.static_widths()`
+    (`torch.ops.sparseprefill.xattention_static`) and during CUDA-graph capture the
+    width is T: no sync, capture-safe (docs/serving.md).
 
     Returns:
         `[B, Hq, N, D]` in q's dtype.

@@ -187,3 +187,82 @@ def test_runner_fails_on_a_failing_property(monkeypatch: pytest.MonkeyPatch, cap
                         "--methods", "dense", "--properties", "end_to_end"])
     assert code == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+# -- the new pieces reject what they must -------------------------------------------
+
+
+def _listed_plan() -> reference.BlockColumnPlan:
+    """N = 64, 16 x 16 blocks, lists of two or more entries and a column inside a block."""
+    blocks = torch.zeros(1, 2, 4, 4, dtype=torch.bool)
+    blocks[:, :, 2, :2] = True
+    blocks[:, :, 3, [0, 2, 3]] = True
+    plan = reference.BlockColumnPlan.from_masks(blocks, None, seqlen=64, block_m=16, block_n=16)
+    cols = torch.zeros(1, 2, 4, 64, dtype=torch.bool)
+    cols[:, :, 3, [5, 20, 40]] = True  # 5 and 40 lie inside listed blocks 0 and 2
+    cols[:, :, 1, [3, 17]] = True
+    from sparseprefill.reference.plan import mask_to_list
+
+    count, index = mask_to_list(cols)
+    return reference.BlockColumnPlan(seqlen=64, block_m=16, block_n=16, block_count=plan.block_count,
+                                     block_index=plan.block_index, column_count=count,
+                                     column_index=index).validate()
+
+
+@pytest.mark.parametrize("kind", props.CORRUPTIONS)
+def test_every_corruption_breaks_the_plan(kind: str) -> None:
+    """Each corruption of the plan_validation property applies to a plan with lists and
+    makes it invalid; the property then needs every entry point to refuse it."""
+    plan = _listed_plan()
+    bad = props.corrupt_plan(plan, kind, seed=3)
+    assert bad is not None
+    with pytest.raises((TypeError, ValueError)):
+        bad.validate()
+    q, k, v = _inputs(64)
+    with pytest.raises(AssertionError, match="accepted an invalid plan"):
+        props.check_plan_rejected(q, k, v, plan)
+    props.check_plan_rejected(q, k, v, bad)
+
+
+def test_estimate_check_rejects_a_wrong_score() -> None:
+    """One vertical score off by twice its allowance fails; within it passes."""
+    q, k, _ = _inputs(48)
+    spec = METHODS["vertical_slash"]
+    assert spec.estimate is not None
+    params = {"vertical_size": 4, "slash_size": 4, "last_q": 16}
+    expected = spec.estimate("reference", q, k, params)
+    got = spec.estimate("fast", q, k, params)
+    for name, est in expected.items():
+        tolerance.check_estimate(got[name].values, est, name=name)
+    allowed = tolerance.estimate_allowance(expected["vertical"].terms, expected["vertical"].bound)
+    wrong = expected["vertical"].values.clone()
+    wrong[0, 1, 7] += 2 * allowed
+    with pytest.raises(AssertionError, match=r"vertical: max abs error .* allowed"):
+        tolerance.check_estimate(wrong, expected["vertical"], name="vertical")
+    wrong[0, 1, 7] = math.nan
+    with pytest.raises(AssertionError, match="NaN or infinity"):
+        tolerance.check_estimate(wrong, expected["vertical"], name="vertical")
+
+
+def test_draw_limits_lowers_and_restores() -> None:
+    """`draw_limits` sets the drawn limits inside its context only."""
+    import sparseprefill.fast.kernels.last_q_estimate as lq
+    from sparseprefill.conformance.strategies import draw_limits
+
+    real = lq._SPLIT_KEYS
+
+    @settings(max_examples=20)
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        limits, what = draw_limits(data.draw, Caps())
+        with limits:
+            inside = lq._SPLIT_KEYS
+        assert lq._SPLIT_KEYS == real
+        assert (inside != real) == ("_SPLIT_KEYS" in what)
+        seen.add(inside)
+
+    seen: set[int] = set()
+    check()
+    assert len(seen) > 1
+    limits, what = draw_limits(lambda s: 64, Caps(scaled_limits=False))
+    assert what == ""
