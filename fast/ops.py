@@ -150,6 +150,15 @@ SYNC: dict[str, SyncStatus] = {
         capture_safe=False,
         note="the packed keys' count is data-dependent; a static variant would size the buffer "
              "for no compression (B * Hkv * N keys)"),
+    "delta_xattention": SyncStatus(
+        syncs=("exact tiles to plan: as xattention",
+               "packing: each group's packed buffer size (offsets[-1].item()) and repeat_interleave of segment "
+               "ids; merging groups (int(p.offsets[-1]))",
+               "packed plan: the widest packed region (int(ends[..., -1].max())), the list width (mask_to_list)",
+               "packed launch: whether any tile is packed (bool(...any()))",
+               "packed launch: the ragged launcher's offset range check, as delta_kv"),
+        capture_safe=False,
+        note="the packed keys' count is data-dependent, as delta_kv"),
 }
 
 
