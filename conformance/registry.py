@@ -93,6 +93,13 @@ class MethodSpec:
     prepare: `(params, q) -> call parameters` for a method whose parameters depend on
         the input's shape (MInference's per-head config needs Hq): drawn, demo and sweep
         parameters go through `call_params` before every call. None: unchanged.
+    chunked: for chunked prefill (`chunk_plan`, queries `[P, P + N)` over keys
+        `[0, P + N)`): what the estimate of a chunk reads, one line (docs/serving.md
+        lists them). Non-empty promises the plan's rows `[P, P + N)` read no query
+        before P, so the chunk's plan equals the one-shot plan of the prompt up to the
+        chunk's end restricted to those rows (`tests/test_chunked.py` checks it). "":
+        the method needs the whole prompt (its estimate reads queries across it, or it
+        has no plan); `chunk_plan` is not offered for it.
     """
 
     name: str
@@ -115,6 +122,7 @@ class MethodSpec:
     estimate: Callable[[str, torch.Tensor, torch.Tensor, dict[str, Any]], dict[str, Estimate]] | None = None
     input_kinds: tuple[str, ...] = ("normal", "lines", "lattice", "runs")
     prepare: Callable[[dict[str, Any], torch.Tensor], dict[str, Any]] | None = None
+    chunked: str = ""
 
     def __post_init__(self) -> None:
         if (self.reference_plan is None) != (self.fast_plan is None):
@@ -122,6 +130,8 @@ class MethodSpec:
         if self.reference_plan is None and (self.golden is None or self.structure_check is None
                                             or self.view is None):
             raise ValueError(f"{self.name}: a method without plans needs golden, structure_check and view")
+        if self.chunked and self.reference_plan is None:
+            raise ValueError(f"{self.name}: chunked prefill needs plan functions")
 
     def call_params(self, params: Mapping[str, Any], q: torch.Tensor) -> dict[str, Any]:
         """The keyword arguments of a call on `q` (`prepare` applied, if any)."""
@@ -216,6 +226,7 @@ def _streaming_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]
 
 register(MethodSpec(
     name="dense",
+    chunked="nothing: every causal key",
     reference_plan=reference.dense_plan,
     fast_plan=fast.dense_plan,
     reference_run=reference.dense,
@@ -228,6 +239,7 @@ register(MethodSpec(
 
 register(MethodSpec(
     name="streaming",
+    chunked="nothing: the sink and window are positions (the window ends at each row's own position)",
     reference_plan=reference.streaming_plan,
     fast_plan=fast.streaming_plan,
     reference_run=reference.streaming,
@@ -334,6 +346,8 @@ def _a_shape_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
 
 register(MethodSpec(
     name="vertical_slash",
+    chunked="the chunk's last `last_q` queries (capped at the chunk's length) against every key of the "
+            "prefix and the chunk",
     reference_plan=reference.vertical_slash_plan,
     fast_plan=fast.vertical_slash_plan,
     reference_run=reference.vertical_slash,
@@ -351,6 +365,7 @@ register(MethodSpec(
 
 register(MethodSpec(
     name="block_sparse",
+    chunked="each query block's pooled queries against the pooled keys: the chunk's own blocks",
     reference_plan=reference.block_sparse_plan,
     fast_plan=fast.block_sparse_plan,
     reference_run=reference.block_sparse,
@@ -367,6 +382,7 @@ register(MethodSpec(
 
 register(MethodSpec(
     name="a_shape",
+    chunked="nothing: as streaming, at block granularity",
     reference_plan=reference.a_shape_plan,
     fast_plan=fast.a_shape_plan,
     reference_run=reference.a_shape,
@@ -429,6 +445,8 @@ def _anchor_demo(n: int) -> dict[str, Any]:
 
 register(MethodSpec(
     name="anchor_attention",
+    chunked="each query block's anchor and its group's stripes: the chunk's own rows (chunks start on a "
+            "group of `step` query blocks)",
     reference_plan=reference.anchor_attention_plan,
     fast_plan=fast.anchor_attention_plan,
     reference_run=reference.anchor_attention,
@@ -534,6 +552,7 @@ def _tile_demo_block(n: int) -> int:
 
 register(MethodSpec(
     name="xattention",
+    chunked="each query tile's antidiagonal scores against the keys: the chunk's own tiles",
     reference_plan=reference.xattention_plan,
     fast_plan=fast.xattention_plan,
     reference_run=reference.xattention,
@@ -549,6 +568,7 @@ register(MethodSpec(
 
 register(MethodSpec(
     name="dpxa",
+    chunked="as xattention: the chunk's own tiles",
     reference_plan=reference.dpxa_plan,
     fast_plan=fast.dpxa_plan,
     reference_run=reference.dpxa,
@@ -746,6 +766,8 @@ def _register_minference() -> None:
 
     register(MethodSpec(
         name="minference",
+        chunked="per head, its pattern's reading (vertical-slash: the chunk's last queries; A-shape: none; "
+                "block-sparse: the chunk's blocks)",
         reference_plan=reference.minference_plan,
         fast_plan=fast.minference_plan,
         reference_run=reference.minference,
@@ -780,6 +802,7 @@ def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str,
 
 register(MethodSpec(
     name="flexprefill_vs",
+    chunked="the chunk's last `last_q` queries (capped at the chunk's length), as vertical-slash",
     reference_plan=reference.flexprefill_vs_plan,
     fast_plan=fast.flexprefill_vs_plan,
     reference_run=reference.flexprefill_vs,

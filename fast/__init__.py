@@ -16,6 +16,7 @@ from .a_shape import a_shape, a_shape_plan
 from .anchor_attention import anchor_attention, anchor_attention_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
+from .chunked import chunk_plan
 from .dense import dense, dense_plan
 from .delta_kv import (
     delta_keep_mask,
@@ -74,6 +75,7 @@ __all__ = [
     "attention",
     "block_sparse",
     "block_sparse_plan",
+    "chunk_plan",
     "delta_keep_mask",
     "delta_kv",
     "delta_kv_attention",
@@ -90,13 +92,13 @@ __all__ = [
     "dense",
     "dense_plan",
     "density",
-    "flexprefill_vs",
-    "flexprefill_vs_plan",
     "dpxa",
     "dpxa_plan",
     "dpxa_scoring_ratio",
     "dpxa_tile_weights",
     "exact_tiles",
+    "flexprefill_vs",
+    "flexprefill_vs_plan",
     "minference",
     "minference_plan",
     "recall",
@@ -104,12 +106,12 @@ __all__ = [
     "sample_attention",
     "sample_attention_plan",
     "search_patterns",
+    "select_tiles",
     "shareprefill",
     "shareprefill_layer",
     "shareprefill_layer_plan",
     "shareprefill_plan",
     "shareprefill_stack",
-    "select_tiles",
     "skip_tiles",
     "sparse_attention",
     "stack_plans",

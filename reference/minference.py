@@ -120,6 +120,15 @@ class MInferenceConfig:
                     raise TypeError(f"layers[{i}][{h}] must be a HeadPattern, got {type(head).__name__}")
         object.__setattr__(self, "layers", tuple(tuple(layer) for layer in layers))
 
+    def cap_last_q(self, limit: int) -> MInferenceConfig:
+        """This config with every head's `last_q` at most `limit` (chunked prefill: a
+        chunk of `limit` queries estimates from its own last queries; `chunk_plan`)."""
+        def cap(head: HeadPattern) -> HeadPattern:
+            if head.params.get("last_q", 0) <= limit:
+                return head
+            return HeadPattern(head.pattern, {**head.params, "last_q": limit})
+        return MInferenceConfig(tuple(tuple(cap(h) for h in layer) for layer in self.layers))
+
     def layer(self, index: int) -> tuple[HeadPattern, ...]:
         """The patterns of one layer's query heads.
 

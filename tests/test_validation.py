@@ -172,6 +172,7 @@ COVERED_ELSEWHERE = {
     "delta_kv_plans": "tests/test_delta_kv.py",
     "delta_kv_density": "tests/test_delta_kv.py",
     "stack_plans": "tests/test_varlen.py",
+    "chunk_plan": "tests/test_chunked.py",
     "varlen_plans": "tests/test_varlen.py",
     "varlen_attention": "tests/test_varlen.py",
     "shareprefill_stack": "tests/test_shareprefill.py",  # lists of per-layer q, k, v
