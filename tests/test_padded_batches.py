@@ -193,6 +193,18 @@ def test_shareprefill_runs_one_state_per_sequence() -> None:
     unpatch(model)
 
 
+def test_use_ops_runs_a_padded_batch_eagerly_per_sequence(llama: Any) -> None:
+    """`use_ops=True`: one method op per sequence, the same values as the varlen launch."""
+    batch = _batch([(29, "left"), (40, "right")])
+    patch(llama, "streaming", STREAMING, backend="fast", min_seqlen=1)
+    want = _forward(llama, batch)
+    unpatch(llama)
+    attn = patch(llama, "streaming", STREAMING, backend="fast", min_seqlen=1, use_ops=True)
+    got = _forward(llama, batch)
+    assert attn.calls == {"sparse": 2}
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 # -- min_seqlen per row, and the attention call itself ------------------------------------------
 
 
@@ -238,6 +250,11 @@ def test_attention_call_pads_are_sdpa_rows_and_real_rows_the_method(backend: str
     real[2, :2] = False
     mask = sdpa_mask(batch_size=3, q_length=n, kv_length=n, attention_mask=real)
     assert mask is not None and torch.equal(key_padding(mask, n), real)
+    # Whatever a pad token's row holds (its own key masked) is passed on to SDPA as it is.
+    mask = mask.clone()
+    mask[1, 0, 40, :45] = True
+    mask[1, 0, 40, 40] = False
+    assert torch.equal(key_padding(mask, n), real)
     module = _Module(hq // hkv)
     attn = SparsePrefillAttention("streaming", STREAMING, backend=backend, min_seqlen=1)  # type: ignore[arg-type]
     out, _ = attn(module, q, k, v, mask, scaling=d**-0.5)

@@ -23,13 +23,27 @@ Routing of one attention call (one layer, one forward):
   decode steps, short prompts, prefill chunks after cached tokens and layers
   configured as None compute bit for bit what an `sdpa` model computes.
 
-The sparse path raises instead of returning wrong output for what it cannot do: a
-mask that is not plain causal (padding in a batch, packed sequences), a
+Padded batches (left, right or mixed padding; `generate` left-pads): when the mask
+is causal with key padding (`mask[b, :, i, j] == (j <= i and token j of row b is
+real)` on the rows of real tokens, what `sdpa_mask` builds from a 2-D
+`attention_mask`; `key_padding` reads it), the real tokens
+of each batch row are packed into FlashAttention's varlen layout and
+`SparsePrefillAttention.varlen_attention` plans every prompt on its own (with its
+own length's demo parameters) and runs them together: one `varlen_attention` call
+(one kernel launch in `fast`) for plan-based methods, one call per prompt for
+methods without a plan (Delta-KV), with state across layers (SharePrefill: one
+state per prompt), with `use_ops=True`, or whose per-prompt plans have different
+block sizes. Each prompt gets what it would get alone. The query positions that
+are padding get transformers' own `sdpa_attention_forward` on exactly those rows of
+q and of the mask (a left pad sees no key: SDPA's zeros); a row with fewer than
+`min_seqlen` real tokens runs that SDPA call on its whole batch row, so
+`min_seqlen` applies to each prompt's real length.
+
+The sparse path raises instead of returning wrong output for what it cannot do:
+any other mask (packed sequences' block-diagonal masks, custom 4-D masks), a
 sliding-window layer whose window is shorter than the prompt, non-causal attention
 (cross-attention, encoders; raised on every call, short ones included), attention
-dropout, logit soft-capping, position biases and learned sinks. Left-padded
-batches are refused on the sparse path (the plan would count pad tokens as keys);
-run such prompts one by one or in equal-length batches.
+dropout, logit soft-capping, position biases and learned sinks.
 
 Methods with state across layers (SharePrefill; `MethodSpec.new_state`): one state
 per forward pass, made at the first sparse layer call and replaced when a layer index
@@ -45,7 +59,7 @@ scale handling; the plan kernel op otherwise), so `torch.compile` sees each spar
 attention as one opaque op with a known output shape (docs/serving.md).
 
 Supported: Llama-, Qwen2- and Mistral-style decoders (grouped-query attention is
-native: K and V are never copied per query head), batch > 1 with equal lengths.
+native: K and V are never copied per query head), batch > 1, padded or not.
 Written against transformers 5.23 (`AttentionInterface`, `AttentionMaskInterface`,
 `PreTrainedModel.set_attn_implementation`); the GPU image's 5.17 has the same API.
 """
@@ -321,7 +335,8 @@ class SparsePrefillAttention:
 
         Raises:
             ValueError: non-causal attention, or on the sparse path an input it cannot
-                handle exactly (see the module doc).
+                handle exactly (see the module doc), such as a mask that is neither
+                causal nor causal with key padding.
         """
         layer_idx = getattr(module, "layer_idx", None)
         layer_idx = layer_idx if isinstance(layer_idx, int) else None
@@ -372,12 +387,6 @@ class SparsePrefillAttention:
         `varlen_attention`; shorter rows, and the query positions that are padding,
         go to `sdpa_attention_forward` with their own rows of the mask.
         """
-        if torch.compiler.is_compiling():
-            raise ValueError(
-                f"{self.name}, layer {layer_idx}: a padded batch under torch.compile; its real tokens are "
-                "read from the mask on the host, which cannot be traced. Compile unpadded prefills, or run "
-                "padded batches eagerly"
-            )
         b, hq, n, d = (int(x) for x in query.shape)
         mask, valid = mask.expand(b, -1, -1, -1), valid.expand(b, n)
 
@@ -408,10 +417,10 @@ class SparsePrefillAttention:
         rows = torch.tensor(sparse_rows, device=query.device)
         seq, pos = valid[rows].nonzero(as_tuple=True)
         batch_rows = rows[seq]
-        packed = [t.transpose(1, 2)[batch_rows, pos] for t in (query, key, value)]
+        q, k, v = (t.transpose(1, 2)[batch_rows, pos] for t in (query, key, value))
         lens = [lengths[r] for r in sparse_rows]
         cu_seqlens = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=query.device)
-        out[batch_rows, pos] = self.varlen_attention(*packed, cu_seqlens, choices, layer_idx=layer_idx,
+        out[batch_rows, pos] = self.varlen_attention(q, k, v, cu_seqlens, choices, layer_idx=layer_idx,
                                                      scale=scaling)
         for r in sparse_rows:
             if lengths[r] < n:
@@ -460,14 +469,15 @@ class SparsePrefillAttention:
         out_dtype = q.dtype
         if use_fast and q.dtype not in HALF_DTYPES:
             q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
-        seqs = [tuple(_sequence(t, cu, s) for t in (q, k, v)) for s in range(len(cu) - 1)]
+        seqs = [(_sequence(q, cu, s), _sequence(k, cu, s), _sequence(v, cu, s)) for s in range(len(cu) - 1)]
         first = choices[0]
         spec = METHODS[first.method]
         outs: list[torch.Tensor]
         if any(METHODS[c.method].new_state is not None for c in choices):
             outs = self._stateful_run(seqs, choices, layer_idx, scale=scale, key=("packed", tuple(cu), q.device))
         elif use_fast and self.use_ops:
-            outs = [self._ops_attention(*(t.contiguous() for t in sv), choices, scale=scale) for sv in seqs]
+            outs = [self._ops_attention(qs.contiguous(), ks.contiguous(), vs.contiguous(), choices, scale=scale)
+                    for qs, ks, vs in seqs]
         elif not spec.plan_based and all(c == first for c in choices):
             run = spec.run_fn("fast" if use_fast else "reference")
             outs = [run(qs, ks, vs, **_resolve_params(first, qs), scale=scale) for qs, ks, vs in seqs]
@@ -510,7 +520,7 @@ class SparsePrefillAttention:
 
     def _stateful_run(
         self,
-        seqs: Sequence[tuple[torch.Tensor, ...]],
+        seqs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         choices: Sequence[Choice],
         layer_idx: int | None,
         *,
@@ -573,8 +583,9 @@ class SparsePrefillAttention:
             if valid is None:
                 raise ValueError(
                     f"{where}: the attention mask is neither causal nor causal with key padding (expected "
-                    "mask[b, :, i, j] == (j <= i and token j of row b is not padding), as transformers "
-                    "builds for a left- or right-padded batch). Packed sequences (a block-diagonal mask "
+                    "mask[b, :, i, j] == (j <= i and token j of row b is not padding) on every row whose "
+                    "token is not padding, as transformers builds for a left- or right-padded batch). "
+                    "Packed sequences (a block-diagonal mask "
                     "from position_ids), sliding windows and custom 4-D masks are not supported on the "
                     "sparse path; run such inputs unpacked, or raise min_seqlen above this length"
                 )
@@ -644,9 +655,11 @@ def key_padding(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> torch.
     """The real tokens of a causal mask with key padding, or None for any other mask.
 
     transformers' `sdpa_mask` for a prefill with a 2-D `attention_mask` keeps key j
-    for query i of batch row b iff `j <= i` and `attention_mask[b, j]`: the real
-    tokens are the keys the last query row keeps. Padding may be on the left, on the
-    right or anywhere; a row may be all padding.
+    for query i of batch row b iff `j <= i` and `attention_mask[b, j]`. A token is
+    real iff its query row keeps its own key (the diagonal); every real row must keep
+    exactly the real keys up to itself. The rows of pad tokens are not constrained:
+    the integration computes them with SDPA on those very rows of the mask. Padding
+    may be on the left, on the right or anywhere; a batch row may be all padding.
 
     Args:
         mask: bool `[B or 1, H or 1, n, n]`.
@@ -655,21 +668,22 @@ def key_padding(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> torch.
             `n x n` mask per batch row).
 
     Returns:
-        bool `[B or 1, n]`, True at real tokens, when every row of `mask` is exactly
-        `causal & real` (all heads alike); None otherwise (a block-diagonal mask of
+        bool `[B or 1, n]`, True at real tokens, when every real row of `mask` (every
+        head) is exactly `causal & real`; None otherwise (a block-diagonal mask of
         packed sequences, a sliding window, any other pattern).
     """
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (n, n):
         return None
-    valid = mask[:, 0, n - 1, :]
+    real = torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
     keys = torch.arange(n, device=mask.device)
     for start in range(0, n, rows_per_step):
-        rows = torch.arange(start, min(n, start + rows_per_step), device=mask.device)
-        slab = mask[:, :, start : start + rows_per_step, :]
-        expected = (keys[None, :] <= rows[:, None])[None, None] & valid[:, None, None, :]
-        if not torch.equal(slab, expected.expand(slab.shape)):
+        stop = min(n, start + rows_per_step)
+        rows = torch.arange(start, stop, device=mask.device)
+        slab = mask[:, :, start:stop, :]
+        expected = (keys[None, :] <= rows[:, None])[None, None] & real[:, None, None, :]
+        if not bool(((slab == expected) | ~real[:, None, start:stop, None]).all()):
             return None
-    return valid
+    return real
 
 
 def _sequence(t: torch.Tensor, cu: Sequence[int], s: int) -> torch.Tensor:
