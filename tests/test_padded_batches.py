@@ -110,6 +110,19 @@ def test_dense_padded_batch_equals_unpatched(llama: Any, layout: str) -> None:
         assert torch.equal(g[pads], w[pads])
 
 
+def test_generate_on_a_left_padded_batch(llama: Any) -> None:
+    """`generate` pads on the left: the prefill takes the padded path, decode steps SDPA."""
+    batch = _batch([(50, "left"), (31, "left")])
+    args = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+            "max_new_tokens": 4, "do_sample": False}
+    with torch.no_grad():
+        want = llama.generate(**args)
+        attn = patch(llama, "dense", BLOCKS, backend="reference", min_seqlen=1)
+        got = llama.generate(**args)
+    assert attn.calls == {"sparse": 2, "sdpa": 6}
+    assert torch.equal(got, want)
+
+
 def test_dense_padded_batch_fast_backend_and_mha() -> None:
     """The fast backend (one varlen launch, float16) on a plain multi-head model."""
     model = _model(kv_heads=4)
