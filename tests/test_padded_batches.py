@@ -268,6 +268,10 @@ def test_attention_call_pads_are_sdpa_rows_and_real_rows_the_method(backend: str
     mask[1, 0, 40, :45] = True
     mask[1, 0, 40, 40] = False
     assert torch.equal(key_padding(mask, n), real)
+    assert torch.equal(key_padding(mask, n, rows_per_step=7), real)  # compared in slabs
+    broken = mask.clone()
+    broken[2, 0, 44, 30] = False  # a real token's row missing a real key
+    assert key_padding(broken, n, rows_per_step=7) is None
     module = _Module(hq // hkv)
     attn = SparsePrefillAttention("streaming", STREAMING, backend=backend, min_seqlen=1)  # type: ignore[arg-type]
     out, _ = attn(module, q, k, v, mask, scaling=d**-0.5)

@@ -664,7 +664,8 @@ def key_padding(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> torch.
     Args:
         mask: bool `[B or 1, H or 1, n, n]`.
         n: the prompt length (query and key positions).
-        rows_per_step: rows compared at a time (the check never allocates another
+        rows_per_step: at most this many rows are compared at a time (fewer for
+            long prompts: the temporaries stay near 64M entries, never another
             `n x n` mask per batch row).
 
     Returns:
@@ -676,8 +677,10 @@ def key_padding(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> torch.
         return None
     real = torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
     keys = torch.arange(n, device=mask.device)
-    for start in range(0, n, rows_per_step):
-        stop = min(n, start + rows_per_step)
+    # At most ~64M mask entries per comparison (a few such temporaries at a time).
+    step = max(1, min(rows_per_step, (1 << 26) // (int(mask.shape[0]) * int(mask.shape[1]) * n)))
+    for start in range(0, n, step):
+        stop = min(n, start + step)
         rows = torch.arange(start, stop, device=mask.device)
         slab = mask[:, :, start:stop, :]
         expected = (keys[None, :] <= rows[:, None])[None, None] & real[:, None, None, :]
