@@ -23,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
 from sparseprefill import reference  # noqa: E402
+from sparseprefill.conformance.registry import METHODS  # noqa: E402
 from sparseprefill.integrations.transformers import (  # noqa: E402
     SparsePrefillAttention,
     _stack_sequence_plans,
@@ -171,6 +172,18 @@ def test_sparse_padded_batch_equals_each_prompt_alone(
     for g, w in zip(got, want):
         assert torch.equal(g[pads], w[pads])
     assert (got[0] - want[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_with_demo_parameters(llama: Any, method: str) -> None:
+    """Every registered method, its demo parameters at each prompt's own length."""
+    batch = _batch([(150, "left"), (97, "right")])
+    attn = patch(llama, method, None, backend="reference", min_seqlen=1)
+    got = _forward(llama, batch)[0]
+    assert attn.calls == {"sparse": 2}
+    for r in range(2):
+        real = batch["attention_mask"][r].bool()
+        torch.testing.assert_close(got[r, real], _alone(llama, batch, r), rtol=0, atol=ATOL["reference"])
 
 
 def test_per_head_mix_and_stateless_fallback_per_sequence(llama: Any) -> None:
