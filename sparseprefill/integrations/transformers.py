@@ -51,7 +51,8 @@ comes again (the next forward) or the batch size, length or device change; each
 layer runs the method's `*_layer` function with the model's `layer_idx`, so layer
 order is the model's. Such a method must be the choice of every head of its layers.
 `SparsePrefillAttention.last_state(method)` returns the state of the latest prefill
-(its per-layer decisions, for instance).
+(its per-layer decisions, for instance); a padded batch has one state per packed
+prompt, and `last_state` then returns their list.
 `use_ops=True` runs the fast path through the `torch.library` custom ops of
 `sparseprefill.fast.ops` (`torch.ops.sparseprefill.<method>` when every head of a
 layer shares one choice: estimate, plan and kernel in one op, with the method's own
