@@ -410,7 +410,7 @@ class SparsePrefillAttention:
                 dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
             )
         self.calls["sparse"] += 1
-        out = query.new_empty(b, n, hq, d)
+        out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
         short = [r for r in range(b) if r not in sparse_rows]
         if short:
             rows = torch.tensor(short, device=query.device)
