@@ -178,13 +178,18 @@ def test_attn_implementation_at_load_time() -> None:
 # -- tiny models: clear errors ---------------------------------------------------------------
 
 
-def test_padding_mask_in_a_batch_raises(llama: torch.nn.Module) -> None:
+def test_padding_takes_the_sparse_path_and_other_masks_raise(llama: torch.nn.Module) -> None:
+    # Padded batches: tests/test_padded_batches.py. Here: routing and the error's wording.
     ids = _ids(2, 64)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    patch(llama, "dense", SMALL_BLOCKS, min_seqlen=1)
-    with pytest.raises(ValueError, match="not plain causal"):
-        _logits(llama, ids, attention_mask=mask)
+    attn = patch(llama, "dense", SMALL_BLOCKS, min_seqlen=1)
+    _logits(llama, ids, attention_mask=mask)
+    assert attn.calls == {"sparse": 2}
+    custom = torch.ones(64, 64, dtype=torch.bool).tril()
+    custom[32:, 3] = False
+    with pytest.raises(ValueError, match="neither causal nor causal with key padding"):
+        _logits(llama, ids, attention_mask=custom[None, None].expand(2, 1, 64, 64))
     # An all-ones mask is plain causal and takes the sparse path.
     _logits(llama, ids, attention_mask=torch.ones_like(ids))
 

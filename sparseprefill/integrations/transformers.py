@@ -23,13 +23,27 @@ Routing of one attention call (one layer, one forward):
   decode steps, short prompts, prefill chunks after cached tokens and layers
   configured as None compute bit for bit what an `sdpa` model computes.
 
-The sparse path raises instead of returning wrong output for what it cannot do: a
-mask that is not plain causal (padding in a batch, packed sequences), a
+Padded batches (left, right or mixed padding; `generate` left-pads): when the mask
+is causal with key padding (`mask[b, :, i, j] == (j <= i and token j of row b is
+real)` on the rows of real tokens, what `sdpa_mask` builds from a 2-D
+`attention_mask`; `key_padding` reads it), the real tokens
+of each batch row are packed into FlashAttention's varlen layout and
+`SparsePrefillAttention.varlen_attention` plans every prompt on its own (with its
+own length's demo parameters) and runs them together: one `varlen_attention` call
+(one kernel launch in `fast`) for plan-based methods, one call per prompt for
+methods without a plan (Delta-KV), with state across layers (SharePrefill: one
+state per prompt), with `use_ops=True`, or whose per-prompt plans have different
+block sizes. Each prompt gets what it would get alone. The query positions that
+are padding get transformers' own `sdpa_attention_forward` on exactly those rows of
+q and of the mask (a left pad sees no key: SDPA's zeros); a row with fewer than
+`min_seqlen` real tokens runs that SDPA call on its whole batch row, so
+`min_seqlen` applies to each prompt's real length.
+
+The sparse path raises instead of returning wrong output for what it cannot do:
+any other mask (packed sequences' block-diagonal masks, custom 4-D masks), a
 sliding-window layer whose window is shorter than the prompt, non-causal attention
 (cross-attention, encoders; raised on every call, short ones included), attention
-dropout, logit soft-capping, position biases and learned sinks. Left-padded
-batches are refused on the sparse path (the plan would count pad tokens as keys);
-run such prompts one by one or in equal-length batches.
+dropout, logit soft-capping, position biases and learned sinks.
 
 Methods with state across layers (SharePrefill; `MethodSpec.new_state`): one state
 per forward pass, made at the first sparse layer call and replaced when a layer index
@@ -37,7 +51,8 @@ comes again (the next forward) or the batch size, length or device change; each
 layer runs the method's `*_layer` function with the model's `layer_idx`, so layer
 order is the model's. Such a method must be the choice of every head of its layers.
 `SparsePrefillAttention.last_state(method)` returns the state of the latest prefill
-(its per-layer decisions, for instance).
+(its per-layer decisions, for instance); a padded batch has one state per packed
+prompt, and `last_state` then returns their list.
 `use_ops=True` runs the fast path through the `torch.library` custom ops of
 `sparseprefill.fast.ops` (`torch.ops.sparseprefill.<method>` when every head of a
 layer shares one choice: estimate, plan and kernel in one op, with the method's own
@@ -45,7 +60,7 @@ scale handling; the plan kernel op otherwise), so `torch.compile` sees each spar
 attention as one opaque op with a known output shape (docs/serving.md).
 
 Supported: Llama-, Qwen2- and Mistral-style decoders (grouped-query attention is
-native: K and V are never copied per query head), batch > 1 with equal lengths.
+native: K and V are never copied per query head), batch > 1, padded or not.
 Written against transformers 5.23 (`AttentionInterface`, `AttentionMaskInterface`,
 `PreTrainedModel.set_attn_implementation`); the GPU image's 5.17 has the same API.
 """
@@ -76,6 +91,7 @@ from .. import fast, reference
 from ..conformance.registry import METHODS
 from ..reference._checks import HALF_DTYPES, check_positive_int
 from ..reference.plan import BlockColumnPlan
+from ..reference.plan import stack_plans as stack_sequences
 
 Backend = Literal["auto", "fast", "reference"]
 HeadSpec = None | str | Mapping[str, Any]
@@ -244,8 +260,9 @@ class SparsePrefillAttention:
         self._config = config
         self._per_layer = isinstance(config, Mapping) and any(isinstance(key, int) for key in config)
         self._resolved: dict[tuple[int | None, int], list[Choice] | None] = {}
-        # Per stateful method: (state, layers done in this forward pass, (B, N, device)).
-        self._forward: dict[str, tuple[Any, set[int], tuple[int, int, torch.device]]] = {}
+        # Per stateful method: (one state per sequence, layers done in this forward pass,
+        # the prefill's key: (B, N, device), or ("packed", cu_seqlens, device)).
+        self._forward: dict[str, tuple[list[Any], set[int], tuple[Any, ...]]] = {}
         self._validate_config()
 
     def _validate_config(self) -> None:
@@ -319,7 +336,8 @@ class SparsePrefillAttention:
 
         Raises:
             ValueError: non-causal attention, or on the sparse path an input it cannot
-                handle exactly (see the module doc).
+                handle exactly (see the module doc), such as a mask that is neither
+                causal nor causal with key padding.
         """
         layer_idx = getattr(module, "layer_idx", None)
         layer_idx = layer_idx if isinstance(layer_idx, int) else None
@@ -336,13 +354,149 @@ class SparsePrefillAttention:
                 module, query, key, value, attention_mask,
                 dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
             )
-        self._check_sparse_call(layer_idx, q_len, attention_mask, dropout, kwargs)
+        valid = self._check_sparse_call(layer_idx, q_len, attention_mask, dropout, kwargs)
+        if valid is not None:
+            assert attention_mask is not None
+            return self._padded_call(module, query, key, value, attention_mask, valid, choices, layer_idx,
+                                     dropout=dropout, scaling=scaling, is_causal=is_causal, kwargs=kwargs)
         self.calls["sparse"] += 1
         if any(METHODS[c.method].new_state is not None for c in choices):
             out = self.stateful_attention(query, key, value, choices, layer_idx, scale=scaling)
         else:
             out = self.sparse_attention(query, key, value, choices, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
+
+    def _padded_call(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor,
+        valid: torch.Tensor,
+        choices: Sequence[Choice],
+        layer_idx: int | None,
+        *,
+        dropout: float,
+        scaling: float | None,
+        is_causal: bool | None,
+        kwargs: Mapping[str, Any],
+    ) -> tuple[torch.Tensor, None]:
+        """A prefill whose mask is causal with key padding (see the module doc).
+
+        Rows of at least `min_seqlen` real tokens are packed and run through
+        `varlen_attention`; shorter rows, and the query positions that are padding,
+        go to `sdpa_attention_forward` with their own rows of the mask.
+        """
+        b, hq, n, d = (int(x) for x in query.shape)
+        mask, valid = mask.expand(b, -1, -1, -1), valid.expand(b, n)
+
+        def sdpa(rows: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+            # transformers' own SDPA call on some batch rows (and some of their query rows).
+            q = query[rows] if positions is None else query[rows][:, :, positions]
+            m = mask[rows] if positions is None else mask[rows][:, :, positions]
+            out: torch.Tensor = sdpa_attention_forward(
+                module, q, key[rows], value[rows], m,
+                dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
+            )[0]
+            return out
+
+        lengths = [int(x) for x in valid.sum(1).tolist()]
+        sparse_rows = [r for r in range(b) if lengths[r] >= max(1, self.min_seqlen)]
+        if not sparse_rows:
+            self.calls["sdpa"] += 1
+            return sdpa_attention_forward(  # type: ignore[no-any-return]
+                module, query, key, value, mask,
+                dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
+            )
+        self.calls["sparse"] += 1
+        out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
+        short = [r for r in range(b) if r not in sparse_rows]
+        if short:
+            rows = torch.tensor(short, device=query.device)
+            out[rows] = sdpa(rows, None)
+        rows = torch.tensor(sparse_rows, device=query.device)
+        seq, pos = valid[rows].nonzero(as_tuple=True)
+        batch_rows = rows[seq]
+        q, k, v = (t.transpose(1, 2)[batch_rows, pos] for t in (query, key, value))
+        lens = [lengths[r] for r in sparse_rows]
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=query.device)
+        out[batch_rows, pos] = self.varlen_attention(q, k, v, cu_seqlens, choices, layer_idx=layer_idx,
+                                                     scale=scaling)
+        for r in sparse_rows:
+            if lengths[r] < n:
+                pads = (~valid[r]).nonzero().squeeze(1)
+                out[r, pads] = sdpa(torch.tensor([r], device=query.device), pads)[0]
+        return out, None
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        choices: Sequence[Choice],
+        *,
+        layer_idx: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """A packed batch of prompts (FlashAttention's varlen layout), each planned on its own.
+
+        Plan-based methods: every sequence is estimated and planned alone (with its
+        own length's demo parameters when the choice has none), the plans are
+        stacked and one `varlen_attention` runs the batch (one kernel launch in
+        `fast`). Sequence by sequence instead: methods without a plan (Delta-KV),
+        methods with state across layers (SharePrefill: one state per sequence),
+        `use_ops=True` (one method op per sequence) and plans whose block sizes differ
+        between sequences (demo parameters that depend on the length).
+
+        Args:
+            q: `[T, Hq, D]`; k, v: `[T, Hkv, D]`; cu_seqlens: int32 `[S + 1]`, sequence `s`
+                is rows `[cu_seqlens[s], cu_seqlens[s + 1])`, none empty.
+            choices: one `Choice` per query head.
+            layer_idx: the model's layer index (methods with state across layers).
+            scale: softmax scale, `1/sqrt(D)` if None.
+
+        Returns:
+            `[T, Hq, D]` in q's dtype.
+
+        Raises:
+            ValueError: an empty sequence, or what the method raises.
+        """
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        if any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"every sequence must have at least one token, got cu_seqlens {cu}")
+        use_fast = self._use_fast(q)
+        out_dtype = q.dtype
+        if use_fast and q.dtype not in HALF_DTYPES:
+            q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
+        seqs = [(_sequence(q, cu, s), _sequence(k, cu, s), _sequence(v, cu, s)) for s in range(len(cu) - 1)]
+        first = choices[0]
+        spec = METHODS[first.method]
+        outs: list[torch.Tensor]
+        if any(METHODS[c.method].new_state is not None for c in choices):
+            outs = self._stateful_run(seqs, choices, layer_idx, scale=scale, key=("packed", tuple(cu), q.device))
+        elif use_fast and self.use_ops:
+            outs = [self._ops_attention(qs.contiguous(), ks.contiguous(), vs.contiguous(), choices, scale=scale)
+                    for qs, ks, vs in seqs]
+        elif not spec.plan_based and all(c == first for c in choices):
+            run = spec.run_fn("fast" if use_fast else "reference")
+            outs = [run(qs, ks, vs, **_resolve_params(first, qs), scale=scale) for qs, ks, vs in seqs]
+        else:
+            # Each sequence alone (what `varlen_plans` does, with per-head mixes and
+            # per-length demo parameters too), then one launch for the batch.
+            impl = fast if use_fast else reference
+            plans = [build_plan(qs, ks, choices, fast_plans=use_fast) for qs, ks, _ in seqs]
+            stacked = _stack_sequence_plans(plans)
+            if stacked is not None:
+                out = impl.varlen_attention(q, k, v, cu_seqlens, stacked.seqlen, stacked, scale=scale)
+                assert isinstance(out, torch.Tensor)
+                return out.to(out_dtype)
+            outs = [impl.sparse_attention(qs, ks, vs, plan, scale=scale) for (qs, ks, vs), plan in zip(seqs, plans)]
+        return torch.cat([o[0].transpose(0, 1) for o in outs]).to(out_dtype)
+
+    def _use_fast(self, q: torch.Tensor) -> bool:
+        return self.backend == "fast" or (self.backend == "auto" and q.is_cuda)
 
     def stateful_attention(
         self,
@@ -359,6 +513,26 @@ class SparsePrefillAttention:
         Raises:
             ValueError: the layer mixes the method with others, or has no `layer_idx`.
         """
+        out_dtype = q.dtype
+        if self._use_fast(q) and q.dtype not in HALF_DTYPES:
+            q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
+        key = (int(q.shape[0]), int(q.shape[2]), q.device)
+        return self._stateful_run([(q, k, v)], choices, layer_idx, scale=scale, key=key)[0].to(out_dtype)
+
+    def _stateful_run(
+        self,
+        seqs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        choices: Sequence[Choice],
+        layer_idx: int | None,
+        *,
+        scale: float | None,
+        key: tuple[Any, ...],
+    ) -> list[torch.Tensor]:
+        """One layer of a stateful method on each of `seqs` (q, k, v), one state each.
+
+        `key` identifies the prefill: the states are made anew when it changes or a
+        layer index comes again (the next forward pass).
+        """
         choice = choices[0]
         if any(c != choice for c in choices):
             raise ValueError(f"{self.name}, layer {layer_idx}: {choice.method!r} carries state across "
@@ -367,28 +541,32 @@ class SparsePrefillAttention:
             raise ValueError(f"{self.name}: {choice.method!r} needs attention modules with an int layer_idx")
         spec = METHODS[choice.method]
         assert spec.new_state is not None and spec.reference_layer is not None and spec.fast_layer is not None
-        use_fast = self.backend == "fast" or (self.backend == "auto" and q.is_cuda)
-        out_dtype = q.dtype
-        if use_fast and q.dtype not in HALF_DTYPES:
-            q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
-        shape = (int(q.shape[0]), int(q.shape[2]), q.device)
         current = self._forward.get(choice.method)
-        if current is None or layer_idx in current[1] or current[2] != shape:
-            current = (spec.new_state(_resolve_params(choice, q)), set(), shape)
+        if current is None or layer_idx in current[1] or current[2] != key:
+            current = ([spec.new_state(_resolve_params(choice, sv[0])) for sv in seqs], set(), key)
             self._forward[choice.method] = current
         current[1].add(layer_idx)
-        layer_fn = spec.fast_layer if use_fast else spec.reference_layer
-        out: torch.Tensor = layer_fn(q, k, v, current[0], layer=layer_idx, scale=scale)
-        return out.to(out_dtype)
+        layer_fn = spec.fast_layer if self._use_fast(seqs[0][0]) else spec.reference_layer
+        return [layer_fn(qs, ks, vs, state, layer=layer_idx, scale=scale)
+                for (qs, ks, vs), state in zip(seqs, current[0])]
 
     def last_state(self, method: str) -> Any:
-        """The state of the latest prefill of a stateful method (None before the first)."""
+        """The state of the latest prefill of a stateful method (None before the first);
+        after a padded batch, a list with the state of each packed sequence."""
         current = self._forward.get(method)
-        return None if current is None else current[0]
+        if current is None:
+            return None
+        return list(current[0]) if current[2][0] == "packed" else current[0][0]
 
     def _check_sparse_call(
         self, layer_idx: int | None, n: int, mask: torch.Tensor | None, dropout: float, kwargs: Mapping[str, Any]
-    ) -> None:
+    ) -> torch.Tensor | None:
+        """Raise for what the sparse path cannot do; return the key padding, if any.
+
+        Returns:
+            None for a plain causal call (no mask, or a mask without padding); else
+            bool `[B, N]`, True at the real tokens of each batch row.
+        """
         where = f"{self.name}, layer {layer_idx}, prompt of {n} tokens"
         # Before the mask test: a sliding-window layer's mask is not plain causal either.
         window = kwargs.get("sliding_window")
@@ -398,15 +576,22 @@ class SparsePrefillAttention:
                 "full causal attention. Give this layer None in the config (SDPA) or keep prompts "
                 "within the window"
             )
+        valid = None
         if mask is not None:
             if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
                 raise ValueError(f"{where}: expected a bool mask from sdpa_mask, got {type(mask).__name__}")
-            if not _is_plain_causal(mask, n):
+            valid = key_padding(mask, n)
+            if valid is None:
                 raise ValueError(
-                    f"{where}: the attention mask is not plain causal (padding in a batch, or packed "
-                    "sequences); the sparse path would attend to pad tokens. Run prompts one by one "
-                    "or in equal-length batches without padding, or raise min_seqlen above this length"
+                    f"{where}: the attention mask is neither causal nor causal with key padding (expected "
+                    "mask[b, :, i, j] == (j <= i and token j of row b is not padding) on every row whose "
+                    "token is not padding, as transformers builds for a left- or right-padded batch). "
+                    "Packed sequences (a block-diagonal mask "
+                    "from position_ids), sliding windows and custom 4-D masks are not supported on the "
+                    "sparse path; run such inputs unpacked, or raise min_seqlen above this length"
                 )
+            if bool(valid.all()):
+                valid = None
         if dropout:
             raise ValueError(f"{where}: attention dropout ({dropout}) is not supported; call model.eval()")
         for name in ("softcap", "position_bias", "s_aux", "sinks"):
@@ -414,6 +599,7 @@ class SparsePrefillAttention:
                 raise ValueError(f"{where}: `{name}` is not supported by sparse prefill methods")
         if kwargs.get("cache") is not None:
             raise ValueError(f"{where}: paged caches (continuous batching) are not supported")
+        return valid
 
     def sparse_attention(
         self,
@@ -434,7 +620,7 @@ class SparsePrefillAttention:
         Returns:
             `[B, Hq, N, D]` in q's dtype.
         """
-        use_fast = self.backend == "fast" or (self.backend == "auto" and q.is_cuda)
+        use_fast = self._use_fast(q)
         out_dtype = q.dtype
         if use_fast and q.dtype not in HALF_DTYPES:
             q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
@@ -466,20 +652,57 @@ class SparsePrefillAttention:
         return ops.sparse_attention(q, k, v, plan, scale=scale)
 
 
-def _is_plain_causal(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> bool:
-    """True iff bool `mask [..., n, n]` keeps exactly the causal keys of every row.
+def key_padding(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> torch.Tensor | None:
+    """The real tokens of a causal mask with key padding, or None for any other mask.
 
-    Compared a slab of rows at a time, so the check never allocates another N x N mask.
+    transformers' `sdpa_mask` for a prefill with a 2-D `attention_mask` keeps key j
+    for query i of batch row b iff `j <= i` and `attention_mask[b, j]`. A token is
+    real iff its query row keeps its own key (the diagonal); every real row must keep
+    exactly the real keys up to itself. The rows of pad tokens are not constrained:
+    the integration computes them with SDPA on those very rows of the mask. Padding
+    may be on the left, on the right or anywhere; a batch row may be all padding.
+
+    Args:
+        mask: bool `[B or 1, H or 1, n, n]`.
+        n: the prompt length (query and key positions).
+        rows_per_step: at most this many rows are compared at a time (fewer for
+            long prompts: the temporaries stay near 64M entries, never another
+            `n x n` mask per batch row).
+
+    Returns:
+        bool `[B or 1, n]`, True at real tokens, when every real row of `mask` (every
+        head) is exactly `causal & real`; None otherwise (a block-diagonal mask of
+        packed sequences, a sliding window, any other pattern).
     """
-    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n, n):
-        return False
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (n, n):
+        return None
+    real = torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
     keys = torch.arange(n, device=mask.device)
-    for start in range(0, n, rows_per_step):
-        rows = torch.arange(start, min(n, start + rows_per_step), device=mask.device)
-        slab = mask[..., start : start + rows_per_step, :]
-        if not torch.equal(slab, (keys[None, :] <= rows[:, None]).expand(slab.shape)):
-            return False
-    return True
+    # At most ~64M mask entries per comparison (a few such temporaries at a time).
+    step = max(1, min(rows_per_step, (1 << 26) // (int(mask.shape[0]) * int(mask.shape[1]) * n)))
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        rows = torch.arange(start, stop, device=mask.device)
+        slab = mask[:, :, start:stop, :]
+        expected = (keys[None, :] <= rows[:, None])[None, None] & real[:, None, None, :]
+        if not bool(((slab == expected) | ~real[:, None, start:stop, None]).all()):
+            return None
+    return real
+
+
+def _sequence(t: torch.Tensor, cu: Sequence[int], s: int) -> torch.Tensor:
+    """Sequence `s` of a packed `[T, H, D]` tensor as a `[1, H, n, D]` view."""
+    return t[cu[s] : cu[s + 1]].transpose(0, 1).unsqueeze(0)
+
+
+def _stack_sequence_plans(plans: Sequence[BlockColumnPlan]) -> BlockColumnPlan | None:
+    """`stack_plans` of one plan per sequence (column groups unified), or None when
+    their block sizes differ (demo parameters that depend on the length)."""
+    if len({(p.block_m, p.block_n) for p in plans}) > 1:
+        return None
+    if len({p.column_group for p in plans}) > 1:
+        plans = [p.ungrouped() for p in plans]
+    return stack_sequences(list(plans))
 
 
 def _resolve_params(choice: Choice, q: torch.Tensor) -> dict[str, Any]:
@@ -743,6 +966,7 @@ __all__ = [
     "SparsePrefillAttention",
     "build_plan",
     "capture_qkv",
+    "key_padding",
     "patch",
     "patched_attention",
     "register_attention",
