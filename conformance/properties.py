@@ -157,13 +157,19 @@ def check_method_plan(
     """`fast.<name>_plan` equals `reference.<name>_plan` on the same inputs.
 
     For methods with `exact_plans=False`, a difference is handed to the method's
-    `tie_check`, which must show that every difference is decided by a tie.
+    `tie_check`, which must show that every difference is decided by a tie. A method's
+    `plan_check` first checks the reference plan against its definition.
 
     Raises:
         AssertionError: plans differ (and no tie explains it), or the fast plan is
             invalid or on another device than q.
     """
     expected = spec.plan_fn("reference")(q, k, **params)
+    if spec.plan_check is not None:
+        try:
+            spec.plan_check(q, k, params, expected)
+        except AssertionError as err:
+            raise _fail(context, f"reference plan: {err}") from err
     got = spec.plan_fn("fast")(q, k, **params)
     if got.device != q.device:
         raise _fail(context, f"fast plan is on {got.device}, q on {q.device}")
@@ -428,7 +434,8 @@ def check_method_end_to_end(
     *,
     context: str = "",
 ) -> float:
-    """`fast.<name>(q, k, v, **params)` against the float64 golden of the method.
+    """`fast.<name>(q, k, v, **params)` against the float64 golden of the method (at
+    `params["scale"]` when the method takes one).
 
     The golden runs the reference estimator's plan through float64 attention (for
     `exact_plans=False` methods whose plans differ at a tie, the fast plan's golden
@@ -449,17 +456,18 @@ def check_method_end_to_end(
         fast_plan = spec.plan_fn("fast")(q, k, **params).to(q.device)
         if not ref_plan.equal(fast_plan):
             plan = fast_plan
+    scale = params.get("scale")
     mask = plan.to_dense_mask()
-    golden = golden_attention(q, k, v, mask)
-    baseline = baseline_attention(q, k, v, mask)
+    golden = golden_attention(q, k, v, mask, scale=scale)
+    baseline = baseline_attention(q, k, v, mask, scale=scale)
     with nan_poisoned_empty():
         out = spec.fast_run(q, k, v, **params)
     ratio = check_attention(out, None, golden, baseline, context=f"{context} fast")
     ref_out = spec.reference_run(q, k, v, **params)
     if plan is not ref_plan:
         ref_mask = ref_plan.to_dense_mask()
-        golden = golden_attention(q, k, v, ref_mask)
-        baseline = baseline_attention(q, k, v, ref_mask)
+        golden = golden_attention(q, k, v, ref_mask, scale=scale)
+        baseline = baseline_attention(q, k, v, ref_mask, scale=scale)
     check_output(ref_out, golden[0], baseline[0], context=f"{context} reference")
     return ratio
 
@@ -565,7 +573,8 @@ def _prop_method_recall(draw: Draw, caps: Caps, spec: MethodSpec | None) -> floa
         expected_plan = s.plan_fn("reference")(q, k, **params)
         if not s.exact_plans and not expected_plan.equal(got_plan.to(expected_plan.device)):
             expected_plan = got_plan  # a tie; `method_plan` judges it
-        return check_recall_density(q, k, got_plan, expected_selection=expected_plan, context=context)
+        return check_recall_density(q, k, got_plan, expected_selection=expected_plan,
+                                    scale=params.get("scale"), context=context)
 
 
 # Inputs of the kernel properties: random, planted lines (peaked rows), exact ties.
