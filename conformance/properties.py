@@ -45,6 +45,8 @@ from .strategies import (
     draw_scale,
     draw_seqlen,
     draw_shape,
+    draw_tiles,
+    forced_tiles,
     method_blocks,
 )
 from .tolerance import (
@@ -583,21 +585,24 @@ _KERNEL_INPUTS = ("normal", "lines", "lattice")
 
 def _random_plan_inputs(
     draw: Draw, caps: Caps
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BlockColumnPlan, str]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BlockColumnPlan, str, Any]:
+    """Inputs and a random plan, with the `forced_tiles` context to run the kernel in."""
     n = draw_seqlen(draw, caps)
     bm, bn = draw_block_sizes(draw)
-    shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn))
+    tiles = draw_tiles(draw, caps, bm, bn)
+    shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn), tiles=tiles)
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=_KERNEL_INPUTS,
                                 blocks=(bm, bn))
     plan, plan_what = draw_plan(draw, shape, block_m=bm, block_n=bn, device=caps.device)
-    return q, k, v, plan, f"{what} {plan_what}"
+    tiles_what = f" tiles={tiles[0]}x{tiles[1]}" if tiles else ""
+    return q, k, v, plan, f"{what} {plan_what}{tiles_what}", forced_tiles(tiles)
 
 
 def _prop_sparse_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    q, k, v, plan, context, tiles = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
     limits, limits_what = draw_limits(draw, caps)
-    with limits:
+    with limits, tiles:
         return check_sparse_attention(q, k, v, plan, scale=scale,
                                       context=f"{context} scale={scale} {limits_what}")
 
@@ -747,7 +752,7 @@ def check_nonfinite_propagation(
 
 
 def _prop_nonfinite(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    q, k, v, plan, context, tiles = _random_plan_inputs(draw, caps)
     where = str(draw(st.sampled_from(["q", "k", "v"])))
     value = float(draw(st.sampled_from([math.nan, math.inf, -math.inf])))
     target = {"q": q, "k": k, "v": v}[where].clone()
@@ -758,22 +763,25 @@ def _prop_nonfinite(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
         at = tuple(int(torch.randint(0, size, (1,), generator=gen)) for size in target.shape)
         target[at] = value
     inputs = {"q": q, "k": k, "v": v, where: target}
-    return check_nonfinite_propagation(inputs["q"], inputs["k"], inputs["v"], plan,
-                                       context=f"{context} {count} x {value} in {where} seed={seed}")
+    with tiles:
+        return check_nonfinite_propagation(inputs["q"], inputs["k"], inputs["v"], plan,
+                                           context=f"{context} {count} x {value} in {where} seed={seed}")
 
 
 def _prop_resumed_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    q, k, v, plan, context, tiles = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
     seed = int(draw(st.integers(0, 2**31 - 1)))
-    return check_resumed_attention(q, k, v, plan, seed=seed, scale=scale,
-                                   context=f"{context} split seed={seed} scale={scale}")
+    with tiles:
+        return check_resumed_attention(q, k, v, plan, seed=seed, scale=scale,
+                                       context=f"{context} split seed={seed} scale={scale}")
 
 
 def _prop_block_means(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    q, k, v, plan, context, tiles = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
-    return check_block_mean_output(q, k, v, plan, scale=scale, context=f"{context} scale={scale}")
+    with tiles:
+        return check_block_mean_output(q, k, v, plan, scale=scale, context=f"{context} scale={scale}")
 
 
 def _prop_masked_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
@@ -790,12 +798,13 @@ def _prop_masked_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> f
 
 
 def _prop_recall_random(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, _, plan, context = _random_plan_inputs(draw, caps)
+    q, k, _, plan, context, tiles = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
-    if bool(draw(st.booleans())):
-        return check_recall_density(q, k, plan, scale=scale, context=f"{context} scale={scale}")
-    mask = plan.to_dense_mask()
-    return check_recall_density(q, k, mask, scale=scale, context=f"{context} as mask scale={scale}")
+    with tiles:
+        if bool(draw(st.booleans())):
+            return check_recall_density(q, k, plan, scale=scale, context=f"{context} scale={scale}")
+        mask = plan.to_dense_mask()
+        return check_recall_density(q, k, mask, scale=scale, context=f"{context} as mask scale={scale}")
 
 
 PROPERTIES: tuple[Property, ...] = (

@@ -153,6 +153,7 @@ def draw_shape(
     *,
     seqlen: int | None = None,
     blocks: tuple[int, int] = (128, 128),
+    tiles: tuple[int, int] | None = None,
 ) -> Shape:
     """A shape within `caps`; B and Hq shrink when N is long or tiles are small.
 
@@ -165,17 +166,18 @@ def draw_shape(
         seqlen: N, or None to draw one (`draw_seqlen`).
         blocks: the plan block sizes `(block_m, block_n)` the example will run with
             (the kernel's tiles follow from them and D); used for `caps.max_tile_steps`.
+        tiles: kernel tiles forced by `draw_tiles` (None: the kernel's own choice).
     """
     n = draw_seqlen(draw, caps) if seqlen is None else seqlen
     dims = [d for d in HEAD_DIMS if d <= caps.max_head_dim] or [HEAD_DIMS[0]]
     if caps.max_tile_steps is not None:
-        dims = [d for d in dims if interpreter_work(n, d, kernel_tiles(*blocks, d)) <= caps.max_tile_steps] \
-            or [dims[0]]
+        dims = [d for d in dims if interpreter_work(n, d, tiles or kernel_tiles(*blocks, d))
+                <= caps.max_tile_steps] or [dims[0]]
     weighted = dims + [d for d in (64, 128) if d in dims]
     d = int(draw(st.sampled_from(weighted)))
     heads_budget = max(1, caps.max_mask_elements // (n * n))
     if caps.max_tile_steps is not None:
-        per_head = max(1, int(interpreter_work(n, d, kernel_tiles(*blocks, d))))
+        per_head = max(1, int(interpreter_work(n, d, tiles or kernel_tiles(*blocks, d))))
         heads_budget = min(heads_budget, max(1, caps.max_tile_steps // per_head))
     b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget)))))
     hkv = int(draw(st.integers(1, max(1, min(caps.max_kv_heads, heads_budget // b)))))
@@ -528,6 +530,10 @@ _LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("sparseprefill.fast.kernels.vertical_slash_index", "_CHUNK", (16, 32)),
     # Columns per vector step of the disjoint-columns kernel (a power of two).
     ("sparseprefill.fast.kernels.own_columns", "_CHUNK", (16,)),
+    # Keys per split of SampleAttention's lse pass (a multiple of its 64-key tile).
+    ("sparseprefill.fast.kernels.sampled_scores", "_SPLIT_KEYS", (64,)),
+    # Key blocks per vector step of SampleAttention's merge-index kernel (a power of two).
+    ("sparseprefill.fast.kernels.sample_index", "_CHUNK", (16,)),
     # Block-sparse pooled scores built a chunk of query blocks at a time.
     ("sparseprefill.fast.block_sparse", "_SCORE_BYTES", (1, 4096)),
     # Vertical-slash plans and runs heads in groups past this size.
@@ -537,6 +543,44 @@ _LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     # The reference works a chunk of query rows at a time.
     ("sparseprefill.reference.attention", "_CHUNK_BYTES", (1, 1 << 16)),
 )
+
+
+def draw_tiles(draw: Draw, caps: Caps, block_m: int, block_n: int) -> tuple[int, int] | None:
+    """Kernel tiles smaller than the kernel's own choice, half the time under `caps.scaled_limits`.
+
+    At N <= 200 a plan block wider than the kernel's key tile (`SUB_N` > 1) is never
+    fully before a query tile with the kernel's own tiles (128 keys up to D = 128), so
+    its unmasked sub-tile loop would go unchecked; forced tiles of 16 or 32 keys (and
+    16 to 64 rows) make plan blocks of 32 to 256 keys several tiles wide. Run the
+    example inside `forced_tiles(tiles)`. None: the kernel's own tiles.
+    """
+    if not caps.scaled_limits or not draw(st.booleans()):
+        return None
+    widths = [t for t in (16, 32) if block_n % t == 0 and t < block_n]
+    heights = [t for t in (16, 32, 64) if block_m % t == 0]
+    if not widths or not heights:
+        return None
+    return int(draw(st.sampled_from(heights))), int(draw(st.sampled_from(widths)))
+
+
+@contextmanager
+def forced_tiles(tiles: tuple[int, int] | None) -> Iterator[None]:
+    """Run the block/column kernel with `tiles` (its `SPARSEPREFILL_TILE` override, 4 warps,
+    one stage) inside the context; None: unchanged."""
+    import os
+
+    if tiles is None:
+        yield
+        return
+    saved = os.environ.get("SPARSEPREFILL_TILE")
+    os.environ["SPARSEPREFILL_TILE"] = f"{tiles[0]},{tiles[1]},4,1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["SPARSEPREFILL_TILE"]
+        else:
+            os.environ["SPARSEPREFILL_TILE"] = saved
 
 
 @contextmanager
