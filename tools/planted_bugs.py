@@ -11,8 +11,8 @@ source snippet, its replacement, a one-line description). For each bug the harne
    Python imports the scratch copy before the editable install of the work tree
    (the `_planted_probe` plugin checks that it did): first the bug's own properties
    (`target_select`: the target method's, or the kernel properties for the shared
-   mechanism), and every property (`test_method_property or test_kernel_property`)
-   if those pass;
+   mechanism), and with `--fallback` every property (`test_method_property or
+   test_kernel_property`) if those pass;
 3. records whether the properties failed, which (method, property) rows failed and at
    which example each first failed (the plugin counts the examples of every row).
 
@@ -25,8 +25,8 @@ properties pass without a bug.
     python tools/planted_bugs.py --json benches/results/planted-bugs.json [--methods vertical_slash,kernel]
     python tools/planted_bugs.py --bugs kernel-causal-off-by-one --examples 100
 
-A bug its own properties catch costs seconds to a minute on 2 CPU cores; one they miss
-costs a run of every property too (about 4 minutes). See docs/planted-bugs.md.
+One bug costs one run of its own properties: about a minute on 2 idle CPU cores for a
+method, two for the kernel (less when a property fails early). See docs/planted-bugs.md.
 """
 
 from __future__ import annotations
@@ -574,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", action="store_true", help="first run the unmodified copy")
     p.add_argument("--keep", action="store_true", help="keep the scratch copies")
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--fallback", action="store_true",
+                   help="run every property on a bug its own properties miss")
     p.add_argument("--snapshot", action="store_true",
                    help="plant into a copy of the checkout taken now (keep editing while it runs)")
     args = p.parse_args(argv)
@@ -640,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
                          python=args.python, keep=args.keep)
         result["select"] = select
         result["commit"] = commit
-        if bug is not None and not result["caught"] and not args.select and select != PROPERTY_TESTS:
+        if bug is not None and args.fallback and not result["caught"] and not args.select \
+                and select != PROPERTY_TESTS:
             print(f"  missed by {select!r}; every property ...", flush=True)
             result = run_one(root, bug, examples=args.examples, timeout=args.timeout,
                              select=PROPERTY_TESTS, python=args.python, keep=args.keep)
