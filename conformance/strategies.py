@@ -18,9 +18,9 @@ columns inside listed blocks and at block edges, and structured inputs
 (`INPUT_KINDS`): planted vertical and slash lines on the first and last row or column
 of a block, small-integer "lattice" values whose scores tie exactly, and runs of
 repeated keys whose distances sit exactly on a threshold. `draw_limits` lowers the
-size limits at which the fast code changes path (key splits of the estimate, score
-chunks, per-head planning, index chunks), so N <= 200 reaches the paths that long
-inputs take.
+size limits at which the fast code changes path (key splits of the estimates, score
+chunks, per-head planning, index chunks), and `draw_tiles` the kernel's tiles, so
+N <= 200 reaches the paths that long inputs and wide plan blocks take.
 """
 
 from __future__ import annotations

@@ -558,10 +558,31 @@ def run_one(root: Path, bug: Bug | None, *, examples: int, timeout: float, selec
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def markdown_table(payload: dict[str, Any]) -> str:
+    """The results of a `--json` file as a markdown table, in `BUGS` order: bug, target,
+    verdict, the property that failed first (fewest examples), every property that
+    failed (`method/property@example`), seconds."""
+    bugs = payload["bugs"]
+    order = {name: i for i, name in enumerate(bugs)}
+    rows = ["| bug | target | caught | first property (examples) | every failing property@example | s |",
+            "| --- | --- | --- | --- | --- | ---: |"]
+    for r in sorted(payload["results"], key=lambda r: order.get(r["bug"], -1)):
+        by = r["caught_by"]
+        first = min(by.items(), key=lambda kv: (kv[1]["example"], kv[0]), default=None)
+        first_s = f"{first[0]} ({first[1]['example']})" if first else "-"
+        every = ", ".join(f"{k}@{v['example']}" for k, v in sorted(by.items())) or "-"
+        target = bugs[r["bug"]]["target"] if r["bug"] in bugs else "-"
+        verdict = ("yes" if r["caught"] else "**no**") if r["bug"] != "control" else \
+            ("**failed**" if r["caught"] else "passed")
+        rows.append(f"| `{r['bug']}` | {target} | {verdict} | {first_s} | {every} | {r['seconds']:.0f} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--list", action="store_true", help="list the bugs and exit")
+    p.add_argument("--table", type=Path, default=None, help="print a --json file as a markdown table; exit")
     p.add_argument("--check", action="store_true", help="check every snippet applies; exit")
     p.add_argument("--bugs", default="", help="comma-separated bug names (default: all)")
     p.add_argument("--methods", default="", help="comma-separated targets (kernel, vertical_slash, ...)")
@@ -580,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="plant into a copy of the checkout taken now (keep editing while it runs)")
     args = p.parse_args(argv)
 
+    if args.table is not None:
+        print(markdown_table(json.loads(args.table.read_text())), end="")
+        return 0
     bugs = list(BUGS)
     names = bug_by_name()
     if args.bugs:
