@@ -185,10 +185,12 @@ BUGS: tuple[Bug, ...] = (
         "m_keep = m_l[:, None] & m_c[None, :] & (o_c[None, :] <= o_r[:, None])",
         "m_keep = m_l[:, None] & m_c[None, :]",
         "vertical scores sum probabilities of keys after the row (no causal mask)", occurrence=1),
-    Bug("vs-estimate-slash-not-causal", "vertical_slash", LQ,
-        "m_keep = m_l[:, None] & m_c[None, :] & (o_c[None, :] <= o_r[:, None])",
-        "m_keep = m_l[:, None] & m_c[None, :]",
-        "slash scores sum probabilities of keys after the row (no causal mask)", occurrence=2),
+    # (Not "the slash kernel without its causal mask": its skewed gather reads only keys at
+    # offsets >= 0, so that mask is redundant and the change an equivalent mutant.)
+    Bug("vs-estimate-slash-first-row", "vertical_slash", LQ,
+        "first = tl.maximum(o0 - (seqlen - rows), 0) // BLOCK_L * BLOCK_L",
+        "first = tl.maximum(o0, 0) // BLOCK_L * BLOCK_L",
+        "slash kernel skips rows by their estimate index, not their position: last_q < N loses rows"),
     Bug("vs-estimate-lse-not-causal", "vertical_slash", LQ,
         "m_keep = (o_c[None, :] <= o_r[:, None]) & (o_c[None, :] < seqlen)",
         "m_keep = o_c[None, :] < seqlen",
