@@ -52,12 +52,15 @@ PROPERTY_TESTS = "test_method_property or test_kernel_property"
 SHARED_TARGETS = ("kernel", "plan", "metrics", "state")
 
 
-def target_select(target: str) -> str:
+def target_select(target: str, also: str = "") -> str:
     """The pytest -k expression of a bug's own properties: the kernel properties for the
-    shared mechanism, else the target method's properties (ids `[<method>-<property>]`)."""
-    if target in SHARED_TARGETS:
-        return "test_kernel_property"
-    return f"test_method_property and {target}"
+    shared mechanism, else the target method's properties (ids `[<method>-<property>]`),
+    plus the properties of the methods in `also`."""
+    own = "test_kernel_property" if target in SHARED_TARGETS else f"(test_method_property and {target})"
+    methods = [m for m in also.split(",") if m]
+    if not methods:
+        return own.strip("()")
+    return f"{own} or (test_method_property and ({' or '.join(methods)}))"
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class Bug:
         replacement: the text put in its place (one line changes).
         description: one line, what the bug does.
         occurrence: which appearance of `snippet` (1-based); 0 requires exactly one.
+        also: methods whose properties also run against it (a kernel feature only a
+            method uses, e.g. the per-key bias of Delta-KV), comma-separated.
     """
 
     name: str
@@ -82,6 +87,7 @@ class Bug:
     replacement: str
     description: str
     occurrence: int = 0
+    also: str = ""
 
 
 K = "fast/kernels/block_column.py"
@@ -175,7 +181,7 @@ BUGS: tuple[Bug, ...] = (
     Bug("kernel-key-bias-dropped", "kernel", K,
         "b_s = b_s * qk_scale + b_bias[None, :]",
         "b_s = b_s * qk_scale",
-        "per-key bias (Delta-KV's log run length, padding -inf) not applied"),
+        "per-key bias (Delta-KV's log run length, padding -inf) not applied", also="delta_kv"),
     # -- vertical-slash: estimate kernel, index kernel, method ---------------------------
     Bug("vs-estimate-no-scale", "vertical_slash", LQ,
         "qk_scale = resolve_scale(scale, shape.head_dim) * LOG2E",
@@ -663,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     for bug in todo:
         name = bug.name if bug else "control"
         print(f"{name} ...", flush=True)
-        select = args.select or (PROPERTY_TESTS if bug is None else target_select(bug.target))
+        select = args.select or (PROPERTY_TESTS if bug is None else target_select(bug.target, bug.also))
         result = run_one(root, bug, examples=args.examples, timeout=args.timeout, select=select,
                          python=args.python, keep=args.keep)
         result["select"] = select
