@@ -579,8 +579,9 @@ def _prop_method_recall(draw: Draw, caps: Caps, spec: MethodSpec | None) -> floa
                                     scale=params.get("scale"), context=context)
 
 
-# Inputs of the kernel properties: random, planted lines (peaked rows), exact ties.
-_KERNEL_INPUTS = ("normal", "lines", "lattice")
+# Inputs of the kernel properties: random, planted lines (peaked rows), exact ties,
+# logits far from 0 (block means and sums that a miscount moves).
+_KERNEL_INPUTS = ("normal", "lines", "lattice", "shifted")
 
 
 def _random_plan_inputs(
