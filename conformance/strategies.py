@@ -444,6 +444,9 @@ def draw_plan(
     garbage = str(draw(st.sampled_from(["zero", "random", "huge", "negative"])))
     layout = str(draw(st.sampled_from(["contiguous", "strided"])))
     overlap = bool(draw(st.booleans()))
+    if overlap:
+        # Enough columns inside listed blocks that a block's columns straddle column tiles.
+        p_col = max(p_col, float(draw(st.sampled_from([0.3, 0.5, 0.8]))))
     group = int(draw(st.sampled_from([1, 1, 1, 2, 3, 1000])))
     edge_columns = bool(draw(st.booleans()))
     # The disjoint form drops the overlapping columns: drawn only for plans without them,
