@@ -269,6 +269,10 @@ def _vertical_slash_lines(draw: Callable[[Any], Any], seqlen: int) -> dict[str, 
     params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything, 15, 17, 33, 63, 65]))
     params["init_columns"] = draw(st.sampled_from([0, 0] if few else [0, 1, 5, 30]))
     params["local_diagonals"] = draw(st.sampled_from([0, 0, 1] if few else [0, 1, 7, 100]))
+    if not few and draw(st.booleans()):
+        # Budgets just above the forced lines: which lines are forced decides the rest.
+        params["vertical_size"] = params["init_columns"] + draw(st.integers(1, 4))
+        params["slash_size"] = params["local_diagonals"] + draw(st.integers(1, 4))
     return params
 
 

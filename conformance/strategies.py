@@ -159,6 +159,7 @@ def draw_shape(
 
     Head dims are drawn from `HEAD_DIMS`, the common ones (64, 128) more often; under
     `caps.max_tile_steps` a dim whose one-head kernel work does not fit is not drawn.
+    Where at least four heads fit, half the shapes are GQA with `Hkv >= 2` and `G >= 2`.
 
     Args:
         draw: Hypothesis's draw.
@@ -179,6 +180,13 @@ def draw_shape(
     if caps.max_tile_steps is not None:
         per_head = max(1, int(interpreter_work(n, d, tiles or kernel_tiles(*blocks, d))))
         heads_budget = min(heads_budget, max(1, caps.max_tile_steps // per_head))
+    if heads_budget >= 4 and min(caps.max_kv_heads, caps.max_group) >= 2 and draw(st.booleans()):
+        # GQA first, half the time: two or more KV heads of two or more query heads each,
+        # where a head map that is wrong only for h >= G (h % Hkv for h // G) shows.
+        hkv = int(draw(st.integers(2, max(2, min(caps.max_kv_heads, heads_budget // 2)))))
+        g = int(draw(st.integers(2, max(2, min(caps.max_group, heads_budget // hkv)))))
+        b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget // (hkv * g))))))
+        return Shape(batch=b, kv_heads=hkv, group=g, seqlen=n, head_dim=d)
     b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget)))))
     hkv = int(draw(st.integers(1, max(1, min(caps.max_kv_heads, heads_budget // b)))))
     g = int(draw(st.integers(1, max(1, min(caps.max_group, heads_budget // (b * hkv))))))
