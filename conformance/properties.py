@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -148,6 +148,16 @@ def check_plans_equal(
                              f"{bool(dense_g[at])}, expected {bool(dense_e[at])}")
 
 
+def _check_valid(plan: BlockColumnPlan, which: str, context: str) -> None:
+    """Every plan invariant holds, checked from scratch: a plan marked valid without a
+    check (`mark_valid`, as estimators do) must still pass `validate()`, including the
+    `columns_disjoint` promise the kernel relies on."""
+    try:
+        replace(plan, _checked=False).validate()
+    except (TypeError, ValueError) as err:
+        raise _fail(context, f"the {which} plan breaks an invariant: {err}") from err
+
+
 def check_method_plan(
     spec: MethodSpec,
     q: torch.Tensor,
@@ -159,7 +169,8 @@ def check_method_plan(
     """`fast.<name>_plan` equals `reference.<name>_plan` on the same inputs.
 
     For methods with `exact_plans=False`, a difference is handed to the method's
-    `tie_check`, which must show that every difference is decided by a tie. A method's
+    `tie_check`, which must show that every difference is decided by a tie. Both plans
+    must pass `validate()` from scratch (whatever `mark_valid` said), and a method's
     `plan_check` first checks the reference plan against its definition.
 
     Raises:
@@ -167,6 +178,7 @@ def check_method_plan(
             invalid or on another device than q.
     """
     expected = spec.plan_fn("reference")(q, k, **params)
+    _check_valid(expected, "reference", context)
     if spec.plan_check is not None:
         try:
             spec.plan_check(q, k, params, expected)
@@ -175,6 +187,7 @@ def check_method_plan(
     got = spec.plan_fn("fast")(q, k, **params)
     if got.device != q.device:
         raise _fail(context, f"fast plan is on {got.device}, q on {q.device}")
+    _check_valid(got, "fast", context)
     if spec.exact_plans:
         check_plans_equal(expected, got, context=context)
         return
