@@ -538,7 +538,7 @@ def _method_inputs(
     n = draw_seqlen(draw, caps)
     params = draw_method_params(draw, spec, n)
     blocks = method_blocks(params)
-    shape = draw_shape(draw, caps, seqlen=n, blocks=blocks)
+    shape = draw_shape(draw, caps, seqlen=n, blocks=blocks, min_heads=spec.min_heads)
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=spec.input_kinds,
                                 blocks=blocks)
     limits, limits_what = draw_limits(draw, caps)

@@ -84,6 +84,8 @@ class MethodSpec:
         against the method's definition in terms of other methods' plans (MInference:
         query head `h` is planned by its own pattern alone), run by the "plan" property
         so that code both packages share is checked too; raises AssertionError.
+    min_heads: the fewest query heads its examples draw, past the strategies' cost cap
+        (MInference: 2, so that two heads can take two patterns and be merged).
     prepare: `(params, q) -> call parameters` for a method whose parameters depend on
         the input's shape (MInference's per-head config needs Hq): drawn, demo and sweep
         parameters go through `call_params` before every call. None: unchanged.
@@ -106,6 +108,7 @@ class MethodSpec:
     estimate: Callable[[str, torch.Tensor, torch.Tensor, dict[str, Any]], dict[str, Estimate]] | None = None
     input_kinds: tuple[str, ...] = ("normal", "lines", "lattice", "runs")
     plan_check: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None = None
+    min_heads: int = 1
     prepare: Callable[[dict[str, Any], torch.Tensor], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
@@ -653,6 +656,7 @@ def _register_minference() -> None:
         prepare=_minference_prepare,
         estimate=_minference_estimate,
         plan_check=_minference_plan_check,
+        min_heads=2,
         input_kinds=("lines", "normal", "lattice"),
     ))
 

@@ -154,6 +154,7 @@ def draw_shape(
     seqlen: int | None = None,
     blocks: tuple[int, int] = (128, 128),
     tiles: tuple[int, int] | None = None,
+    min_heads: int = 1,
 ) -> Shape:
     """A shape within `caps`; B and Hq shrink when N is long or tiles are small.
 
@@ -168,6 +169,7 @@ def draw_shape(
         blocks: the plan block sizes `(block_m, block_n)` the example will run with
             (the kernel's tiles follow from them and D); used for `caps.max_tile_steps`.
         tiles: kernel tiles forced by `draw_tiles` (None: the kernel's own choice).
+        min_heads: the fewest query heads, even past `caps.max_tile_steps`.
     """
     n = draw_seqlen(draw, caps) if seqlen is None else seqlen
     dims = [d for d in HEAD_DIMS if d <= caps.max_head_dim] or [HEAD_DIMS[0]]
@@ -180,6 +182,7 @@ def draw_shape(
     if caps.max_tile_steps is not None:
         per_head = max(1, int(interpreter_work(n, d, tiles or kernel_tiles(*blocks, d))))
         heads_budget = min(heads_budget, max(1, caps.max_tile_steps // per_head))
+    heads_budget = max(heads_budget, min_heads)
     if heads_budget >= 4 and min(caps.max_kv_heads, caps.max_group) >= 2 and draw(st.booleans()):
         # GQA first, half the time: two or more KV heads of two or more query heads each,
         # where a head map that is wrong only for h >= G (h % Hkv for h // G) shows.
@@ -190,6 +193,8 @@ def draw_shape(
     b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget)))))
     hkv = int(draw(st.integers(1, max(1, min(caps.max_kv_heads, heads_budget // b)))))
     g = int(draw(st.integers(1, max(1, min(caps.max_group, heads_budget // (b * hkv))))))
+    if hkv * g < min_heads:
+        g = -(-min_heads // hkv)
     return Shape(batch=b, kv_heads=hkv, group=g, seqlen=n, head_dim=d)
 
 
