@@ -565,6 +565,8 @@ _LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("sparseprefill.fast.kernels.vertical_slash_index", "_CHUNK", (16, 32)),
     # Columns per vector step of the disjoint-columns kernel (a power of two).
     ("sparseprefill.fast.kernels.own_columns", "_CHUNK", (16,)),
+    # Keys per tile of AnchorAttention's stripe kernel (each tile finds its first group).
+    ("sparseprefill.fast.kernels.anchor_stripes", "_BLOCK_K", (16, 32)),
     # Keys per split of SampleAttention's lse pass (a multiple of its 64-key tile).
     ("sparseprefill.fast.kernels.sampled_scores", "_SPLIT_KEYS", (64,)),
     # Key blocks per vector step of SampleAttention's merge-index kernel (a power of two).
