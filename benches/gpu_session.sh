@@ -21,6 +21,7 @@ for s in "$@"; do case $s in
   sample) step sample 120 $B --method sample_attention --seqlens 32768,131072 --json "$R/sample.json" ;;
   delta_kv) step delta_kv 150 $B --method delta_kv --seqlens 32768,131072 --json "$R/delta_kv.json" ;;
   minference) step minference 150 $B --method minference --seqlens 32768,131072 --json "$R/minference.json" ;;
+  shareprefill) step shareprefill 240 $B --method shareprefill --seqlens 32768,131072 --layers 4 --json "$R/shareprefill.json" ;;
   kernels) step kernels 150 $B --seqlens 8192,32768,131072 --json "$R/kernels.json" ;;
   guard) step guard 150 python3 benches/guard_cost.py --seqlen 131072 --json "$R/guard.json" ;;
   gputests) step gputests 300 python3 -m pytest -q -x tests -k gpu -p no:cacheprovider ;;

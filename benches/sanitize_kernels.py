@@ -43,6 +43,17 @@ def main() -> int:
     from sparseprefill.fast.kernels import block_column_attention
 
     block_column_attention(q, k, v, plan, key_bias=bias)
+    # Chunked prefill (query_offset) and a packed varlen batch.
+    fast.sparse_attention(q[:, :, 300:], k, v, fast.dense_plan(q[:, :, 300:], k))
+    fast.sparse_attention(q[:, :, 320:], k, v, plan.rows(320))
+    lengths = [100, 1, 400, 499]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+    vplan = fast.varlen_plans(fast.vertical_slash_plan, qp, kp, cu, vertical_size=32, slash_size=32, last_q=32,
+                              block_m=64, block_n=64)
+    fast.varlen_attention(qp, kp, vp, cu, max(lengths), vplan, return_lse=True)
+    _sync(dev)
+    print("chunked and varlen ran", flush=True)
     mask = torch.rand(n, n, generator=gen).to(dev) < 0.5
     got = fast.attention(q, k, v, mask)
     want = reference.attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask.cpu())

@@ -17,8 +17,12 @@ from ..reference.plan import BlockColumnPlan
 from .ties import (
     anchor_attention_tie_check,
     block_sparse_tie_check,
+    flexprefill_vs_tie_check,
+    dpxa_tie_check,
     sample_attention_tie_check,
+    shareprefill_tie_check,
     vertical_slash_tie_check,
+    xattention_tie_check,
 )
 from .tolerance import Estimate
 
@@ -61,6 +65,12 @@ class MethodSpec:
         tie_check: for `exact_plans=False`: `(q, k, params, reference_plan, fast_plan)
             -> None`, called only when the two plans differ; it raises AssertionError
             unless every difference is decided by an exactly tied score.
+        new_state, reference_layer, fast_layer: for methods that carry state across the
+            layers of one forward pass (SharePrefill). `new_state(params)` makes the
+            state of one prefill from the method's parameters; `*_layer(q, k, v, state,
+            *, layer, scale) -> out` runs one layer with it (plan, attention, update).
+            The transformers integration uses them instead of `*_plan` when set; the
+            plan functions stay the one-layer, fresh-state view used everywhere else.
 
     A method whose output is not the attention of one plan (Delta-KV reads packed
     keys) has `reference_plan = fast_plan = None` and instead:
@@ -101,6 +111,9 @@ class MethodSpec:
     exact_plans: bool = True
     notes: str = field(default="")
     tie_check: Callable[..., None] | None = None
+    new_state: Callable[[Mapping[str, Any]], Any] | None = None
+    reference_layer: Callable[..., torch.Tensor] | None = None
+    fast_layer: Callable[..., torch.Tensor] | None = None
     golden: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     structure_check: Callable[..., None] | None = None
     view: Callable[..., MethodView] | None = None
@@ -497,6 +510,78 @@ def _register_delta_kv() -> None:
 _register_delta_kv()
 
 
+def _tile_threshold(draw: Callable[[Any], Any]) -> float:
+    """XAttention / DPXA threshold in (0, 1]: the extremes, the papers' values, or any."""
+    from hypothesis import strategies as st
+
+    return float(draw(st.one_of(
+        st.sampled_from([1.0, 0.9, 0.95, 0.8, 1e-6]),
+        st.floats(min_value=0.0, max_value=1.0, exclude_min=True, allow_nan=False),
+    )))
+
+
+def _tile_block(draw: Callable[[Any], Any]) -> int:
+    from hypothesis import strategies as st
+
+    return int(draw(st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128])))
+
+
+def _xattention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    # 3 exercises groups that straddle no tile but end short (the naive ablation's stride).
+    return {"stride": int(draw(st.sampled_from([1, 2, 4, 8, 16, 3]))),
+            "threshold": _tile_threshold(draw), "block": _tile_block(draw),
+            "scoring": str(draw(st.sampled_from(["antidiagonal", "antidiagonal", "naive"])))}
+
+
+def _dpxa_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    cos = draw(st.one_of(st.sampled_from([0.75, 0.78, -1.0, 1.0, 0.0]),
+                         st.floats(min_value=-1.0, max_value=1.0, allow_nan=False)))
+    return {"cos_threshold": float(cos), "threshold": _tile_threshold(draw), "block": _tile_block(draw)}
+
+
+# The greedy threshold, the knob of XAttention and DPXA (`sparseprefill compare`).
+_TILE_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.98)
+
+
+def _tile_demo_block(n: int) -> int:
+    # 128 (the papers') once a sequence has a few dozen tiles; smaller below so the demo's
+    # short workload still has tiles to skip.
+    return 128 if n >= 4096 else 64
+
+
+register(MethodSpec(
+    name="xattention",
+    reference_plan=reference.xattention_plan,
+    fast_plan=fast.xattention_plan,
+    reference_run=reference.xattention,
+    fast_run=fast.xattention,
+    params=_xattention_params,
+    demo_params=lambda n: {"stride": 8, "threshold": 0.9, "block": _tile_demo_block(n)},
+    exact_plans=False,
+    tie_check=xattention_tie_check,
+    sweep=lambda n: [{"stride": 8, "threshold": t, "block": _tile_demo_block(n)} for t in _TILE_SWEEP],
+    notes="XAttention: antidiagonal stride-level scores, row softmax summed into tiles, greedy "
+          "threshold selection (thesis sec. 2.5)",
+))
+
+register(MethodSpec(
+    name="dpxa",
+    reference_plan=reference.dpxa_plan,
+    fast_plan=fast.dpxa_plan,
+    reference_run=reference.dpxa,
+    fast_run=fast.dpxa,
+    params=_dpxa_params,
+    demo_params=lambda n: {"cos_threshold": 0.75, "threshold": 0.9, "block": _tile_demo_block(n)},
+    exact_plans=False,
+    tie_check=dpxa_tie_check,
+    sweep=lambda n: [{"cos_threshold": 0.75, "threshold": t, "block": _tile_demo_block(n)} for t in _TILE_SWEEP],
+    notes="DPXA: delta anchors of Q and K per tile, anchor-pair tile scores, XAttention's greedy "
+          "selection (thesis sec. 4.3)",
+))
 def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     from hypothesis import strategies as st
 
@@ -585,6 +670,21 @@ def _minference_demo(n: int) -> dict[str, Any]:
     )}
 
 
+def _minference_sweep(n: int) -> list[dict[str, Any]]:
+    """The demo's three patterns with budgets scaled together: vertical-slash as its own grid,
+    the A-shape window N/f, block-sparse top_k Kb/f (blocks of 64)."""
+    from ..reference.minference import HeadPattern
+
+    blocks = -(-n // 64)
+    return [{"patterns": (
+        HeadPattern("vertical_slash", {"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f),
+                                       "block_m": 64, "block_n": 64}),
+        HeadPattern("a_shape", {"sink": min(1024, max(64, n // 32)), "window": max(128, n // f),
+                                "block_m": 64, "block_n": 64}),
+        HeadPattern("block_sparse", {"top_k": max(2, blocks * 8 // f), "block_size": 64}),
+    )} for f in (128, 64, 32, 16, 8)]
+
+
 def _minference_prepare(params: dict[str, Any], q: torch.Tensor) -> dict[str, Any]:
     """Pattern `h % len(patterns)` for query head `h`: a one-layer `MInferenceConfig`."""
     from ..reference.minference import MInferenceConfig
@@ -654,6 +754,7 @@ def _register_minference() -> None:
         notes="MInference per-head dispatch: each head its own pattern (vertical-slash, A-shape, "
               "block-sparse), one merged plan, one kernel launch",
         prepare=_minference_prepare,
+        sweep=_minference_sweep,
         estimate=_minference_estimate,
         plan_check=_minference_plan_check,
         min_heads=2,
@@ -662,3 +763,86 @@ def _register_minference() -> None:
 
 
 _register_minference()
+
+
+def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _minference_blocks(draw)
+    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 0.95, 1.0, 0.99]))
+    everything = [seqlen, seqlen + 7] if seqlen <= 1024 else [1000]
+    params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything]))
+    params["init_columns"] = draw(st.sampled_from([1, 0, 5]))
+    params["local_diagonals"] = draw(st.sampled_from([1, 0, 7]))
+    return params
+
+
+register(MethodSpec(
+    name="flexprefill_vs",
+    reference_plan=reference.flexprefill_vs_plan,
+    fast_plan=fast.flexprefill_vs_plan,
+    reference_run=reference.flexprefill_vs,
+    fast_run=fast.flexprefill_vs,
+    params=_flexprefill_vs_params,
+    demo_params=lambda n: {"gamma": 0.9},
+    exact_plans=False,
+    tie_check=flexprefill_vs_tie_check,
+    notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
+          "estimated mass",
+    sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
+))
+
+
+# Query heads of the drawn layouts: at least the most any conformance shape has.
+_LAYOUT_HEADS = 64
+
+
+def _shareprefill_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    params: dict[str, Any] = _block_sizes(draw)
+    kind = draw(st.sampled_from(["one", "groups", "noise", "none"]))
+    if kind != "none":
+        seed = draw(st.integers(0, 2**31 - 1))
+        gen = torch.Generator().manual_seed(seed)
+        ids = {"one": 1, "groups": 3, "noise": 2}[kind]
+        row = (torch.randint(0, ids, (_LAYOUT_HEADS,), generator=gen) - int(kind == "noise")).tolist()
+        params["layout"] = reference.ClusterLayout((tuple(int(c) for c in row),))
+    params["tau"] = draw(st.sampled_from([0.2, 0.0, 0.5, 1.01]))
+    params["delta"] = draw(st.sampled_from([0.3, 1.01, 0.0, 0.6, 2.0]))
+    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 1.0]))
+    params["init_columns"] = draw(st.sampled_from([1, 0, 5]))
+    params["local_diagonals"] = draw(st.sampled_from([1, 0, 7]))
+    return params
+
+
+_SHARE_STATE_KEYS = ("layout", "tau", "delta", "gamma", "block_m", "block_n", "init_columns",
+                     "local_diagonals")
+
+
+def _shareprefill_state(params: Mapping[str, Any]) -> reference.SharePrefillState:
+    """The per-prefill state from SharePrefill's parameters (the layer comes from the model)."""
+    unknown = sorted(set(params) - set(_SHARE_STATE_KEYS))
+    if unknown:
+        raise ValueError(f"shareprefill in a model takes {_SHARE_STATE_KEYS}; got also {unknown} "
+                         "(the layer index comes from the model)")
+    return reference.SharePrefillState(**params)
+
+
+register(MethodSpec(
+    name="shareprefill",
+    reference_plan=reference.shareprefill_plan,
+    fast_plan=fast.shareprefill_plan,
+    reference_run=reference.shareprefill,
+    fast_run=fast.shareprefill,
+    params=_shareprefill_params,
+    demo_params=lambda n: {},
+    exact_plans=False,
+    tie_check=shareprefill_tie_check,
+    new_state=_shareprefill_state,
+    reference_layer=reference.shareprefill_layer,
+    fast_layer=fast.shareprefill_layer,
+    notes="SharePrefill (one layer, fresh state: first head per cluster dense, others Alg. 5); "
+          "layers share pivots through SharePrefillState",
+    sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
+))

@@ -13,6 +13,19 @@ only reason a fast plan differs: it raises AssertionError otherwise.
 * block-sparse: every query block keeps its diagonal and `min(top_k, i + 1)`
   causal blocks, and no dropped block beats a kept one by more than
   `block_tolerance` in the float64 pooled scores.
+* SharePrefill: the fast head decisions must be a valid outcome of Alg. 3/4 under
+  the float64 distances, where a distance within `DISTANCE_MARGIN` of its threshold
+  may go either way (`check_decisions_modulo_margin`); the fast plan must be the
+  reference's plan of the fast decisions and fast Alg. 5 lines, those lines valid as
+  below, and pivots valid cumulative selections of the float64 block attention.
+* cumulative thresholds (FlexPrefill-style vertical-slash, SharePrefill's pivots):
+  the fast plan must be exactly the index of the fast selection, and that selection
+  must be a valid `cover_threshold` of the float64 shares up to `share_tolerance`
+  per entry and `mass_tolerance` on the cumulative share (`check_cover_modulo_ties`).
+* XAttention and DPXA (greedy threshold selection, `check_greedy_modulo_ties`): the
+  kept tiles are a greedy selection of the float64 tile weights up to
+  `tile_weight_tolerance` (order and threshold crossing); DPXA's anchors are
+  Delta-KV's stage 1, bit-identical in both packages.
 * anchor attention (thresholds, not top-k): the anchor blocks must be exactly
   Alg. 1's, and a stripe key may differ between the plans only where, for some
   query block of its group, the float64 difference `avgpool(x_a) - s` lies within
@@ -27,11 +40,14 @@ only reason a fast plan differs: it raises AssertionError otherwise.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from ..fast.flexprefill_vs import flexprefill_vs_lines as fast_flex_lines
 from ..fast.sample_attention import sample_attention_selection as fast_selection
+from ..fast.shareprefill import decide_layer as fast_decide
 from ..fast.vertical_slash import vertical_slash_lines as fast_lines
 from ..reference._checks import resolve_scale
 from ..reference.anchor_attention import (
@@ -45,6 +61,13 @@ from ..reference.anchor_attention import (
     stripe_scores,
 )
 from ..reference.block_sparse import block_scores, mean_pooling
+from ..reference.flexprefill_vs import (
+    GAMMA,
+    first_lines,
+    lines_index,
+    normalized_lines,
+)
+from ..reference.dpxa import anchor_tile_scores, dpxa_anchors
 from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
 from ..reference.sample_attention import (
     merge_index,
@@ -52,13 +75,25 @@ from ..reference.sample_attention import (
     sample_attention_scores,
     sampled_rows,
 )
+from ..reference.shareprefill import (
+    NOISE,
+    LayerDecision,
+    Pivot,
+    SharePattern,
+    SharePrefillState,
+    diagonal_blocks,
+    layer_masks,
+)
+from ..reference.shareprefill import decide_layer as ref_decide
 from ..reference.vertical_slash import (
     INIT_COLUMNS,
     LOCAL_DIAGONALS,
+    approximate_attention,
     kept_lines,
     vertical_slash_index,
     vertical_slash_scores,
 )
+from ..reference.xattention import xattention_tile_weights
 
 
 def line_tolerance(rows: int) -> float:
@@ -185,6 +220,309 @@ def block_sparse_tie_check(
                     f"{float(gap[at]):.3g} > {tol:.3g}")
 
 
+# Shares (entries of a distribution summing to 1) from the fp32 estimate differ from the
+# float64 ones by at most ~1e-6 (measured: 4e-7 on SmolLM2 8K and random inputs);
+# cumulative shares by at most the sum of those errors. Both margins leave >10x room.
+SHARE_TOLERANCE = 1e-5
+MASS_TOLERANCE = 1e-4
+
+
+def check_cover_modulo_ties(
+    scores: torch.Tensor,
+    kept: torch.Tensor,
+    *,
+    gamma: float,
+    forced: torch.Tensor,
+    share_tolerance: float = SHARE_TOLERANCE,
+    mass_tolerance: float = MASS_TOLERANCE,
+    what: str,
+) -> None:
+    """`kept` is a valid `cover_threshold(scores, gamma, forced)` up to rounding.
+
+    Valid means: every forced entry is kept; no dropped entry beats a kept unforced
+    one by more than `share_tolerance`; dropping the smallest kept unforced entry
+    would leave less than `gamma + mass_tolerance`; and if any unforced entry is
+    dropped, the kept share is at least `gamma - mass_tolerance`.
+
+    Args:
+        scores: float `[..., L]` shares (float64 from the reference).
+        kept: bool `[..., L]` selection to judge.
+        gamma: the threshold. forced: bool broadcastable to `scores`.
+        share_tolerance, mass_tolerance: the rounding margins.
+        what: name for messages.
+
+    Raises:
+        AssertionError: naming the first (leading index) that breaks a condition.
+    """
+    scores = scores.to(torch.float64).cpu()
+    kept = kept.cpu()
+    forced = forced.cpu().expand(scores.shape)
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    checks = [
+        ((forced & ~kept).any(dim=-1), "a forced entry is missing"),
+    ]
+    free_kept = kept & ~forced
+    free_dropped = ~kept & ~forced
+    lowest_kept = torch.where(free_kept, scores, inf).amin(dim=-1)
+    highest_dropped = torch.where(free_dropped, scores, -inf).amax(dim=-1)
+    checks.append((highest_dropped - lowest_kept > share_tolerance,
+                   f"a dropped share exceeds a kept one by more than {share_tolerance:.1e}"))
+    mass = torch.where(kept, scores, 0.0).sum(dim=-1)
+    needed = free_kept.any(dim=-1) & (mass - lowest_kept >= gamma + mass_tolerance)
+    checks.append((needed, f"the smallest kept entry was not needed to reach gamma={gamma}"))
+    short = free_dropped.any(dim=-1) & (mass < gamma - mass_tolerance)
+    checks.append((short, f"the kept share stays below gamma={gamma} while entries are dropped"))
+    for bad, message in checks:
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise _fail(f"{what} at {at}: {message} (kept share {float(mass[at]):.8f})")
+
+
+def flexprefill_vs_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of the FlexPrefill-style vertical-slash (see the module doc)."""
+    del expected
+    n = q.shape[2]
+    gamma = float(params.get("gamma", GAMMA))
+    last_q = int(params.get("last_q", 64))
+    init_columns = int(params.get("init_columns", 1))
+    local_diagonals = int(params.get("local_diagonals", 1))
+    scale = params.get("scale")
+    verticals, slashes = fast_flex_lines(q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
+                                         local_diagonals=local_diagonals, scale=scale)
+    rebuilt = lines_index(verticals.cpu(), slashes.cpu(), block_m=int(params.get("block_m", 64)),
+                          block_n=int(params.get("block_n", 64)))
+    if not rebuilt.equal(got.to("cpu")):
+        raise _fail("the fast plan is not Alg. 4 of the fast lines")
+    a_hat = approximate_attention(q, k, last_q=last_q, scale=resolve_scale(scale, q.shape[-1]))
+    a_v, a_s = normalized_lines(a_hat)
+    cpu = torch.device("cpu")
+    check_cover_modulo_ties(a_v, verticals, gamma=gamma, forced=first_lines(init_columns, n, cpu),
+                            what="verticals")
+    check_cover_modulo_ties(a_s, slashes, gamma=gamma, forced=first_lines(local_diagonals, n, cpu),
+                            what="slashes")
+
+
+# Distances of the fp32-pooled estimate differ from the float64 ones by at most ~1e-7
+# (SmolLM2 layers and random inputs); a decision whose distance lies within this margin of
+# its threshold may go either way.
+DISTANCE_MARGIN = 1e-4
+
+
+def check_decisions_modulo_margin(
+    state: SharePrefillState,
+    got: torch.Tensor,
+    d_sparse: torch.Tensor,
+    d_sim: torch.Tensor,
+    *,
+    layer: int,
+    margin: float = DISTANCE_MARGIN,
+) -> None:
+    """`got` (int8 `[B, Hq]` patterns) is what Alg. 3/4 may decide under float64 distances.
+
+    Replays `reference.shareprefill.choose_patterns` head by head with `state`'s
+    pivots; where `d_sparse` or `d_sim` lies within `margin` of its threshold, both
+    outcomes of that test are allowed, and the replay follows `got`'s choice (so a
+    different first dense head of a cluster is judged consistently).
+
+    Raises:
+        AssertionError: naming the (batch row, head) whose pattern no outcome explains.
+    """
+    got, d_sparse, d_sim = got.cpu(), d_sparse.cpu(), d_sim.cpu()
+    b, hq = got.shape
+
+    def outcomes(value: float, threshold: float) -> set[bool]:
+        if abs(value - threshold) <= margin:
+            return {True, False}
+        return {value < threshold}
+
+    for row in range(b):
+        dense_now: set[int] = set()
+        for h in range(hq):
+            c = state.cluster(layer, h)
+            pick = SharePattern(int(got[row, h]))
+            allowed: set[SharePattern] = set()
+            if c == NOISE:
+                allowed = {SharePattern.VERTICAL_SLASH}
+            else:
+                sparse_ok = outcomes(float(d_sparse[row, h]), state.delta)
+                if state.pivot(c, row) is None:
+                    first = c not in dense_now
+                    allowed = {SharePattern.DENSE if ok and first else SharePattern.VERTICAL_SLASH
+                               for ok in sparse_ok}
+                else:
+                    sim_ok = outcomes(float(d_sim[row, h]), state.tau)
+                    allowed = {SharePattern.SHARED if a and s else SharePattern.VERTICAL_SLASH
+                               for a in sparse_ok for s in sim_ok}
+            if pick not in allowed:
+                raise _fail(f"layer {layer} (batch row, head) ({row}, {h}), cluster {c}: pattern "
+                            f"{pick.name}, allowed {sorted(p.name for p in allowed)} (d_sparse "
+                            f"{float(d_sparse[row, h]):.6f}, d_sim {float(d_sim[row, h]):.6f})")
+            if pick == SharePattern.DENSE:
+                dense_now.add(c)
+
+
+def check_pivot_modulo_ties(block_means: torch.Tensor, pivot: Pivot, *, gamma: float, seqlen: int,
+                            block_m: int, block_n: int, what: str) -> None:
+    """A fast pivot's mask is a valid Alg. 2 selection of the reference's block means.
+
+    Args:
+        block_means: float `[Qb, Kb]`, the reference's block means of the dense head.
+        pivot: the fast `Pivot`.
+
+    Raises:
+        AssertionError: the mask is no cumulative selection up to rounding.
+    """
+    a_block = torch.softmax(block_means.to(torch.float64).cpu(), dim=-1)
+    flat = (a_block / a_block.sum()).flatten()
+    forced = diagonal_blocks(seqlen, block_m, block_n, torch.device("cpu")).flatten()
+    # Block means carry fp32 accumulation error (tolerance.BLOCK_MEAN_REL): relative shares.
+    check_cover_modulo_ties(flat, pivot.mask.cpu().flatten(), gamma=gamma, forced=forced,
+                            share_tolerance=SHARE_TOLERANCE * float(flat.max()), what=what)
+
+
+def shareprefill_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of SharePrefill's one-layer plan (see the module doc)."""
+    del expected
+    keys = ("layout", "tau", "delta", "gamma", "block_m", "block_n", "init_columns", "local_diagonals")
+    state_args = {key: params[key] for key in keys if key in params}
+    layer = int(params.get("layer", 0))
+    scale = resolve_scale(params.get("scale"), q.shape[-1])
+    ref_state = SharePrefillState(**state_args)
+    ref_decision = ref_decide(q, k, ref_state, layer=layer, scale=scale)
+    fast_state = SharePrefillState(**state_args)
+    fast_decision = fast_decide(q, k, fast_state, layer=layer, scale=scale)
+    # Judge against the state as it was before the layer (here: fresh).
+    ref_state = SharePrefillState(**state_args)
+    check_decisions_modulo_margin(ref_state, fast_decision.pattern, ref_decision.d_sparse,
+                                  ref_decision.d_sim, layer=layer)
+    verticals, slashes = fast_flex_lines(q, k, gamma=fast_state.gamma, last_q=fast_state.block_m,
+                                         init_columns=fast_state.init_columns,
+                                         local_diagonals=fast_state.local_diagonals, scale=scale)
+    cpu_decision = LayerDecision(layer=layer, pattern=fast_decision.pattern.cpu(),
+                                        d_sparse=fast_decision.d_sparse.cpu(),
+                                        d_sim=fast_decision.d_sim.cpu(), cluster=fast_decision.cluster.cpu())
+    blocks, columns = layer_masks(verticals.cpu(), slashes.cpu(), ref_state, cpu_decision)
+    rebuilt = BlockColumnPlan.from_masks(blocks, columns, seqlen=q.shape[2], block_m=ref_state.block_m,
+                                         block_n=ref_state.block_n)
+    if not rebuilt.equal(got.to("cpu")):
+        raise _fail("the fast plan is not the plan of the fast decisions and Alg. 5 lines")
+    a_v, a_s = normalized_lines(approximate_attention(q, k, last_q=ref_state.block_m, scale=scale))
+    n, cpu = q.shape[2], torch.device("cpu")
+    check_cover_modulo_ties(a_v, verticals, gamma=ref_state.gamma,
+                            forced=first_lines(ref_state.init_columns, n, cpu), what="verticals")
+    check_cover_modulo_ties(a_s, slashes, gamma=ref_state.gamma,
+                            forced=first_lines(ref_state.local_diagonals, n, cpu), what="slashes")
+# -- XAttention / DPXA: greedy threshold selection of tiles ----------------------
+
+
+def tile_weight_tolerance(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> float:
+    """Largest fp32-vs-float64 difference of a normalised tile weight or a sum of them.
+
+    The fast scores round fp32 sums of exact fp32 products, so a logit is off by about
+    `1e-7` of the largest possible logit `L = scale * max|q_i| * max|k_j|` (all the
+    kernels' arithmetic is relative to it); a weight `w` then by about `w * 1e-7 * L`,
+    and a cumulative sum of weights by the same amount. `1e-5 * (1 + L)` leaves ~100x.
+    """
+    d = q.shape[-1]
+    sm_scale = scale if scale is not None else d ** -0.5
+    q_max = float(q.to(torch.float64).norm(dim=-1).max())
+    k_max = float(k.to(torch.float64).norm(dim=-1).max())
+    return 1e-5 * (1.0 + sm_scale * q_max * k_max)
+
+
+def check_greedy_modulo_ties(
+    weights: torch.Tensor, keep: torch.Tensor, *, threshold: float, tolerance: float, what: str
+) -> None:
+    """`keep` is the greedy threshold selection of `weights` up to ties and rounding.
+
+    Per query tile `i`: tile 0 and tile `i` are kept, nothing non-causal is; no dropped
+    tile outweighs a kept free tile by more than `tolerance`; the kept weight reaches
+    `threshold` (less `tolerance`) unless every causal tile is kept; and without its
+    lightest free tile it stays below `threshold` (plus `tolerance`), so no tile was
+    kept once the threshold was reached. `threshold == 1` must keep every causal tile.
+
+    Args:
+        weights: float64 `[B, H, T, T]`, rows summing to 1 over `j <= i`.
+        keep: bool `[B, H, T, T]`.
+
+    Raises:
+        AssertionError: naming the first (b, h, query tile) that breaks a rule.
+    """
+    weights = weights.to(torch.float64).cpu()
+    keep = keep.cpu()
+    tiles = weights.shape[-1]
+    idx = torch.arange(tiles)
+    causal = idx[None, :] <= idx[:, None]
+    forced = (idx[None, :] == 0) | (idx[None, :] == idx[:, None])
+    free = causal & ~forced
+
+    def first(bad: torch.Tensor, message: str) -> None:
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise _fail(f"{what} at (b, h, query tile) {at[:3]}: {message}")
+
+    first((keep & ~causal).any(-1), "a non-causal tile is kept")
+    first((forced & ~keep).any(-1), "the first or the diagonal tile is missing")
+    if threshold >= 1.0:
+        first((causal & ~keep).any(-1), "threshold 1 must keep every causal tile")
+        return
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    kept_free = keep & free
+    dropped = free & ~keep
+    lightest_kept = torch.where(kept_free, weights, inf).amin(-1)
+    heaviest_dropped = torch.where(dropped, weights, -inf).amax(-1)
+    first(heaviest_dropped - lightest_kept > tolerance,
+          f"a dropped tile outweighs a kept one by more than {tolerance:.3g}")
+    total = torch.where(keep, weights, 0.0).sum(-1)
+    first(dropped.any(-1) & (total < threshold - tolerance),
+          f"tiles were dropped before the kept weight reached threshold {threshold}")
+    without_last = total - torch.where(kept_free.any(-1), lightest_kept, 0.0)
+    first(kept_free.any(-1) & (without_last >= threshold + tolerance),
+          f"a tile was kept after the kept weight had reached threshold {threshold}")
+
+
+def xattention_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of XAttention: the fast tiles are a greedy selection of the
+    float64 tile weights, up to `tile_weight_tolerance`."""
+    del expected
+    got = got.to("cpu").validate()
+    if bool((got.column_count != 0).any()):
+        raise _fail("XAttention plans list no columns")
+    scale = params.get("scale")
+    weights = xattention_tile_weights(
+        q, k, stride=int(params.get("stride", 8)), block=int(params.get("block", 128)),
+        scoring=str(params.get("scoring", "antidiagonal")), scale=scale,
+    )
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+                             tolerance=tile_weight_tolerance(q, k, scale), what="xattention tiles")
+
+
+def dpxa_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of DPXA: the fast tiles are a greedy selection of the
+    float64 tile weights, up to `tile_weight_tolerance` (the anchors are the same in both
+    packages: Delta-KV's stage 1, bit-identical)."""
+    del expected
+    got = got.to("cpu").validate()
+    if bool((got.column_count != 0).any()):
+        raise _fail("DPXA plans list no columns")
+    cos_threshold = float(params.get("cos_threshold", 0.75))
+    block = int(params.get("block", 128))
+    scale = params.get("scale")
+    q_anchors = dpxa_anchors(q, cos_threshold=cos_threshold, block=block).cpu()
+    k_anchors = dpxa_anchors(k, cos_threshold=cos_threshold, block=block).cpu()
+    sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = anchor_tile_scores(q.cpu(), k.cpu(), q_anchors, k_anchors, block=block, scale=sm_scale)
+    weights = scores / scores.sum(dim=-1, keepdim=True)
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+                             tolerance=tile_weight_tolerance(q, k, scale), what="dpxa tiles")
 # Relative error budget of the fast anchor path's decision quantity (see `anchor_margin`).
 ANCHOR_RELATIVE_MARGIN = 2.0**-12
 

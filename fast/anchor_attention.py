@@ -10,7 +10,10 @@ Three kernel passes, as the paper's Alg. 1-3:
    group's keys within `theta` of the pooled anchor;
 3. stripes: `block_column_attention` over the stripes alone (a plan with no
    blocks, one column list per group: `column_group = step`), resuming from the
-   anchor state, so the anchor region is never computed twice.
+   anchor state, so the anchor region is never computed twice. Key blocks that a
+   group's stripes hold entirely are read as blocks
+   (`BlockColumnPlan.with_full_blocks`): at high stripe density a column gather
+   runs far below the dense rate.
 
 Plan memory: `4 * B * Hq * (Qb + G * W)` bytes for the stripes (`G = ceil(Qb /
 step)` groups, `W` the longest stripe list of any group and head) plus the anchor
@@ -34,6 +37,7 @@ from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
 from ..reference.anchor_attention import STEP, THETA, check_anchor_params
 from ..reference.attention import AttentionState
 from ..reference.plan import BlockColumnPlan, cdiv
+from .capture import static_widths_active
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
 from .kernels.anchor_stripes import search_width_bound, stripe_index
 from .vertical_slash import head_group
@@ -48,17 +52,22 @@ def anchor_block_lists(
     """Alg. 1's key blocks as lists: (count int32 `[Qb]`, index int32 `[Qb, W]`).
 
     Block 0, then the window `[max(1, w_g), diag_i]` (see `reference.anchor_blocks`).
+    Built on `device` directly, the width from the same arithmetic on the host: no
+    host synchronisation and no host-to-device copy (capture-safe).
     """
-    qb = cdiv(seqlen, block_m)
-    i = torch.arange(qb)
-    start = torch.clamp((i // step) * step * block_m // block_n, min=1)
-    end = (torch.clamp((i + 1) * block_m, max=seqlen) - 1) // block_n
-    window = torch.clamp(end - start + 1, min=0)
-    width = 1 + int(window.max())
-    t = torch.arange(width - 1)
-    index = torch.zeros(qb, width, dtype=torch.int32)
-    index[:, 1:] = torch.where(t[None, :] < window[:, None], start[:, None] + t[None, :], 0).to(torch.int32)
-    return (1 + window).to(torch.int32).to(device), index.to(device)
+
+    def window_of(dev: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        i = torch.arange(cdiv(seqlen, block_m), device=dev)
+        start = torch.clamp((i // step) * step * block_m // block_n, min=1)
+        end = (torch.clamp((i + 1) * block_m, max=seqlen) - 1) // block_n
+        return start, torch.clamp(end - start + 1, min=0)
+
+    width = 1 + int(window_of("cpu")[1].max())
+    start, window = window_of(device)
+    t = torch.arange(width - 1, device=device)
+    lists = torch.where(t[None, :] < window[:, None], start[:, None] + t[None, :], 0)
+    index = torch.nn.functional.pad(lists, (1, 0)).to(torch.int32)
+    return (1 + window).to(torch.int32), index
 
 
 def _plans(
@@ -177,6 +186,13 @@ def anchor_attention(
     Query heads are processed in groups whose stripe plan fits `PLAN_BYTES` at any
     stripe count (see the module doc); each group has its own state.
 
+    Host synchronisations per head group: the longest stripe list, and the promotion of
+    whole stripe blocks to blocks (`with_full_blocks`, three reads). Inside
+    `fast.capture.static_widths()` (`torch.ops.sparseprefill.anchor_attention_static`)
+    and during CUDA-graph capture the width is the search-region bound and the stripes
+    stay columns (no promotion; the same attention at the column-gather rate): no
+    sync, capture-safe (docs/serving.md).
+
     Returns:
         `[B, Hq, N, D]` in q's dtype.
 
@@ -204,6 +220,12 @@ def anchor_attention(
                                      block_m=block_m, block_n=block_n, scale=sm_scale)
         stripes = _plans(b, h1 - h0, n, step=step, block_m=block_m, block_n=block_n, counts=counts,
                          index=index, device=q.device, with_blocks=False)
+        # Key blocks a group's stripes hold whole run as blocks (dense rate), not as
+        # column gathers: the H200 bench's 128K stripe pass took 1159 ms as columns.
+        # The promotion reads list widths back (host syncs): static widths (and graph
+        # capture) keep the stripes as columns, the same attention, slower.
+        if not static_widths_active(q):
+            stripes = stripes.with_full_blocks()
         out, _ = block_column_attention(qs, ks, vs, stripes, scale=sm_scale, state=state,
                                         validate_plan=False)  # Alg. 3
         return out

@@ -214,6 +214,10 @@ def delta_kv(
 ) -> torch.Tensor:
     """Delta-KV attention end to end (see `reference.delta_kv`).
 
+    Host synchronisations: the packed buffer's size, the segment ids' count, the
+    phase-2 width, the phase-1 launch test and the ragged launcher's offset check; no
+    static variant, not capture-safe (docs/serving.md).
+
     Raises:
         TypeError, ValueError: bad inputs or parameters, before any launch.
     """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import check_block_size, check_positive_int, check_qk
+from ..reference._checks import check_block_size, check_positive_int, check_qk, check_chunk_qk
 from ..reference.plan import BlockColumnPlan, cdiv
 from .kernels import block_column_attention
 
@@ -24,12 +24,12 @@ def dense_plan(
     Every query block lists the key blocks `0 .. last`, so one `arange` expanded over
     batch, heads and query blocks serves as the index: O(N) memory.
     """
-    shape = check_qk(q, k)
+    shape = check_chunk_qk(q, k)
     bm = check_block_size("block_m", block_m)
     bn = check_block_size("block_n", block_n)
     n, b, h = shape.seqlen, shape.batch, shape.q_heads
-    qb, kb = cdiv(n, bm), cdiv(n, bn)
-    last_row = ((torch.arange(qb, device=q.device) + 1) * bm - 1).clamp(max=n - 1)
+    qb, kb = cdiv(n, bm), cdiv(shape.key_len, bn)
+    last_row = ((torch.arange(qb, device=q.device) + 1) * bm - 1).clamp(max=n - 1) + shape.query_offset
     count = (last_row // bn + 1).to(torch.int32)
     index = torch.arange(kb, dtype=torch.int32, device=q.device)
     col_count, col_index = empty_columns(b, h, qb, q.device)
@@ -41,6 +41,7 @@ def dense_plan(
         block_index=index.expand(b, h, qb, kb),
         column_count=col_count,
         column_index=col_index,
+        query_offset=shape.query_offset,
     ).mark_valid()
 
 

@@ -68,6 +68,10 @@ def minference(
 ) -> torch.Tensor:
     """MInference attention of one layer: one merged plan, one kernel launch.
 
+    Host synchronisation: one per vertical-slash pattern of the layer (its width;
+    the bound inside `fast.capture.static_widths()`). A layer mixing patterns copies
+    its head lists to the device while merging: not capture-safe (docs/serving.md).
+
     Returns:
         `[B, Hq, N, D]` in q's dtype.
     """

@@ -145,6 +145,11 @@ def sample_attention(
 ) -> torch.Tensor:
     """SampleAttention sparse attention (see `reference.sample_attention`).
 
+    Host synchronisation: one, the plan width from the kept counts (`Kb` inside
+    `fast.capture.static_widths()`, `torch.ops.sparseprefill.sample_attention_static`).
+    Not capture-safe either way: stage 1 copies its row-tile table to the device
+    (docs/serving.md).
+
     Args:
         q, k, alpha_c, alpha_s, chunk_n, block_size, settings, scale: as in
             `sample_attention_plan`. v: `[B, Hkv, N, D]`.

@@ -23,7 +23,8 @@ def streaming_plan(
 
     Query block `i` lists key blocks `[0, sink_blocks)` then `[window_first, last]`;
     both ranges are computed per query block with integer arithmetic, and one
-    `[Qb, width]` index is shared (expanded) by every batch row and head.
+    `[Qb, width]` index is shared (expanded) by every batch row and head. The width
+    comes from the same arithmetic on the host: no host synchronisation.
     """
     shape = check_qk(q, k)
     sink = check_count("sink", sink, cap=shape.seqlen, minimum=0)
@@ -33,16 +34,9 @@ def streaming_plan(
     n, b, h = shape.seqlen, shape.batch, shape.q_heads
     qb = cdiv(n, bm)
     dev = q.device
-    first_row = torch.arange(qb, device=dev, dtype=torch.int64) * bm
-    last_row = (first_row + bm - 1).clamp(max=n - 1)
-    causal = last_row // bn + 1
-    sink_blocks = torch.clamp(torch.full_like(causal, cdiv(sink, bn)), max=causal)
-    # First key block whose last key lies after first_row - window.
-    window_first = torch.clamp((first_row - window - bn + 1) // bn + 1, min=0)
-    window_first = torch.maximum(window_first, sink_blocks)
-    window_count = torch.clamp(causal - window_first, min=0)
-    count = sink_blocks + window_count
-    width = int(count.max().item())
+    # The width from the same arithmetic on the host: no device read (capture-safe).
+    width = int(_block_ranges(n, bm, bn, sink, window, torch.device("cpu"))[2].max())
+    sink_blocks, window_first, count = _block_ranges(n, bm, bn, sink, window, dev)
     j = torch.arange(width, device=dev, dtype=torch.int64)[None, :]
     index = torch.where(j < sink_blocks[:, None], j, window_first[:, None] + j - sink_blocks[:, None])
     index = torch.where(j < count[:, None], index, 0)
@@ -56,6 +50,21 @@ def streaming_plan(
         column_count=col_count,
         column_index=col_index,
     ).mark_valid()
+
+
+def _block_ranges(
+    n: int, bm: int, bn: int, sink: int, window: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sink blocks, first window block, listed blocks) int64 `[Qb]` of every query block."""
+    first_row = torch.arange(cdiv(n, bm), device=device, dtype=torch.int64) * bm
+    last_row = (first_row + bm - 1).clamp(max=n - 1)
+    causal = last_row // bn + 1
+    sink_blocks = torch.clamp(torch.full_like(causal, cdiv(sink, bn)), max=causal)
+    # First key block whose last key lies after first_row - window.
+    window_first = torch.clamp((first_row - window - bn + 1) // bn + 1, min=0)
+    window_first = torch.maximum(window_first, sink_blocks)
+    window_count = torch.clamp(causal - window_first, min=0)
+    return sink_blocks, window_first, sink_blocks + window_count
 
 
 def streaming(

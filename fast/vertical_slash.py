@@ -182,6 +182,11 @@ def vertical_slash(
     exceed `PLAN_BYTES` (scattered slashes at long N); then query heads are indexed
     and run in groups that fit (one head at a time if even that does not fit).
 
+    Host synchronisation: one, the counting pass's widest block list. Inside
+    `fast.capture.static_widths()` (`torch.ops.sparseprefill.vertical_slash_static`)
+    and during CUDA-graph capture the width is the parameter bound instead: no sync,
+    capture-safe (docs/serving.md).
+
     Returns:
         `[B, Hq, N, D]` in q's dtype.
 

@@ -17,6 +17,8 @@ from .delta_kv import (
     delta_kv_plans,
     delta_pack,
 )
+from .flexprefill_vs import flexprefill_vs, flexprefill_vs_plan
+from .dpxa import dpxa, dpxa_plan, dpxa_scoring_ratio, dpxa_tile_weights
 from .metrics import density, recall, relative_error
 from .minference import (
     HeadPattern,
@@ -26,19 +28,38 @@ from .minference import (
     minference_plan,
     search_patterns,
 )
-from .plan import BlockColumnPlan
+from .plan import BlockColumnPlan, stack_plans
 from .sample_attention import SampleAttentionSettings, sample_attention, sample_attention_plan
+from .shareprefill import (
+    ClusterLayout,
+    LayerDecision,
+    Pivot,
+    SharePattern,
+    SharePrefillState,
+    shareprefill,
+    shareprefill_layer,
+    shareprefill_layer_plan,
+    shareprefill_plan,
+    shareprefill_stack,
+)
 from .streaming import streaming, streaming_plan
+from .varlen import varlen_attention, varlen_plans
 from .vertical_slash import vertical_slash, vertical_slash_plan
+from .xattention import select_tiles, xattention, xattention_plan, xattention_tile_weights
 
 __all__ = [
     "AttentionState",
     "BlockColumnPlan",
+    "ClusterLayout",
     "HeadPattern",
+    "LayerDecision",
     "MInferenceConfig",
     "PackedKV",
+    "Pivot",
     "SampleAttentionSettings",
     "SearchResult",
+    "SharePattern",
+    "SharePrefillState",
     "a_shape",
     "a_shape_plan",
     "anchor_attention",
@@ -55,6 +76,12 @@ __all__ = [
     "dense",
     "dense_plan",
     "density",
+    "flexprefill_vs",
+    "flexprefill_vs_plan",
+    "dpxa",
+    "dpxa_plan",
+    "dpxa_scoring_ratio",
+    "dpxa_tile_weights",
     "minference",
     "minference_plan",
     "recall",
@@ -62,9 +89,21 @@ __all__ = [
     "sample_attention",
     "sample_attention_plan",
     "search_patterns",
+    "shareprefill",
+    "shareprefill_layer",
+    "shareprefill_layer_plan",
+    "shareprefill_plan",
+    "shareprefill_stack",
+    "select_tiles",
     "sparse_attention",
+    "stack_plans",
     "streaming",
     "streaming_plan",
+    "varlen_attention",
+    "varlen_plans",
     "vertical_slash",
     "vertical_slash_plan",
+    "xattention",
+    "xattention_plan",
+    "xattention_tile_weights",
 ]

@@ -34,6 +34,12 @@ class QKVShape:
     kv_heads: int
     seqlen: int
     head_dim: int
+    query_offset: int = 0
+
+    @property
+    def key_len(self) -> int:
+        """Keys: `query_offset + seqlen` (a chunk of queries after a cached prefix)."""
+        return self.query_offset + self.seqlen
 
     @property
     def group(self) -> int:
@@ -55,8 +61,12 @@ def check_qk(
     k: object,
     *,
     dtypes: tuple[torch.dtype, ...] = REFERENCE_DTYPES,
+    query_offset: int = 0,
 ) -> QKVShape:
-    """Check `q: [B, Hq, N, D]` against `k: [B, Hkv, N, D]` and return the sizes.
+    """Check `q: [B, Hq, N, D]` against `k: [B, Hkv, P + N, D]` and return the sizes.
+
+    `query_offset` P: the queries are positions `[P, P + N)` of a prompt whose keys
+    `[0, P + N)` are all in k (P = 0: q and k cover the same positions).
 
     Raises:
         TypeError: not tensors, or a dtype outside `dtypes`, or q and k differ in dtype.
@@ -81,9 +91,10 @@ def check_qk(
     b, hq, n, d = q.shape
     if 0 in q.shape:
         raise ValueError(f"q must not be empty, got shape {tuple(q.shape)}")
-    if k.shape[0] != b or k.shape[2] != n or k.shape[3] != d:
+    if k.shape[0] != b or k.shape[2] != query_offset + n or k.shape[3] != d:
+        keys = f"N={n}" if query_offset == 0 else f"P + N={query_offset + n} (query_offset={query_offset})"
         raise ValueError(
-            f"k must have shape [B={b}, Hkv, N={n}, D={d}] to match q, got {tuple(k.shape)}"
+            f"k must have shape [B={b}, Hkv, {keys}, D={d}] to match q, got {tuple(k.shape)}"
         )
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv != 0:
@@ -91,7 +102,21 @@ def check_qk(
             f"the number of query heads ({hq}) must be a multiple of the number of "
             f"KV heads in k ({hkv})"
         )
-    return QKVShape(batch=b, q_heads=hq, kv_heads=hkv, seqlen=n, head_dim=d)
+    return QKVShape(batch=b, q_heads=hq, kv_heads=hkv, seqlen=n, head_dim=d, query_offset=query_offset)
+
+
+def check_chunk_qk(
+    q: object,
+    k: object,
+    *,
+    dtypes: tuple[torch.dtype, ...] = REFERENCE_DTYPES,
+) -> QKVShape:
+    """`check_qk` where k may hold more positions than q: then q holds the last N of
+    k's `P + N` positions (a chunk after a cached prefix) and `query_offset` is P."""
+    offset = 0
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4:
+        offset = max(0, k.shape[2] - q.shape[2])
+    return check_qk(q, k, dtypes=dtypes, query_offset=offset)
 
 
 def check_qkv(
@@ -100,9 +125,10 @@ def check_qkv(
     v: object,
     *,
     dtypes: tuple[torch.dtype, ...] = REFERENCE_DTYPES,
+    query_offset: int = 0,
 ) -> QKVShape:
     """Check a `q, k, v` triple (see `check_qk`); `v` must match `k` exactly."""
-    shape = check_qk(q, k, dtypes=dtypes)
+    shape = check_qk(q, k, dtypes=dtypes, query_offset=query_offset)
     assert isinstance(k, torch.Tensor)
     v = check_tensor("v", v, rank=4)
     if v.dtype != k.dtype:

@@ -259,8 +259,11 @@ def _attend(
     mask: torch.Tensor | None,
     state: AttentionState,
     sm_scale: float,
+    offset: int = 0,
 ) -> None:
     """Continue `state` with the causal keys `mask` keeps (all causal keys if None), in float64.
+
+    Query row `r` is position `offset + r` (k holds `offset` more keys than q rows).
 
     The online-softmax update of every row, written as plainly as the math: with
     `m_new = max(m, max_j s_j)`, `l = l * exp(m - m_new) + sum_j exp(s_j - m_new)`,
@@ -284,13 +287,14 @@ def _attend(
     chunk = _chunk_rows(b, hq, n)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        # Queries in [start, stop) can only see keys in [0, stop).
-        rows = torch.arange(start, stop, device=q.device)
-        keys = torch.arange(stop, device=q.device)
-        keep = (keys[None, :] <= rows[:, None]).expand(b, hkv, g, stop - start, stop)
+        # Queries in [start, stop) (positions offset + r) see keys in [0, offset + stop).
+        end = offset + stop
+        rows = torch.arange(start, stop, device=q.device) + offset
+        keys = torch.arange(end, device=q.device)
+        keep = (keys[None, :] <= rows[:, None]).expand(b, hkv, g, stop - start, end)
         if mask is not None:
-            keep = keep & _group_mask(mask[:, :, start:stop, :stop], hkv, g)
-        scores = torch.matmul(qg[:, :, :, start:stop], kg[:, :, :, :stop].transpose(-1, -2)) * sm_scale
+            keep = keep & _group_mask(mask[:, :, start:stop, :end], hkv, g)
+        scores = torch.matmul(qg[:, :, :, start:stop], kg[:, :, :, :end].transpose(-1, -2)) * sm_scale
         scores = scores.masked_fill(~keep, -math.inf)
         m0 = m_all[:, :, :, start:stop].to(torch.float64)
         m_new = torch.maximum(m0, scores.amax(dim=-1))
@@ -300,9 +304,9 @@ def _attend(
         rescale = torch.exp(m0 - shift)
         l_new = l_all[:, :, :, start:stop].to(torch.float64) * rescale + weights.sum(dim=-1)
         acc_new = acc_all[:, :, :, start:stop].to(torch.float64) * rescale.unsqueeze(-1) \
-            + torch.matmul(weights, vg[:, :, :, :stop])
+            + torch.matmul(weights, vg[:, :, :, :end])
         if any_v_bad:
-            poisoned = (keep & v_bad[..., :stop].unsqueeze(-2)).any(dim=-1, keepdim=True)
+            poisoned = (keep & v_bad[..., :end].unsqueeze(-2)).any(dim=-1, keepdim=True)
             acc_new = torch.where(poisoned, math.nan, acc_new)
         m_all[:, :, :, start:stop] = m_new.to(state.m.dtype)
         l_all[:, :, :, start:stop] = l_new.to(state.l.dtype)
@@ -324,16 +328,18 @@ def block_means(q: torch.Tensor, k: torch.Tensor, plan: BlockColumnPlan, sm_scal
     listed = plan.block_mask()
     sums = torch.zeros(b, hkv, g, qb, kb, dtype=torch.float64, device=q.device)
     counts = torch.zeros(qb, kb, dtype=torch.float64, device=q.device)
+    p = plan.query_offset
     qg = q.reshape(b, hkv, g, n, d).to(torch.float64)
     kg = k.to(torch.float64).unsqueeze(2)
-    key_block = torch.arange(n, device=q.device) // bn
+    key_block = torch.arange(p + n, device=q.device) // bn
     for i in range(qb):
         r0, r1 = i * bm, min(n, (i + 1) * bm)
-        scores = torch.matmul(qg[:, :, :, r0:r1], kg[:, :, :, :r1].transpose(-1, -2)) * sm_scale
-        causal = torch.arange(r1, device=q.device)[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
-        per_key = torch.where(causal, scores, 0.0).sum(dim=-2)  # [B, Hkv, G, r1]
-        sums[..., i, :].index_add_(-1, key_block[:r1], per_key)
-        counts[i].index_add_(0, key_block[:r1], causal.sum(dim=0).to(torch.float64))
+        e = p + r1  # keys the block's rows can see
+        scores = torch.matmul(qg[:, :, :, r0:r1], kg[:, :, :, :e].transpose(-1, -2)) * sm_scale
+        causal = torch.arange(e, device=q.device)[None, :] <= torch.arange(p + r0, e, device=q.device)[:, None]
+        per_key = torch.where(causal, scores, 0.0).sum(dim=-2)  # [B, Hkv, G, e]
+        sums[..., i, :].index_add_(-1, key_block[:e], per_key)
+        counts[i].index_add_(0, key_block[:e], causal.sum(dim=0).to(torch.float64))
     means = (sums / counts.clamp(min=1)).reshape(b, hq, qb, kb)
     return torch.where(listed & (counts > 0), means, -math.inf).to(torch.float32)
 
@@ -387,8 +393,12 @@ def sparse_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention restricted to a plan: the keys `plan.to_dense_mask()` keeps.
 
+    A plan with `query_offset` P > 0 (a chunk of a prompt: `plan.rows`, or an
+    estimator run on a chunk) takes q of the chunk's N rows and k, v of all `P + N`
+    keys; the result is those rows of the whole prompt's attention under the plan.
+
     Args:
-        q, k, v, scale, return_lse: as in `attention`.
+        q, k, v, scale, return_lse: as in `attention` (k, v: `[B, Hkv, P + N, D]`).
         plan: a `BlockColumnPlan` with `B` and `Hq` of q and `seqlen == N`.
         state: an `AttentionState` to start from (see the module doc), or None to
             start from nothing. It is updated in place to the state after this
@@ -405,7 +415,8 @@ def sparse_attention(
         TypeError, ValueError: bad inputs, a plan that fails `validate` or does not
             match q, or a state / buffer of the wrong shape, dtype or device.
     """
-    shape = check_qkv(q, k, v)
+    offset = plan.query_offset if isinstance(plan, BlockColumnPlan) else 0
+    shape = check_qkv(q, k, v, query_offset=offset)
     sm_scale = resolve_scale(scale, shape.head_dim)
     check_plan(plan, shape.batch, shape.q_heads, shape.seqlen, q.device)
     if state is not None:
@@ -418,7 +429,7 @@ def sparse_attention(
         work = state
     else:
         work = AttentionState(state.m.contiguous(), state.l.contiguous(), state.acc.contiguous())
-    _attend(q, k, v, plan.to_dense_mask(), work, sm_scale)
+    _attend(q, k, v, plan.to_dense_mask(), work, sm_scale, offset)
     if state is not None and work is not state:
         for name in ("m", "l", "acc"):
             getattr(state, name).copy_(getattr(work, name))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_block_size, check_positive_int, check_qk
+from ._checks import check_block_size, check_positive_int, check_qk, check_chunk_qk
 from .attention import sparse_attention
 from .plan import BlockColumnPlan, cdiv
 
@@ -15,24 +15,27 @@ def dense_plan(
     """The plan that keeps the whole causal triangle.
 
     Args:
-        q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]` (only their shapes are used).
+        q: `[B, Hq, N, D]`; k: `[B, Hkv, P + N, D]` (only their shapes are used): with
+            P > 0, q holds the chunk of queries at positions `[P, P + N)` and the plan
+            has `query_offset` P (chunked prefill over a cached prefix).
         block_m: query rows per block. block_n: keys per block.
 
     Returns:
-        A `BlockColumnPlan` listing key blocks `0 .. i * block_m // block_n` for query
-        block `i`, and no columns.
+        A `BlockColumnPlan` listing, for query block `i`, every key block up to the
+        one holding its last row, and no columns.
 
     Raises:
         TypeError, ValueError: bad inputs.
     """
-    shape = check_qk(q, k)
+    shape = check_chunk_qk(q, k)
     bm = check_block_size("block_m", block_m)
     bn = check_block_size("block_n", block_n)
     n = shape.seqlen
     blocks = torch.ones(
-        shape.batch, shape.q_heads, cdiv(n, bm), cdiv(n, bn), dtype=torch.bool, device=q.device
+        shape.batch, shape.q_heads, cdiv(n, bm), cdiv(shape.key_len, bn), dtype=torch.bool, device=q.device
     )
-    return BlockColumnPlan.from_masks(blocks, None, seqlen=n, block_m=bm, block_n=bn)
+    return BlockColumnPlan.from_masks(blocks, None, seqlen=n, block_m=bm, block_n=bn,
+                                      query_offset=shape.query_offset)
 
 
 def dense(

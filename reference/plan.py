@@ -38,6 +38,11 @@ Invariants (checked by `validate`):
    query block, so each block takes its own causal prefix of the group's sorted
    list). AnchorAttention's stripes, found once per group of `step` query blocks,
    are stored this way: a group's list costs memory once, not `step` times.
+7. `query_offset` P >= 0: the plan's rows are the queries at positions `[P, P + N)`
+   (query block `i` is positions `[P + i * block_m, P + (i + 1) * block_m)`), its keys
+   `[0, P + N)` (`Kb = ceil((P + N) / block_n)`), and causality compares a key with
+   the row's position. P = 0 is a whole prompt; P > 0 is a chunk of a prompt whose
+   first P positions are already in the KV cache (chunked prefill, prefix caching).
 
 Index tensors may be expanded views (stride 0 over batch, heads or query
 blocks): a dense or streaming plan shared by every head costs O(N) memory, not
@@ -57,6 +62,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ._checks import check_block_size, check_positive_int
+
+# Key positions are stored as int32: a plan's keys (`query_offset + seqlen`) stay below this.
+MAX_KEYS = 2**31 - 1
 
 _INDEX_FIELDS = ("block_count", "block_index", "column_count", "column_index")
 
@@ -83,6 +91,9 @@ class BlockColumnPlan:
             column-in-block test. False (the default) allows such columns.
         column_group: query blocks that share one column list (invariant 6); 1 (the
             default) gives every query block its own list.
+        query_offset: P, the position of the plan's first query row (invariant 7):
+            the plan covers queries `[P, P + seqlen)` against keys `[0, P + seqlen)`
+            (chunked prefill over a cached prefix). 0 (the default): a whole prompt.
     """
 
     seqlen: int
@@ -94,6 +105,7 @@ class BlockColumnPlan:
     column_index: torch.Tensor
     columns_disjoint: bool = False
     column_group: int = 1
+    query_offset: int = 0
     # Set once `validate` has passed (or by an estimator that builds valid plans by
     # construction), so launching the same plan again skips the O(plan) check.
     _checked: bool = field(default=False, repr=False, compare=False)
@@ -113,8 +125,19 @@ class BlockColumnPlan:
         return cdiv(self.seqlen, self.block_m)
 
     @property
+    def key_len(self) -> int:
+        """Keys the plan may list: `query_offset + seqlen`."""
+        return self.query_offset + self.seqlen
+
+    @property
     def num_key_blocks(self) -> int:
-        return cdiv(self.seqlen, self.block_n)
+        return cdiv(self.key_len, self.block_n)
+
+    def last_rows(self) -> torch.Tensor:
+        """int64 `[Qb]`: the position of every query block's last row (its causal horizon)."""
+        qb = self.num_query_blocks
+        rows = (torch.arange(qb, device=self.device, dtype=torch.int64) + 1) * self.block_m - 1
+        return rows.clamp(max=self.seqlen - 1) + self.query_offset
 
     @property
     def num_column_rows(self) -> int:
@@ -165,6 +188,7 @@ class BlockColumnPlan:
         n = check_positive_int("plan.seqlen", self.seqlen)
         bm = check_block_size("plan.block_m", self.block_m)
         bn = check_block_size("plan.block_n", self.block_n)
+        check_positive_int("plan.query_offset", self.query_offset, minimum=0, maximum=MAX_KEYS - n)
         for name in _INDEX_FIELDS:
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
@@ -176,7 +200,8 @@ class BlockColumnPlan:
                     f"plan.{name} is on {t.device}, plan.block_count on {self.block_count.device}"
                 )
         qb = cdiv(n, bm)
-        kb = cdiv(n, bn)
+        keys = self.key_len
+        kb = cdiv(keys, bn)
         if self.block_count.dim() != 3 or self.block_count.shape[2] != qb:
             raise ValueError(
                 f"plan.block_count must have shape [B, Hq, Qb={qb}] for N={n}, "
@@ -197,8 +222,7 @@ class BlockColumnPlan:
                 f"plan.column_count must have shape {lead}, got {tuple(self.column_count.shape)}"
             )
         # Last query row of every query block: the causal horizon of the block.
-        last_row = (torch.arange(qb, device=self.device, dtype=torch.int64) + 1) * bm - 1
-        last_row = last_row.clamp(max=n - 1).view(1, 1, qb, 1)
+        last_row = self.last_rows().view(1, 1, qb, 1)
 
         blocks_valid = _check_list(
             "block", self.block_count, self.block_index, upper=kb,
@@ -210,7 +234,7 @@ class BlockColumnPlan:
 
         width = self.column_index.shape[3]
         if group == 1:
-            cols_valid = _check_list("column", self.column_count, self.column_index, upper=n)
+            cols_valid = _check_list("column", self.column_count, self.column_index, upper=keys)
             bad = cols_valid & (self.column_index.to(torch.int64) > last_row)
         else:
             # A group's list is checked once, over the longest prefix any of its query
@@ -221,7 +245,7 @@ class BlockColumnPlan:
             owner = torch.arange(qb, device=self.device) // group
             group_count = torch.zeros(*lead[:2], rows, dtype=torch.int32, device=self.device)
             group_count.scatter_reduce_(2, owner.expand_as(self.column_count), self.column_count, "amax")
-            _check_list("column", group_count, self.column_index, upper=n)
+            _check_list("column", group_count, self.column_index, upper=keys)
             bad = torch.zeros_like(self.column_count, dtype=torch.bool).unsqueeze(-1)
             if width > 0:
                 last = self.query_block_columns().gather(
@@ -269,26 +293,27 @@ class BlockColumnPlan:
         return out[..., : self.num_key_blocks]
 
     def column_mask(self) -> torch.Tensor:
-        """Return the listed key columns as bool `[B, Hq, Qb, N]`."""
+        """Return the listed key columns as bool `[B, Hq, Qb, P + N]`."""
         b, h, qb = self.column_count.shape
-        out = torch.zeros(b, h, qb, self.seqlen + 1, dtype=torch.bool, device=self.device)
+        keys = self.key_len
+        out = torch.zeros(b, h, qb, keys + 1, dtype=torch.bool, device=self.device)
         width = self.column_index.shape[3]
         valid = torch.arange(width, device=self.device) < self.column_count.unsqueeze(-1)
-        idx = torch.where(valid, self.query_block_columns().to(torch.int64), self.seqlen)
+        idx = torch.where(valid, self.query_block_columns().to(torch.int64), keys)
         out.scatter_(3, idx, True)
-        return out[..., : self.seqlen]
+        return out[..., :keys]
 
     def to_dense_mask(self) -> torch.Tensor:
-        """Return the exact keys every query attends to, as bool `[B, Hq, N, N]`.
+        """Return the exact keys every query attends to, as bool `[B, Hq, N, P + N]`.
 
-        Row `r`, column `c` is True iff `c <= r` and `c` lies in a listed key block or
-        is a listed column of the query block holding `r`.
+        Row `r` (position `P + r`), column `c` is True iff `c <= P + r` and `c` lies in
+        a listed key block or is a listed column of the query block holding `r`.
         """
-        n, bm, bn = self.seqlen, self.block_m, self.block_n
-        keys = self.block_mask().repeat_interleave(bn, dim=3)[..., :n]
-        keys = keys | self.column_mask()
-        rows = keys.repeat_interleave(bm, dim=2)[:, :, :n]
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+        n, bm, bn, keys = self.seqlen, self.block_m, self.block_n, self.key_len
+        cols = self.block_mask().repeat_interleave(bn, dim=3)[..., :keys]
+        cols = cols | self.column_mask()
+        rows = cols.repeat_interleave(bm, dim=2)[:, :, :n]
+        causal = torch.ones(n, keys, dtype=torch.bool, device=self.device).tril_(self.query_offset)
         return rows & causal
 
     def to(self, device: torch.device | str) -> BlockColumnPlan:
@@ -303,6 +328,7 @@ class BlockColumnPlan:
             column_index=self.column_index.to(device),
             columns_disjoint=self.columns_disjoint,
             column_group=self.column_group,
+            query_offset=self.query_offset,
         )
 
     def equal(self, other: BlockColumnPlan) -> bool:
@@ -312,7 +338,8 @@ class BlockColumnPlan:
         inside a listed block are removed (they add nothing), padding ignored: a plan
         with disjoint columns equals its twin whose columns repeat keys of its blocks.
         """
-        if (self.seqlen, self.block_m, self.block_n) != (other.seqlen, other.block_m, other.block_n):
+        if (self.seqlen, self.block_m, self.block_n, self.query_offset) != \
+                (other.seqlen, other.block_m, other.block_n, other.query_offset):
             return False
         if self.block_count.shape != other.block_count.shape:
             return False
@@ -354,6 +381,128 @@ class BlockColumnPlan:
             seqlen=self.seqlen, block_m=self.block_m, block_n=self.block_n,
             block_count=self.block_count, block_index=self.block_index,
             column_count=count, column_index=index, columns_disjoint=True,
+            query_offset=self.query_offset,
+        )
+        return plan.mark_valid() if self._checked else plan
+
+    def rows(self, start: int, stop: int | None = None) -> BlockColumnPlan:
+        """The plan of the query rows `[start, stop)` alone (a chunk of this plan).
+
+        The result has `query_offset = self.query_offset + start` and the same lists
+        for those rows, so running it on the chunk's queries (and the keys up to the
+        chunk's end) gives exactly those rows of running this plan. `start` must be a
+        multiple of `block_m` and `stop` one too, or the end; grouped column rows are
+        shared views when `start` is a multiple of `block_m * column_group`, else
+        gathered per query block.
+
+        Raises:
+            ValueError: a range that is empty, out of `[0, seqlen]`, or not on block rows.
+        """
+        n, bm = self.seqlen, self.block_m
+        stop = n if stop is None else stop
+        for name, value in (("start", start), ("stop", stop)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"rows [start, stop) must satisfy 0 <= start < stop <= seqlen={n}, "
+                             f"got [{start}, {stop})")
+        if start % bm or (stop % bm and stop != n):
+            raise ValueError(f"start and stop must be multiples of block_m={bm} (stop may be "
+                             f"seqlen={n}), got [{start}, {stop})")
+        i0, i1 = start // bm, cdiv(stop, bm)
+        plan = self if i0 % self.column_group == 0 else self.ungrouped()
+        g = plan.column_group
+        out = BlockColumnPlan(
+            seqlen=stop - start, block_m=bm, block_n=self.block_n,
+            block_count=plan.block_count[:, :, i0:i1], block_index=plan.block_index[:, :, i0:i1],
+            column_count=plan.column_count[:, :, i0:i1],
+            column_index=plan.column_index[:, :, i0 // g:cdiv(i1, g)],
+            columns_disjoint=self.columns_disjoint, column_group=g,
+            query_offset=self.query_offset + start,
+        )
+        return out.mark_valid() if self._checked else out
+
+    def with_full_blocks(self) -> BlockColumnPlan:
+        """The same attention with every key block that a column list holds entirely
+        listed as a block instead (the kernel reads a listed block as one contiguous
+        tile at the dense rate; a column tile is a gather of single rows).
+
+        Works on the shared column rows (`column_group`): a key block is promoted for a
+        group when the group's row holds all of its keys (`min(block_n, N - j *
+        block_n)` of them); each query block of the group whose own prefix reaches the
+        block then lists it, and the block's columns leave the row. A block is left as
+        columns when some query block's prefix ends inside it while a key it does not
+        read is one it could see (then the promotion would add a key); a prefix that
+        ends inside the block only where the rest is in the future (the causal prefix,
+        as every estimator here builds) is promoted. So the kept set of every row is
+        unchanged (`to_dense_mask` is equal), and so is `equal`-comparison of the
+        attention, not of the lists. `columns_disjoint` is kept.
+
+        One host sync (the new column width, as `mask_to_list`); builds a `[B, Hq, Qb,
+        Kb]` bool mask of the block lists.
+
+        Returns:
+            A plan with `column_group` as before, lists re-packed; self if no block is
+            held entirely by a column row.
+        """
+        b, h, qb = self.batch, self.num_heads, self.num_query_blocks
+        n, bn, g = self.key_len, self.block_n, self.column_group
+        kb, rows, width = self.num_key_blocks, self.num_column_rows, self.column_index.shape[3]
+        if width == 0 or b * h == 0:
+            return self
+        device = self.device
+        counts = self.column_count.to(torch.int64)
+        # Valid length of each shared row: the longest prefix any of its query blocks reads.
+        owner = torch.arange(qb, device=device) // g
+        row_len = torch.zeros(b, h, rows, dtype=torch.int64, device=device)
+        row_len.scatter_reduce_(2, owner.expand(b, h, qb), counts, reduce="amax")
+        cols = self.column_index.to(torch.int64)
+        valid = torch.arange(width, device=device) < row_len.unsqueeze(-1)
+        blk = torch.where(valid, cols // bn, kb)  # padding counts in a spare slot
+        held = torch.zeros(b, h, rows, kb + 1, dtype=torch.int64, device=device)
+        held.scatter_add_(3, blk, torch.ones_like(blk))
+        held = held[..., :kb]
+        size = (n - torch.arange(kb, device=device) * bn).clamp(max=bn)
+        full = held == size  # [B, H, rows, Kb]
+        # Position of each block's first key in its row (the entries before it).
+        first = torch.cumsum(held, dim=3) - held
+        # A prefix that ends inside a full block: veto the block unless every key of it
+        # past the prefix is after the query block's last row.
+        last_row = self.last_rows()
+        rowcols = self.query_block_columns() if g == 1 else cols.index_select(2, owner)
+        end = counts.clamp(max=width - 1)
+        nxt = torch.gather(rowcols.to(torch.int64), 3, end.unsqueeze(-1)).squeeze(-1)
+        inside = (counts > 0) & (counts < row_len.index_select(2, owner)) & \
+            (torch.gather(rowcols.to(torch.int64), 3, (counts - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+             // bn == nxt // bn)
+        veto_q = inside & (nxt <= last_row)
+        vq = torch.zeros(b, h, qb, kb + 1, dtype=torch.bool, device=device)
+        vq.scatter_(3, torch.where(veto_q, nxt // bn, kb).unsqueeze(-1), True)
+        veto_rows = torch.zeros(b, h, rows, kb + 1, dtype=torch.int32, device=device)
+        veto_rows.index_add_(2, owner, vq.to(torch.int32))
+        promote = full & (veto_rows[..., :kb] == 0)
+        if not bool(promote.any()):
+            return self
+        # Query block i lists a promoted block of its row when its prefix reaches it.
+        reach = promote.index_select(2, owner) & (first.index_select(2, owner) < counts.unsqueeze(-1))
+        blocks = torch.zeros(b, h, qb, kb + 1, dtype=torch.bool, device=device)
+        bvalid = torch.arange(self.block_index.shape[3], device=device) < self.block_count.unsqueeze(-1)
+        blocks.scatter_(3, torch.where(bvalid, self.block_index.to(torch.int64), kb), True)
+        blocks = blocks[..., :kb] | reach
+        block_count, block_index = mask_to_list(blocks)
+        # Drop the promoted blocks' columns from each row; each count keeps its kept entries.
+        keep = valid & ~torch.gather(torch.cat([promote, promote.new_zeros(b, h, rows, 1)], 3), 3, blk)
+        kept_before = torch.cumsum(keep.to(torch.int64), dim=3)
+        new_counts = torch.where(counts > 0, torch.gather(kept_before.index_select(2, owner), 3,
+                                                         (counts - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0)
+        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+        new_width = int(keep.sum(dim=-1).max().item())
+        column_index = torch.gather(self.column_index, 3, order[..., :new_width])
+        plan = BlockColumnPlan(
+            seqlen=self.seqlen, block_m=self.block_m, block_n=bn, block_count=block_count,
+            block_index=block_index, column_count=new_counts.to(torch.int32),
+            column_index=column_index.contiguous(), columns_disjoint=self.columns_disjoint,
+            column_group=g, query_offset=self.query_offset,
         )
         return plan.mark_valid() if self._checked else plan
 
@@ -365,6 +514,7 @@ class BlockColumnPlan:
         seqlen: int,
         block_m: int,
         block_n: int,
+        query_offset: int = 0,
     ) -> BlockColumnPlan:
         """Build a plan from dense selections; the reference estimators use this.
 
@@ -373,9 +523,9 @@ class BlockColumnPlan:
         disjoint blocks and columns.
 
         Args:
-            block_mask: bool `[B, Hq, Qb, Kb]`, key blocks to keep.
-            column_mask: bool `[B, Hq, Qb, N]`, key columns to keep, or None.
-            seqlen, block_m, block_n: as the plan's attributes.
+            block_mask: bool `[B, Hq, Qb, Kb]`, key blocks to keep (`Kb` over `P + N` keys).
+            column_mask: bool `[B, Hq, Qb, P + N]`, key columns to keep, or None.
+            seqlen, block_m, block_n, query_offset: as the plan's attributes.
 
         Returns:
             The validated plan, lists as narrow as the fullest query block needs.
@@ -383,26 +533,28 @@ class BlockColumnPlan:
         n = check_positive_int("seqlen", seqlen)
         bm = check_block_size("block_m", block_m)
         bn = check_block_size("block_n", block_n)
-        qb, kb = cdiv(n, bm), cdiv(n, bn)
+        p = check_positive_int("query_offset", query_offset, minimum=0, maximum=MAX_KEYS - n)
+        keys = p + n
+        qb, kb = cdiv(n, bm), cdiv(keys, bn)
         if block_mask.dim() != 4 or tuple(block_mask.shape[2:]) != (qb, kb):
             raise ValueError(
                 f"block_mask must have shape [B, Hq, {qb}, {kb}], got {tuple(block_mask.shape)}"
             )
         device = block_mask.device
-        last_row = ((torch.arange(qb, device=device) + 1) * bm - 1).clamp(max=n - 1)
+        last_row = ((torch.arange(qb, device=device) + 1) * bm - 1).clamp(max=n - 1) + p
         causal_blocks = torch.arange(kb, device=device) * bn <= last_row[:, None]
         blocks = block_mask.bool() & causal_blocks
         if column_mask is None:
-            columns = torch.zeros(*blocks.shape[:3], n, dtype=torch.bool, device=device)
+            columns = torch.zeros(*blocks.shape[:3], keys, dtype=torch.bool, device=device)
         else:
-            if tuple(column_mask.shape) != (*blocks.shape[:3], n):
+            if tuple(column_mask.shape) != (*blocks.shape[:3], keys):
                 raise ValueError(
-                    f"column_mask must have shape {(*blocks.shape[:3], n)}, "
+                    f"column_mask must have shape {(*blocks.shape[:3], keys)}, "
                     f"got {tuple(column_mask.shape)}"
                 )
             columns = column_mask.bool()
-        causal_cols = torch.arange(n, device=device) <= last_row[:, None]
-        in_block = blocks.repeat_interleave(bn, dim=3)[..., :n]
+        causal_cols = torch.arange(keys, device=device) <= last_row[:, None]
+        in_block = blocks.repeat_interleave(bn, dim=3)[..., :keys]
         columns = columns & causal_cols & ~in_block
         block_count, block_index = mask_to_list(blocks)
         column_count, column_index = mask_to_list(columns)
@@ -414,7 +566,56 @@ class BlockColumnPlan:
             block_index=block_index,
             column_count=column_count,
             column_index=column_index,
+            query_offset=p,
         ).validate()
+
+
+def stack_plans(plans: list[BlockColumnPlan]) -> BlockColumnPlan:
+    """One plan whose batch rows are the given plans' rows, in order (a varlen batch).
+
+    The plans may have different `seqlen`s (one sequence each, say); the result has
+    the largest, and a shorter plan's query blocks past its end list nothing. Block
+    sizes, heads, `column_group` and `query_offset` (0) must agree.
+
+    Raises:
+        ValueError: an empty list or plans that disagree.
+    """
+    if not plans:
+        raise ValueError("plans must not be empty")
+    first = plans[0]
+    for i, p in enumerate(plans):
+        if not isinstance(p, BlockColumnPlan):
+            raise TypeError(f"plans[{i}] must be a BlockColumnPlan, got {type(p).__name__}")
+        if (p.block_m, p.block_n, p.column_group, p.num_heads, p.device) != \
+                (first.block_m, first.block_n, first.column_group, first.num_heads, first.device):
+            raise ValueError(f"plans[{i}] differs from plans[0] in block sizes, column_group, heads or device")
+        if p.query_offset:
+            raise ValueError(f"plans[{i}] has query_offset {p.query_offset}; stacked plans must have 0")
+    n = max(p.seqlen for p in plans)
+    qb = cdiv(n, first.block_m)
+    rows = cdiv(qb, first.column_group)
+    bw = max(p.block_index.shape[3] for p in plans)
+    cw = max(p.column_index.shape[3] for p in plans)
+
+    def pad(t: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
+        out = torch.zeros(size, dtype=torch.int32, device=first.device)
+        out[tuple(slice(0, s) for s in t.shape)] = t
+        return out
+
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in _INDEX_FIELDS}
+    for p in plans:
+        b, h = p.batch, p.num_heads
+        parts["block_count"].append(pad(p.block_count, (b, h, qb)))
+        parts["block_index"].append(pad(p.block_index, (b, h, qb, bw)))
+        parts["column_count"].append(pad(p.column_count, (b, h, qb)))
+        parts["column_index"].append(pad(p.column_index, (b, h, rows, cw)))
+    plan = BlockColumnPlan(
+        seqlen=n, block_m=first.block_m, block_n=first.block_n,
+        block_count=torch.cat(parts["block_count"]), block_index=torch.cat(parts["block_index"]),
+        column_count=torch.cat(parts["column_count"]), column_index=torch.cat(parts["column_index"]),
+        columns_disjoint=all(p.columns_disjoint for p in plans), column_group=first.column_group,
+    )
+    return plan.mark_valid() if all(p._checked for p in plans) else plan
 
 
 def columns_inside_blocks(

@@ -471,6 +471,104 @@ def run_delta_kv_suite(
     return rows
 
 
+# XAttention / DPXA cases of `run_tile_suite`: (row name, method, parameters).
+TILE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("xattention s8 0.9", "xattention", {"stride": 8, "threshold": 0.9}),
+    ("xattention s16 0.9", "xattention", {"stride": 16, "threshold": 0.9}),
+    ("naive s4 0.9", "xattention", {"stride": 4, "threshold": 0.9, "scoring": "naive"}),
+    ("dpxa cos0.75 0.9", "dpxa", {"cos_threshold": 0.75, "threshold": 0.9}),
+    ("dpxa cos0.75 0.75", "dpxa", {"cos_threshold": 0.75, "threshold": 0.75}),
+    ("dpxa cos0.78 0.9", "dpxa", {"cos_threshold": 0.78, "threshold": 0.9}),
+)
+
+
+def run_tile_suite(
+    seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
+    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, with_recall: bool = True,
+    log: Callable[[str], None] = print, methods: tuple[str, ...] = ("xattention", "dpxa"),
+    block: int = 128, cases: tuple[tuple[str, str, dict[str, Any]], ...] = TILE_CASES,
+    device: str = "cuda",
+) -> list[Row]:
+    """XAttention and DPXA (issue 9) on the demo's workload, cuDNN SDPA in the same run.
+
+    Every case is timed end to end and in its stages: scoring (the tile weights: for
+    DPXA the delta anchors of Q and K, `anchors_ms`, plus the anchor-pair scores),
+    selection (greedy threshold and the plan's block lists) and the block kernel on the
+    plan. `extra` holds the split, `scoring_vs_cudnn` (scoring time over cuDNN's dense
+    time; XAttention's stride-8 scoring FLOPs are 1/16 of dense), `floor_ms`
+    (`density x cuDNN`) and `kernel_over_floor`, the tiles computed and DPXA's measured
+    scoring ratio `alpha * beta`.
+    """
+    from . import fast
+    from .demo import Shape, synthetic_qkv
+    from .fast.kernels import block_column_attention
+    from .fast.kernels.delta_score import delta_anchor_lists
+    from .fast.xattention import select_tiles, tiles_to_plan
+
+    dev = torch.device(device)
+    rows: list[Row] = []
+    for n in seqlens:
+        q, k, v = synthetic_qkv(Shape(batch, q_heads, kv_heads, n, head_dim, dtype), device=dev)
+        causal_pairs = batch * q_heads * n * (n + 1) / 2
+        base = cudnn_row(q, k, v, log=log)
+        cudnn_ms = base.ms
+        rows.append(base)
+        for name, method, params in cases:
+            if method not in methods:
+                continue
+            params = {**params, "block": block}
+            threshold = params["threshold"]
+            tile_params = {key: val for key, val in params.items() if key != "threshold"}
+            weights_fn = fast.xattention_tile_weights if method == "xattention" else fast.dpxa_tile_weights
+            run_fn = fast.xattention if method == "xattention" else fast.dpxa
+
+            def scoring() -> torch.Tensor:
+                return weights_fn(q, k, **tile_params)
+
+            weights = scoring()
+
+            def selection() -> BlockColumnPlan:
+                return tiles_to_plan(select_tiles(weights, threshold), seqlen=n, block=block)
+
+            plan = selection()
+            split: dict[str, Any] = {"scoring_ms": _bench_ms(scoring), "selection_ms": _bench_ms(selection),
+                                     "kernel_ms": _bench_ms(lambda: block_column_attention(
+                                         q, k, v, plan, validate_plan=False))}
+            if method == "dpxa":
+                cos = params["cos_threshold"]
+                split["anchors_ms"] = _bench_ms(lambda: (
+                    delta_anchor_lists(q, cos_threshold=cos, block=block),
+                    delta_anchor_lists(k, cos_threshold=cos, block=block)))
+                split["scoring_ratio"] = float(fast.dpxa_scoring_ratio(q, k, cos_threshold=cos,
+                                                                       block=block).mean())
+            else:
+                stride = params["stride"]
+                split["scoring_ratio"] = (1 / stride if params.get("scoring", "antidiagonal") == "antidiagonal"
+                                          else (cdiv(block, stride) / block) ** 2)
+            ms = _bench_ms(lambda: run_fn(q, k, v, **params))
+            dens = float(fast.density(plan).mean())
+            keep = plan.block_mask()
+            causal_tiles = plan.num_query_blocks * (plan.num_query_blocks + 1) / 2
+            split.update({
+                "params": params, "tiles_computed": float(keep.sum()) / (batch * q_heads * causal_tiles),
+                "scoring_vs_cudnn": split["scoring_ms"] / cudnn_ms, "floor_ms": dens * cudnn_ms,
+                "kernel_over_floor": split["kernel_ms"] / (dens * cudnn_ms),
+            })
+            rec_mean = rec_min = None
+            if with_recall:
+                rec = fast.recall(q, k, plan)
+                rec_mean, rec_min = float(rec.mean()), float(rec.min())
+            rows.append(Row(name, "sparseprefill", n, dens, rec_mean, rec_min, ms,
+                            split["scoring_ms"] + split["selection_ms"],
+                            4 * head_dim * dens * causal_pairs / ms / 1e9, cudnn_ms / ms, split))
+            log(f"N={n}: {name} {ms:.2f} ms density {dens:.4f} {split}")
+            del weights, plan, keep
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        del q, k, v
+    return rows
+
+
 def _flex_row(flex_fn: Any, name: str, plan: BlockColumnPlan, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, add: Callable[..., None],
               kernel: Callable[[BlockColumnPlan], Callable[[], Any]]) -> None:
@@ -734,6 +832,143 @@ def run_sample_attention_suite(
     return rows
 
 
+def share_layers(
+    base: tuple[torch.Tensor, torch.Tensor, torch.Tensor], layers: int, *, flat_every: int = 8,
+    seed: int = 0,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A synthetic stack of `layers` layers from one demo workload (cheap to make at 128K).
+
+    Layer `l` rolls the query heads by `l` and the KV heads by `l` (so heads meet other
+    keys), adds seeded noise to q, and scales every `flat_every`-th query head down to
+    near-uniform attention: those heads are the non-sparse ones SharePrefill makes
+    dense (the first of their cluster) or shares; the others are highly sparse.
+    """
+    q0, k0, v0 = base
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for layer in range(layers):
+        q = q0.roll(layer, dims=1).clone()
+        noise = torch.randn(q.shape[1], q.shape[3], generator=gen).to(q.device, q.dtype)
+        q += 0.1 * noise[None, :, None, :]
+        q[:, ::flat_every] *= 0.02
+        out.append((q, k0.roll(layer, dims=1).contiguous(), v0.roll(layer, dims=1).contiguous()))
+    return out
+
+
+def share_layout(layers: int, q_heads: int, *, flat_every: int = 8) -> Any:
+    """The bench's cluster layout: the flat heads form cluster 0, the others 3 clusters by head."""
+    from .reference.shareprefill import ClusterLayout
+
+    row = tuple(0 if h % flat_every == 0 else 1 + h % 3 for h in range(q_heads))
+    return ClusterLayout((row,) * layers, meta={"source": "sparseprefill bench (synthetic)"})
+
+
+def run_shareprefill_suite(
+    seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16, layers: int = 8, with_recall: bool = True,
+    log: Callable[[str], None] = print, device: str = "cuda",
+    timer: Callable[[Callable[[], Any]], float] | None = None, share_params: dict[str, Any] | None = None,
+) -> list[Row]:
+    """SharePrefill over a synthetic multi-layer prefill (issue 13), per layer, same run:
+
+    * `shareprefill L<l>`: end to end (`fast.shareprefill_layer` from the state the
+      earlier layers left), with `extra` splitting it into decision (Alg. 3: pooled
+      estimate, distances, head walk), plan (Alg. 5 lines and index, shared masks),
+      sparse heads (one kernel pass over the vertical-slash and shared heads), dense
+      pivots (the dense heads' kernel passes with block means) and pivot construction
+      (Alg. 2), plus the heads per pattern;
+    * `flexprefill_vs L<l>`: the Alg. 5 fallback alone on every head (gamma 0.9);
+    * `dense L<l>`: cuDNN SDPA on the same q, k, v;
+    * `shareprefill total`: the sum over layers against cuDNN's sum.
+
+    `device="cpu"` with a `timer` runs it under the Triton interpreter (tests check the
+    rows there; no cuDNN, its times are NaN).
+    """
+    from . import fast
+    from .demo import Shape, synthetic_qkv
+    from .fast.kernels import block_column_attention
+    from .fast.shareprefill import build_pivots, decide_layer, dense_pivot_attention, layer_plan
+    from .reference.shareprefill import SharePattern, SharePrefillState
+
+    dev = torch.device(device)
+    bench = timer or _bench_ms
+    rows: list[Row] = []
+    params = dict(share_params or {})
+    for n in seqlens:
+        q0, k0, v0 = synthetic_qkv(Shape(batch, q_heads, kv_heads, n, head_dim, dtype), device=dev)
+        stack = share_layers((q0, k0, v0), layers)
+        del q0, k0, v0
+        layout = share_layout(layers, q_heads)
+        state = SharePrefillState(layout, **params)
+        causal_pairs = batch * q_heads * n * (n + 1) / 2
+        scale = head_dim ** -0.5
+        totals = {"ours": 0.0, "cudnn": 0.0}
+        for layer, (q, k, v) in enumerate(stack):
+            cudnn_ms = cudnn_row(q, k, v, log=log).ms if dev.type == "cuda" else float("nan")
+            rows.append(Row(f"dense L{layer}", "cuDNN SDPA", n, 1.0, 1.0, 1.0, cudnn_ms, None,
+                            4 * head_dim * causal_pairs / cudnn_ms / 1e9, 1.0))
+            before = state.clone()
+            before.bind(q, layer)
+            decision = decide_layer(q, k, before.clone(), layer=layer, scale=scale)
+            decide_ms = bench(lambda: decide_layer(q, k, before.clone(), layer=layer, scale=scale))
+            plan = layer_plan(q, k, before, decision, scale=scale, with_dense=False)
+            plan_ms = bench(lambda: layer_plan(q, k, before, decision, scale=scale, with_dense=False))
+            sparse_ms = bench(lambda: block_column_attention(q, k, v, plan, validate_plan=False))
+            pairs = [(r, h) for r, h in (decision.pattern == SharePattern.DENSE).nonzero().tolist()]
+            dense_ms = pivot_ms = 0.0
+            if pairs:
+                scratch = torch.empty_like(q)
+                means = dense_pivot_attention(q, k, v, before, pairs, scratch, scale=scale)
+                dense_ms = bench(lambda: dense_pivot_attention(q, k, v, before, pairs, scratch, scale=scale))
+                pivot_ms = bench(lambda: build_pivots(means, before, decision, pairs))
+                del scratch, means
+            e2e_ms = bench(lambda: fast.shareprefill_layer(q, k, v, before.clone(), layer=layer, scale=scale))
+            fast.shareprefill_layer(q, k, v, state, layer=layer, scale=scale)
+            full_plan = layer_plan(q, k, before, decision, scale=scale)
+            dens = float(fast.density(full_plan).mean())
+            rec_mean = rec_min = None
+            if with_recall:
+                rec = fast.recall(q, k, full_plan, scale=scale)
+                rec_mean, rec_min = float(rec.mean()), float(rec.min())
+            counts = decision.counts()
+            extra = {"decision_ms": decide_ms, "plan_ms": plan_ms, "sparse_heads_ms": sparse_ms,
+                     "dense_pivots_ms": dense_ms, "pivot_build_ms": pivot_ms, **counts}
+            rows.append(Row(f"shareprefill L{layer}", "sparseprefill", n, dens, rec_mean, rec_min, e2e_ms,
+                            decide_ms + plan_ms, 4 * head_dim * dens * causal_pairs / e2e_ms / 1e9,
+                            cudnn_ms / e2e_ms, extra))
+            log(f"N={n} layer {layer}: shareprefill {e2e_ms:.2f} ms (decision {decide_ms:.2f}, plan "
+                f"{plan_ms:.2f}, sparse {sparse_ms:.2f}, dense {dense_ms:.2f}, pivots {pivot_ms:.2f}) "
+                f"{counts} density {dens:.4f}; cuDNN {cudnn_ms:.2f} ms")
+            totals["ours"] += e2e_ms
+            totals["cudnn"] += cudnn_ms
+            del plan, full_plan
+
+            def flex_plan() -> BlockColumnPlan:
+                return fast.flexprefill_vs_plan(q, k, gamma=state.gamma, last_q=state.block_m,
+                                                block_m=state.block_m, block_n=state.block_n, scale=scale)
+
+            fplan = flex_plan()
+            est_ms = bench(flex_plan)
+            ker_ms = bench(lambda: block_column_attention(q, k, v, fplan, validate_plan=False))
+            fdens = float(fast.density(fplan).mean())
+            frec_mean = frec_min = None
+            if with_recall:
+                rec = fast.recall(q, k, fplan, scale=scale)
+                frec_mean, frec_min = float(rec.mean()), float(rec.min())
+            rows.append(Row(f"flexprefill_vs L{layer}", "sparseprefill", n, fdens, frec_mean, frec_min,
+                            est_ms + ker_ms, est_ms, 4 * head_dim * fdens * causal_pairs / (est_ms + ker_ms) / 1e9,
+                            cudnn_ms / (est_ms + ker_ms), {"estimate_index_ms": est_ms, "kernel_ms": ker_ms}))
+            del fplan
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(Row(f"shareprefill total ({layers} layers)", "sparseprefill", n,
+                        float("nan"), None, None, totals["ours"], None, float("nan"),
+                        totals["cudnn"] / totals["ours"], {"cudnn_ms": totals["cudnn"],
+                                                           "pattern_counts": state.pattern_counts()}))
+        del stack
+    return rows
+
+
 def format_table(rows: list[Row]) -> str:
     """A fixed-width table of the rows."""
     head = (f"{'method':<28} {'impl':<14} {'N':>7} {'density':>8} {'recall':>13} "
@@ -784,6 +1019,11 @@ SUITES: dict[str, tuple[str, str]] = {
     "delta_kv": ("keep mask, packing and the two phases", "32768,131072,262144"),
     "anchor_attention": ("AnchorAttention end to end and per stage", "32768,131072"),
     "sample_attention": ("SampleAttention split into sampling / filtering / kernel", "32768,131072"),
+    "shareprefill": ("a synthetic multi-layer prefill, per layer, split into decision / plan / sparse "
+                     "heads / dense pivots / pivot build, with the FlexPrefill-style fallback and cuDNN",
+                     "32768,131072"),
+    "xattention": ("XAttention tile scoring / selection / kernel split", "32768,131072"),
+    "dpxa": ("DPXA tile scoring / selection / kernel split", "32768,131072"),
 }
 
 
@@ -805,8 +1045,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "block_mxblock_n (default 64x64, MInference's)")
     parser.add_argument("--theta", type=float, default=12.0, help="anchor_attention: theta")
     parser.add_argument("--step", type=int, default=16, help="anchor_attention: step")
+    parser.add_argument("--layers", type=int, default=8, help="shareprefill: layers of the stack")
     parser.add_argument("--no-recall", action="store_true", help="skip recall columns")
     parser.add_argument("--json", default=None, help="write rows and environment as JSON here")
+    from .distributed_bench import add_arguments as add_distributed_arguments
+
+    add_distributed_arguments(parser)
 
 
 def _parse_blocks(text: str) -> tuple[tuple[int, int], ...]:
@@ -823,6 +1067,10 @@ def _parse_blocks(text: str) -> tuple[tuple[int, int], ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `sparseprefill bench`."""
+    if getattr(args, "distributed", False):
+        from .distributed_bench import run_distributed
+
+        return run_distributed(args)
     if not torch.cuda.is_available():
         print("sparseprefill bench needs a CUDA GPU (it times kernels against cuDNN SDPA).",
               file=sys.stderr)
@@ -844,6 +1092,10 @@ def run(args: argparse.Namespace) -> int:
                                     vs_blocks=_parse_blocks(args.vs_blocks), **common)
     elif args.method == "delta_kv":
         rows = run_delta_kv_suite(seqlens, **common)
+    elif args.method == "shareprefill":
+        rows = run_shareprefill_suite(seqlens, layers=args.layers, **common)
+    elif args.method in ("xattention", "dpxa"):
+        rows = run_tile_suite(seqlens, methods=(args.method,), **common)
     else:
         rows = run_suite(seqlens, flex=not args.no_flex, **common)
     print(format_table(rows))

@@ -57,6 +57,8 @@ COMMANDS: tuple[Command, ...] = (
             "sparseprefill.tune"),
     Command("eval", "accuracy on a real model (SmolLM2): q/k/v capture, method table, passkey, perplexity",
             "sparseprefill.evaluate"),
+    Command("cluster", "SharePrefill's offline head clustering (attention maps, autoencoder, fcluster); "
+                       "writes a ClusterLayout JSON", "sparseprefill.cluster"),
     Command("compare", "every method's knob sweep on the same attention: recall, density, error, speed vs the oracle",
             "sparseprefill.compare"),
 )

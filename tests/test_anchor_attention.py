@@ -228,6 +228,7 @@ def test_resumed_stripe_pass_equals_one_pass_with_the_same_lse(dtype: torch.dtyp
     (1, 2, 1, 129, 128, 32, 48, 2, 12.0, torch.bfloat16),
     (1, 2, 2, 1, 64, 16, 16, 16, 12.0, torch.float16),
     (2, 2, 1, 111, 64, 48, 16, 5, 1.0, torch.bfloat16),
+    (2, 2, 1, 200, 32, 16, 16, 2, 1e9, torch.float16),  # every search key a stripe: whole blocks promoted
 ])
 def test_fast_matches_reference(b: int, hq: int, hkv: int, n: int, d: int, bm: int, bn: int,
                                 step: int, theta: float, dtype: torch.dtype) -> None:
@@ -243,6 +244,9 @@ def test_fast_matches_reference(b: int, hq: int, hkv: int, n: int, d: int, bm: i
     with nan_poisoned_empty():
         out = fast.anchor_attention(q, k, v, **params)
     assert tolerance.check_attention(out, None, golden, baseline) <= 1.0
+    if theta == 1e9:  # the run promoted whole stripe blocks: check there were some
+        _, stripes = _split(got)
+        assert int(stripes.with_full_blocks().block_count.sum()) > 0
 
 
 def _tie_inputs() -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 
 from sparseprefill import fast, reference
 from sparseprefill.reference import BlockColumnPlan
+from sparseprefill.reference.plan import mask_to_list
 
 
 def i32(values: object) -> torch.Tensor:
@@ -264,3 +265,81 @@ def test_empty_plan_is_valid_and_masks_everything() -> None:
     assert plan.block_index.shape[3] == 0 and plan.column_index.shape[3] == 0
     assert not bool(plan.to_dense_mask().any())
     assert bool((reference.density(plan) == 0).all())
+
+
+def _grouped_plan(seed: int, *, n: int, bm: int, bn: int, g: int, causal_prefix: bool,
+                  disjoint: bool) -> BlockColumnPlan:
+    """Random grouped column rows holding some whole key blocks, plus random blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h = 2, 3
+    qb, kb = -(-n // bm), -(-n // bn)
+    rows = -(-qb // g)
+    last_row = ((torch.arange(qb) + 1) * bm - 1).clamp(max=n - 1)
+    blocks = (torch.rand(b, h, qb, kb, generator=gen) < 0.2) & (torch.arange(kb) * bn <= last_row[:, None])
+    bcount, bindex = mask_to_list(blocks)
+    row_masks = torch.zeros(b, h, rows, n, dtype=torch.bool)
+    for r in range(rows):
+        whole = torch.rand(b, h, kb, generator=gen) < 0.4
+        row_masks[:, :, r] = whole.repeat_interleave(bn, dim=2)[..., :n] | (torch.rand(b, h, n, generator=gen) < 0.2)
+    if disjoint:  # no column inside a listed block of any query block of the row
+        owner = torch.arange(qb) // g
+        for r in range(rows):
+            listed = blocks[:, :, owner == r].any(dim=2).repeat_interleave(bn, dim=2)[..., :n]
+            row_masks[:, :, r] &= ~listed
+    ccount_rows, cindex = mask_to_list(row_masks)
+    counts = torch.zeros(b, h, qb, dtype=torch.int32)
+    for i in range(qb):
+        causal = (cindex[:, :, i // g] <= last_row[i]) & (torch.arange(cindex.shape[3]) < ccount_rows[:, :, i // g, None])
+        c = causal.sum(-1)
+        if not causal_prefix:
+            c = (c.float() * torch.rand(b, h, generator=gen)).floor().to(torch.int64)
+        counts[:, :, i] = c
+    return BlockColumnPlan(seqlen=n, block_m=bm, block_n=bn, block_count=bcount, block_index=bindex,
+                           column_count=counts, column_index=cindex, columns_disjoint=disjoint,
+                           column_group=g).validate()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n,bm,bn,g", [(200, 32, 16, 3), (111, 16, 16, 1), (257, 64, 32, 2), (63, 16, 32, 4)])
+@pytest.mark.parametrize("causal_prefix", [True, False])
+def test_with_full_blocks_keeps_the_attention(seed: int, n: int, bm: int, bn: int, g: int,
+                                              causal_prefix: bool) -> None:
+    plan = _grouped_plan(seed, n=n, bm=bm, bn=bn, g=g, causal_prefix=causal_prefix, disjoint=seed % 2 == 0)
+    moved = plan.with_full_blocks()
+    moved.validate()
+    assert torch.equal(moved.to_dense_mask(), plan.to_dense_mask())
+    assert moved.column_group == g and moved.columns_disjoint == plan.columns_disjoint
+    if causal_prefix:  # every row holds whole blocks: some must have moved
+        assert int(moved.column_count.sum()) < int(plan.column_count.sum())
+
+
+def test_with_full_blocks_vetoes_a_prefix_ending_inside_a_visible_block() -> None:
+    # One query block of 32 rows, one row of columns holding key block 0 (keys 0-15)
+    # whole, but the query block reads only the first 5: keys 5-15 are visible to it,
+    # so promoting the block would add them.
+    # A second query block of the same group reads the whole row.
+    plan = BlockColumnPlan(seqlen=64, block_m=32, block_n=16, block_count=i32([[[0, 0]]]),
+                           block_index=torch.zeros(1, 1, 2, 0, dtype=torch.int32),
+                           column_count=i32([[[5, 16]]]), column_index=torch.arange(16, dtype=torch.int32).view(1, 1, 1, 16),
+                           column_group=2).validate()
+    assert plan.with_full_blocks() is plan
+    whole = replace(plan, column_count=i32([[[16, 16]]])).validate()
+    moved = whole.with_full_blocks()
+    assert moved.block_count.tolist() == [[[1, 1]]] and moved.column_count.tolist() == [[[0, 0]]]
+    assert torch.equal(moved.to_dense_mask(), whole.to_dense_mask())
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_with_full_blocks_kernel_output(seed: int) -> None:
+    """The kernel gives the same output on the promoted plan (its new diagonal blocks
+    included) under the tolerance policy."""
+    from sparseprefill.conformance.properties import check_sparse_attention
+
+    plan = _grouped_plan(seed, n=200, bm=32, bn=16, g=3, causal_prefix=True, disjoint=True)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, 200, 32, generator=gen).half()
+    k = torch.randn(2, 3, 200, 32, generator=gen).half()
+    v = torch.randn(2, 3, 200, 32, generator=gen).half()
+    moved = plan.with_full_blocks()
+    assert int(moved.block_count.sum()) > int(plan.block_count.sum())
+    check_sparse_attention(q, k, v, moved, context="promoted plan")

@@ -10,7 +10,6 @@ parameter bound. CPU, Triton interpreter, small N.
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import replace
 
@@ -21,6 +20,7 @@ import torch  # noqa: E402
 
 from sparseprefill import fast, reference  # noqa: E402
 from sparseprefill.bench import minference_anchor_lines  # noqa: E402
+from sparseprefill.fast.capture import static_widths  # noqa: E402
 from sparseprefill.conformance.properties import (  # noqa: E402
     check_recall_density,
     check_sparse_attention,
@@ -167,14 +167,14 @@ def test_fast_vertical_slash_index_shares_verticals() -> None:
     check_recall_density(q, k, got, expected_selection=want)
 
 
-def test_width_bound_under_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a CUDA graph is captured no sync is allowed: the parameter bound is the width."""
-    module = importlib.import_module("sparseprefill.fast.kernels.vertical_slash_index")
+def test_width_bound_under_graph_capture() -> None:
+    """While a CUDA graph is captured no sync is allowed: the parameter bound is the width
+    (as inside `static_widths()`, which capture turns on too)."""
     verticals, slashes = minference_anchor_lines(1, 2, 300, vertical_size=40, slash_size=20,
                                                  device=torch.device("cpu"))
     tight = fast_index(verticals, slashes, seqlen=300, block_m=32, block_n=32)
-    monkeypatch.setattr(module, "_capturing", lambda t: True)
-    loose = fast_index(verticals, slashes, seqlen=300, block_m=32, block_n=32).validate()
+    with static_widths():
+        loose = fast_index(verticals, slashes, seqlen=300, block_m=32, block_n=32).validate()
     assert loose.block_index.shape[3] == index_width_bound(20, seqlen=300, block_m=32, block_n=32)
     assert tight.block_index.shape[3] < loose.block_index.shape[3]
     assert loose.equal(tight)

@@ -102,7 +102,10 @@ def _packed(q: Any, k: Any, v: Any) -> Any:
 FACTORIES: dict[str, Callable[[Any, Any, Any], Any]] = {
     "config": lambda q, k, v: _minference_config(),
     "packed": _packed,
+    "state": lambda q, k, v: reference.SharePrefillState(),
 }
+# Valid values of required keyword-only parameters, by name.
+REQUIRED_KEYWORDS: dict[str, Any] = {"layer": 0}
 
 
 def call(pkg_name: str, name: str, q: Any, k: Any, v: Any = None, **overrides: Any) -> Any:
@@ -126,6 +129,9 @@ def call(pkg_name: str, name: str, q: Any, k: Any, v: Any = None, **overrides: A
                 args.append(torch.ones(N, N, dtype=torch.bool))
         elif p.default is inspect.Parameter.empty:
             pytest.skip(f"{pkg_name}.{name}: no valid value known for {p.name}")
+    for p in sig.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and p.default is inspect.Parameter.empty and p.name in REQUIRED_KEYWORDS:
+            kwargs.setdefault(p.name, REQUIRED_KEYWORDS[p.name])
     missing = [p.name for p in sig.parameters.values()
                if p.kind is p.KEYWORD_ONLY and p.default is inspect.Parameter.empty
                and p.name not in kwargs]
@@ -148,6 +154,11 @@ COVERED_ELSEWHERE = {
     "delta_pack": "tests/test_delta_kv.py",
     "delta_kv_plans": "tests/test_delta_kv.py",
     "delta_kv_density": "tests/test_delta_kv.py",
+    "stack_plans": "tests/test_varlen.py",
+    "varlen_plans": "tests/test_varlen.py",
+    "varlen_attention": "tests/test_varlen.py",
+    "shareprefill_stack": "tests/test_shareprefill.py",  # lists of per-layer q, k, v
+    "select_tiles": "tests/test_xattention.py",
 }
 
 

@@ -6,6 +6,7 @@ from .block_column import (
     check_kernel_block_sizes,
     check_kernel_device,
     interpreter_active,
+    varlen_block_column_attention,
 )
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "check_kernel_block_sizes",
     "check_kernel_device",
     "interpreter_active",
+    "varlen_block_column_attention",
 ]

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ...reference._checks import HALF_DTYPES, check_positive_int, check_qk
 from ...reference.plan import cdiv
+from ..capture import static_widths_active
 from .block_column import check_kernel_device, interpreter_active
 
 # Keys per program and warps (a key tile is loaded once and reused for every group).
@@ -227,7 +228,8 @@ def stripe_index(
     Returns:
         (counts int32 `[B, Hq, G]`, keys int32 `[B, Hq, G, W]`): each group's kept keys,
         sorted, `W` the largest count (one host synchronisation; the parameter bound
-        `search_width_bound` while a CUDA graph is being captured).
+        `search_width_bound` while a CUDA graph is being captured or inside
+        `fast.capture.static_widths()`).
 
     Raises:
         TypeError, ValueError: bad shapes, dtypes or devices, head dim > 256.
@@ -252,7 +254,7 @@ def stripe_index(
     a_mean = pooled_anchor(x_a, block_m)
     tile_count = count_stripes(q_hi, q_lo, a_mean, k, theta=float(theta), sm_scale=float(scale),
                                step=step, block_m=block_m, block_n=block_n)
-    if k.is_cuda and torch.cuda.is_current_stream_capturing():
+    if static_widths_active(k):
         width = search_width_bound(shape.seqlen, step=step, block_m=block_m, block_n=block_n)
     else:
         width = int(tile_count.sum(dim=2).max().item()) if tile_count.numel() else 0

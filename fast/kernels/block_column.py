@@ -149,8 +149,8 @@ def _listed_block(p_bindex, stride_bik, count, i_blk, SEARCH_STEPS: tl.constexpr
 def _block_column_fwd(
     Q, K, V, O, LSE, MASK,
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX,
-    M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS,
-    qk_scale, sm_scale, seqlen, key_len, head_dim, num_heads, group,
+    M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS, CU_SEQLENS,
+    qk_scale, sm_scale, seqlen, key_len, q_offset, head_dim, num_heads, group, num_tiles, num_bh,
     plan_block_m, plan_block_n, num_key_blocks, block_width, column_width, column_group,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -171,9 +171,10 @@ def _block_column_fwd(
     USE_TMA: tl.constexpr, PREFETCH: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     WIN: tl.constexpr, SKIP_COVERED: tl.constexpr, HAS_STATE: tl.constexpr,
     BLOCK_MEAN: tl.constexpr, GUARD: tl.constexpr, NONFINITE: tl.constexpr,
-    HAS_KV_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_KV_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VARLEN: tl.constexpr,
 ):
-    # Longest rows first: later query tiles list more blocks.
+    # Longest rows first: later query tiles list more blocks. (A tile-major 1-D grid for
+    # varlen batches measured slower on the H200: 89.6 vs 83.3 ms on 4K + 16K + 60K.)
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
@@ -181,15 +182,26 @@ def _block_column_fwd(
     i_hkv = i_h // group
     row0 = i_m * BLOCK_M
     i_qb = row0 // plan_block_m
+    # Packed variable-length batch: "batch row" i_b is sequence i_b, rows
+    # [cu[i_b], cu[i_b + 1]) of the packed q, k, v and output (batch strides 0).
+    seq0 = i_b.to(tl.int64) * 0
+    if HAS_VARLEN:
+        seq0 = tl.load(CU_SEQLENS + i_b).to(tl.int64)
+        seqlen = tl.load(CU_SEQLENS + i_b + 1) - tl.load(CU_SEQLENS + i_b)
+        key_len = seqlen
+    # Rows are the queries at positions q_offset + r (a chunk after a cached prefix):
+    # o_l indexes q, the output and the state; o_m (positions) meets the keys.
+    row0_g = q_offset + row0
 
-    o_m = row0 + tl.arange(0, BLOCK_M)
+    o_l = row0 + tl.arange(0, BLOCK_M)
+    o_m = q_offset + o_l
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, HEAD_DIM)
     m_d = o_d < head_dim
-    m_row = o_m < seqlen
+    m_row = o_l < seqlen
 
-    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh \
-        + o_m.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd
+    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + seq0 * stride_qn \
+        + o_l.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
     # Where this (batch, KV head)'s keys, values and key biases start: its own row of a
     # ragged, flat K/V (HAS_KV_OFFSET: Delta-KV's packed anchors), else by strides.
@@ -199,18 +211,18 @@ def _block_column_fwd(
         v_base = V + kv_row * stride_vn
         x_base = KEY_BIAS + kv_row * stride_xn
     else:
-        k_base = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh
-        v_base = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh
+        k_base = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh + seq0 * stride_kn
+        v_base = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh + seq0 * stride_vn
         x_base = KEY_BIAS + i_b.to(tl.int64) * stride_xb + i_hkv.to(tl.int64) * stride_xh
     # Key/value tile pointers at key 0; each step adds start_n * stride.
     p_k = k_base + o_d[:, None] * stride_kd + o_n[None, :] * stride_kn
     p_v = v_base + o_d[None, :] * stride_vd + o_n[:, None] * stride_vn
     b_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     p_mask = MASK + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh \
-        + o_m.to(tl.int64)[:, None] * stride_mm
+        + o_l.to(tl.int64)[:, None] * stride_mm
 
     # State rows: [B, Hq, N] for m and l, [B, Hq, N, D] for acc, all contiguous.
-    o_st = i_bh.to(tl.int64) * seqlen + o_m
+    o_st = i_bh.to(tl.int64) * seqlen + o_l
     if HAS_STATE:
         m_i = tl.load(M_ST + o_st, mask=m_row, other=float("-inf")) * 1.4426950408889634
         l_i = tl.load(L_ST + o_st, mask=m_row, other=0.0)
@@ -235,9 +247,9 @@ def _block_column_fwd(
     # end of the sequence) among the last DIAG entries: count them, mask only those.
     o_tail = count - DIAG + tl.arange(0, DIAG)
     tail = tl.load(p_bindex + o_tail * stride_bik, mask=o_tail >= 0, other=-1)
-    n_masked = tl.sum(((tail * plan_block_n + plan_block_n - 1 > row0) & (o_tail >= 0)).to(tl.int32), 0)
+    n_masked = tl.sum(((tail * plan_block_n + plan_block_n - 1 > row0_g) & (o_tail >= 0)).to(tl.int32), 0)
     # Blocks that end before row0: the unmasked loop never takes more, nor a later one.
-    full_blocks = (row0 + 1) // plan_block_n
+    full_blocks = (row0_g + 1) // plan_block_n
     n_full = (count - n_masked) * SUB_N
     if GUARD:
         n_full = tl.minimum(count - n_masked, full_blocks) * SUB_N
@@ -283,7 +295,7 @@ def _block_column_fwd(
         b_keep = o_key[None, :] <= o_m[:, None]
         if HAS_MASK:
             m_user = tl.load(p_mask + o_key.to(tl.int64)[None, :] * stride_mn,
-                             mask=m_row[:, None] & (o_key[None, :] < seqlen), other=0)
+                             mask=m_row[:, None] & (o_key[None, :] < key_len), other=0)
             b_keep = b_keep & (m_user != 0)
         acc, l_i, m_i, poison, tile_sum = _softmax_step(
             acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
@@ -364,12 +376,12 @@ def _block_column_fwd(
     b_o = acc / l_safe[:, None]
     b_o = tl.where(l_zero[:, None], 0.0, b_o)
     b_o = tl.where(tl.abs(b_o) == float("inf"), float("nan"), b_o)
-    p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh \
-        + o_m.to(tl.int64)[:, None] * stride_on + o_d[None, :]
+    p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + seq0 * stride_on \
+        + o_l.to(tl.int64)[:, None] * stride_on + o_d[None, :]
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
     if RETURN_LSE:
         lse = tl.where(l_zero, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-        p_lse = LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + o_m
+        p_lse = LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + seq0 + o_l
         tl.store(p_lse, lse, mask=m_row)
     if HAS_STATE:
         tl.store(M_ST + o_st, m_i * 0.6931471805599453, mask=m_row)
@@ -404,7 +416,12 @@ def _tile_config(plan_block_m: int, plan_block_n: int, head_dim: int) -> tuple[i
     reach 532 TFLOP/s on a dense plan, 128x64 465, 64x64 with 4 warps 473; 4 warps on
     128-row tiles fall to ~300. Head dims above 128 take smaller tiles to fit registers.
     """
-    if head_dim <= 128:
+    if head_dim <= 64:
+        # D <= 64 (H200, bf16, 32K, B=2, 14/2 heads, benches/serving_shapes.py --sweep):
+        # 64x128 tiles with 4 warps 9.95 ms (0.84x cuDNN), 128x128 with 8 warps 10.69.
+        block_m = math.gcd(plan_block_m, 64)
+        block_n = math.gcd(plan_block_n, 128)
+    elif head_dim <= 128:
         block_m = math.gcd(plan_block_m, 128)
         block_n = math.gcd(plan_block_n, 128)
     else:
@@ -488,7 +505,8 @@ def block_column_attention(
     Raises:
         TypeError, ValueError: any input the kernel does not support.
     """
-    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    offset = plan.query_offset if isinstance(plan, BlockColumnPlan) else 0
+    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES, query_offset=offset)
     check_kernel_device(q)
     check_forward_only(q, k, v)
     if shape.head_dim > 256:
@@ -500,6 +518,8 @@ def block_column_attention(
         raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
     check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
     b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
+    if mask is not None and offset:
+        raise ValueError("mask cannot be combined with a plan whose query_offset is > 0")
     dense_mask = None if mask is None else check_mask(mask, b, hq, n, q.device)
     if state is not None:
         check_state(state, b, hq, n, d, q.device, dtypes=(torch.float32,))
@@ -509,7 +529,7 @@ def block_column_attention(
         check_block_mean_out(block_mean_out, b, hq, plan, q.device)
     if key_bias is not None:
         _check_bias(key_bias, (b, shape.kv_heads, n), q.device)
-    return _launch(q, k, v, plan, sm_scale=sm_scale, key_len=n, mask=dense_mask, return_lse=return_lse,
+    return _launch(q, k, v, plan, sm_scale=sm_scale, key_len=shape.key_len, mask=dense_mask, return_lse=return_lse,
                    state=state, block_mean_out=block_mean_out, key_bias=key_bias, kv_offsets=None)
 
 
@@ -590,6 +610,99 @@ def ragged_block_column_attention(
                    kv_offsets=kv_offsets)
 
 
+def varlen_block_column_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    plan: BlockColumnPlan,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel over a packed batch of sequences of different lengths, in one launch.
+
+    FlashAttention's varlen layout: sequence `s` is rows `[cu_seqlens[s],
+    cu_seqlens[s + 1])` of q, k and v. The plan is `stack_plans` of one plan per
+    sequence: batch row `s` of the plan is sequence `s`, its `seqlen` is `max_seqlen`,
+    and the rows and keys of a shorter sequence past its end are never read.
+
+    Args:
+        q: `[T, Hq, D]` fp16/bf16; k, v: `[T, Hkv, D]`, q's dtype (any strides).
+        cu_seqlens: int32 `[S + 1]` on q's device, `0 = cu[0] <= ... <= cu[S] = T`.
+        max_seqlen: an int >= every sequence's length (the plan's `seqlen`).
+        plan: a plan for `[S, Hq, max_seqlen]` with `query_offset` 0.
+        scale, return_lse: as `block_column_attention`; the lse is float32 `[Hq, T]`.
+
+    Returns:
+        (out `[T, Hq, D]` in q's dtype, lse or None).
+
+    Raises:
+        TypeError, ValueError: shapes, dtypes, devices, offsets or plan sizes that do
+            not match (one host read of `cu_seqlens`), before any launch.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3 or q.dtype not in HALF_DTYPES:
+        raise ValueError(f"q must be a float16/bfloat16 [T, Hq, D] tensor, got {q.dtype} {tuple(q.shape)}")
+    total, hq, d = q.shape
+    if k.dim() != 3 or k.shape[0] != total or k.shape[2] != d or v.shape != k.shape:
+        raise ValueError(f"k and v must be [T={total}, Hkv, D={d}] tensors, got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k and v must have q's dtype ({q.dtype}), got {k.dtype} and {v.dtype}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"the query heads ({hq}) must be a multiple of the KV heads ({hkv})")
+    if total == 0:
+        raise ValueError("q must not be empty (T = 0)")
+    check_kernel_device(q)
+    check_forward_only(q, k, v)
+    if k.device != q.device or v.device != q.device or cu_seqlens.device != q.device:
+        raise ValueError(f"k, v and cu_seqlens must be on q's device ({q.device})")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise TypeError(f"cu_seqlens must be an int32 [S + 1] tensor (S >= 1), got {cu_seqlens.dtype} "
+                        f"{tuple(cu_seqlens.shape)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be a positive int, got {max_seqlen!r}")
+    cu = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if cu[0] != 0 or cu[-1] != total or min(lengths) < 0:
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T={total}, got {cu}")
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} is below the longest sequence ({max(lengths)})")
+    if d > 256:
+        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {d}")
+    sm_scale = resolve_scale(scale, d)
+    seqs = len(lengths)
+    check_plan(plan, seqs, hq, max_seqlen, q.device)
+    if plan.query_offset:
+        raise ValueError("a varlen plan must have query_offset 0")
+    check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(hq, total, dtype=torch.float32, device=q.device) if return_lse else None
+
+    def view(t: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [S, H, max_seqlen, D], batch stride 0
+        return t.as_strided((seqs, t.shape[1], max_seqlen, t.shape[2]), (0, t.stride(1), t.stride(0), t.stride(2)))
+
+    # The views' nominal size must exist in storage (as_strided checks it): only a
+    # max_seqlen above T needs padding; the kernel never reads past a sequence's end.
+    pad = max(0, max_seqlen - total)
+    if pad:
+        q, k, v = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, k, v))
+        out = torch.empty(total + pad, hq, d, dtype=q.dtype, device=q.device)
+        if lse is not None:
+            lse = torch.empty(hq, total + pad, dtype=torch.float32, device=q.device)
+    lse_view = None if lse is None else lse.as_strided((seqs, hq, max_seqlen), (0, lse.stride(0), 1))
+    _launch(view(q), view(k), view(v), plan, sm_scale=sm_scale, key_len=max_seqlen, mask=None,
+            return_lse=return_lse, state=None, block_mean_out=None, key_bias=None, kv_offsets=None,
+            varlen=(cu_seqlens, view(out), lse_view))
+    out = out[:total]
+    return out, (lse[:, :total] if lse is not None else None)
+
+
 def _check_bias(bias: object, shape: tuple[int, ...], device: torch.device) -> None:
     if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32:
         raise TypeError(f"key_bias must be a float32 tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
@@ -613,14 +726,24 @@ def _launch(
     block_mean_out: torch.Tensor | None,
     key_bias: torch.Tensor | None,
     kv_offsets: torch.Tensor | None,
+    varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch `_block_column_fwd` on checked inputs (shared by both public launchers)."""
+    """Launch `_block_column_fwd` on checked inputs (shared by the public launchers).
+
+    `varlen`: (cu_seqlens, out, lse) for a packed batch, q, k, v, out and lse given as
+    batch-stride-0 views `[S, H, max_seqlen, ...]` of the packed tensors.
+    """
     b, hq, n, d = q.shape
     ragged = kv_offsets is not None
     group = hq // (kv_offsets.shape[0] // b if kv_offsets is not None else k.shape[1])
     head_dim = max(16, triton.next_power_of_2(d))
-    out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out
+    if varlen is not None:
+        cu_arg, out, lse_view = varlen
+        lse = lse_view if lse_view is not None else out
+    else:
+        cu_arg = None
+        out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
+        lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out
     mstrides: tuple[int, ...] = (0, 0, 0, 0)
     if mask is None:
         mask_arg = out
@@ -650,8 +773,8 @@ def _launch(
     vstrides = (0, 0, *v.stride()) if ragged else tuple(v.stride())
     offsets_arg = kv_offsets if kv_offsets is not None else out
     has_columns = plan.column_index.shape[3] > 0
-    use_tma = head_dim == d and not ragged and _tma_ok(q, k, v)
-    key = (q.device, q.dtype, d, plan.block_m, plan.block_n, mask is not None, use_tma,
+    use_tma = head_dim == d and not ragged and varlen is None and _tma_ok(q, k, v)
+    key = (q.device, q.dtype, d, plan.block_m, plan.block_n, mask is not None, use_tma, varlen is None,
            has_columns, return_lse, ragged, key_bias is not None, work is not None, sums is not None)
     initial = _tile_config(plan.block_m, plan.block_n, d)
     config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
@@ -671,8 +794,9 @@ def _launch(
             _block_column_fwd[grid](
                 q, k, v, out, lse, mask_arg,
                 plan.block_count, plan.block_index, plan.column_count, plan.column_index,
-                st_m, st_l, st_acc, bsum, offsets_arg, bias_arg,
-                sm_scale * LOG2E, sm_scale, n, key_len, d, hq, group,
+                st_m, st_l, st_acc, bsum, offsets_arg, bias_arg, cu_arg if cu_arg is not None else out,
+                sm_scale * LOG2E, sm_scale, n, key_len, plan.query_offset, d, hq, group,
+                triton.cdiv(n, block_m), b * hq,
                 plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
                 plan.column_index.shape[3], plan.column_group,
                 *q.stride(), *kstrides, *vstrides,
@@ -693,7 +817,7 @@ def _launch(
                 SKIP_COVERED=has_columns and not plan.columns_disjoint,
                 HAS_STATE=work is not None, BLOCK_MEAN=sums is not None,
                 GUARD=_GUARD, NONFINITE=_NONFINITE,
-                HAS_KV_OFFSET=ragged, HAS_BIAS=key_bias is not None,
+                HAS_KV_OFFSET=ragged, HAS_BIAS=key_bias is not None, HAS_VARLEN=varlen is not None,
                 num_warps=num_warps, num_stages=num_stages,
             )
         except OutOfResources:
@@ -722,9 +846,10 @@ def _block_means(plan: BlockColumnPlan, sums: torch.Tensor) -> torch.Tensor:
     """Listed blocks' logit sums over their causal pair counts; -inf for the others."""
     dev = plan.device
     r0 = (torch.arange(plan.num_query_blocks, device=dev, dtype=torch.int64) * plan.block_m)[:, None]
-    r1 = torch.clamp(r0 + plan.block_m, max=plan.seqlen)
+    r1 = torch.clamp(r0 + plan.block_m, max=plan.seqlen) + plan.query_offset
+    r0 = r0 + plan.query_offset
     k0 = (torch.arange(plan.num_key_blocks, device=dev, dtype=torch.int64) * plan.block_n)[None, :]
-    k1 = torch.clamp(k0 + plan.block_n, max=plan.seqlen)
+    k1 = torch.clamp(k0 + plan.block_n, max=plan.key_len)
     pairs = causal_pairs(r0, r1, k0, k1).to(torch.float32)
     listed = plan.block_mask() & (pairs > 0)
     return torch.where(listed, sums / pairs.clamp(min=1), float("-inf"))

@@ -144,8 +144,13 @@ def _pack_kernel(
 
 
 def threshold_args(threshold: float, device: torch.device) -> torch.Tensor:
-    """float64 `[threshold**2, threshold]` as the kernel reads them (Python's float64 square)."""
-    return torch.tensor([threshold * threshold, threshold], dtype=torch.float64, device=device)
+    """float64 `[threshold**2, threshold]` as the kernel reads them (Python's float64 square).
+
+    Filled on the device (no host-to-device copy, which CUDA-graph capture refuses).
+    """
+    out = torch.full((2,), threshold, dtype=torch.float64, device=device)
+    out[0] = threshold * threshold
+    return out
 
 
 def keep_mask(k: torch.Tensor, *, threshold: float, cosine: bool, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

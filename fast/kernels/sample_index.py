@@ -8,7 +8,8 @@ kept indices, already sorted. O(Qb) work per program, no dense `[Qb, Kb]` mask.
 The block lists are `min(Kb, max(k_c + k_s) + 1)` wide, a bound from the selected
 counts: no query block lists more than its head's kept column blocks, kept
 diagonals and the diagonal block. Reading that bound is the one host
-synchronisation of the plan.
+synchronisation of the plan; inside `fast.capture.static_widths()` (and during CUDA
+graph capture) the width is `Kb`, which holds for any selection.
 
 Layout: kernel -> launcher (`sample_attention_index`).
 """
@@ -21,6 +22,7 @@ import triton.language as tl
 
 from ...reference._checks import check_positive_int
 from ...reference.plan import BlockColumnPlan, cdiv
+from ..capture import static_widths_active
 
 _CHUNK = 256
 
@@ -66,7 +68,7 @@ def sample_attention_index(
         slashes: bool `[B, H, Kb]`, kept block diagonals `d = i - j`.
         seqlen: N. block_size: the block grid (plan `block_m = block_n`).
         width: block-list width, at least the longest list; None: from the kept
-            counts (one host synchronisation).
+            counts (one host synchronisation), or `Kb` under `static_widths()`.
 
     Returns:
         The plan (`columns_disjoint`, no columns), marked valid.
@@ -85,6 +87,8 @@ def sample_attention_index(
         if t.device != columns.device:
             raise ValueError(f"{name} is on {t.device}, columns on {columns.device}")
     b, h, _ = columns.shape
+    if width is None and static_widths_active(columns):
+        width = kb
     if width is None:
         width = int((columns.sum(dim=-1) + slashes.sum(dim=-1)).max().item()) + 1
     width = min(kb, check_positive_int("width", width))

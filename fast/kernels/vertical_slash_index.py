@@ -18,7 +18,8 @@ touch 97 (with per-block columns, 27.7 GB for 32 heads instead of 0.21 GB). The 
 costs the host its lead over the GPU (the next launches wait for the estimate,
 top-k and counting pass already queued, a few tens of microseconds of launch
 latency exposed) and makes the index uncapturable in a CUDA graph; during graph
-capture the parameter bound is used instead.
+capture, and inside `fast.capture.static_widths()`, the parameter bound is used
+instead (`torch.ops.sparseprefill.vertical_slash_static`).
 
 Columns (Alg. 4's vertical part): every query block of a head shares the head's
 sorted verticals, `column_index` is a `[B, H, 1, k_v]` tensor expanded (stride 0)
@@ -37,6 +38,7 @@ import triton.language as tl
 
 from ...reference._checks import check_block_size, check_positive_int
 from ...reference.plan import BlockColumnPlan, cdiv
+from ..capture import static_widths_active
 
 # Lines handled per vector step, and warps per program (H200, 128K, 32 heads: 256 x 4
 # warps 3.49 ms, 128 x 4 3.81 ms, 8 warps no faster at any chunk; benches/tune_index_chunk.py).
@@ -127,22 +129,17 @@ def block_widths(block_count: torch.Tensor, bound: int) -> list[int]:
     Args:
         block_count: int32 `[B, H, Qb]` from `count_blocks`.
         bound: `index_width_bound`, used for every head while a CUDA graph is being
-            captured (no sync is possible then).
+            captured (no sync is possible then) and inside `static_widths()`.
 
     Returns:
         H ints.
     """
     h = block_count.shape[1]
-    if _capturing(block_count):
+    if static_widths_active(block_count):
         return [bound] * h
     if block_count.numel() == 0:
         return [0] * h
     return [int(w) for w in block_count.amax(dim=(0, 2)).tolist()]
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    """True while a CUDA graph is being captured on t's device (no host sync allowed)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def fill_index(

@@ -31,6 +31,19 @@ dropout, logit soft-capping, position biases and learned sinks. Left-padded
 batches are refused on the sparse path (the plan would count pad tokens as keys);
 run such prompts one by one or in equal-length batches.
 
+Methods with state across layers (SharePrefill; `MethodSpec.new_state`): one state
+per forward pass, made at the first sparse layer call and replaced when a layer index
+comes again (the next forward) or the batch size, length or device change; each
+layer runs the method's `*_layer` function with the model's `layer_idx`, so layer
+order is the model's. Such a method must be the choice of every head of its layers.
+`SparsePrefillAttention.last_state(method)` returns the state of the latest prefill
+(its per-layer decisions, for instance).
+`use_ops=True` runs the fast path through the `torch.library` custom ops of
+`sparseprefill.fast.ops` (`torch.ops.sparseprefill.<method>` when every head of a
+layer shares one choice: estimate, plan and kernel in one op, with the method's own
+scale handling; the plan kernel op otherwise), so `torch.compile` sees each sparse
+attention as one opaque op with a known output shape (docs/serving.md).
+
 Supported: Llama-, Qwen2- and Mistral-style decoders (grouped-query attention is
 native: K and V are never copied per query head), batch > 1 with equal lengths.
 Written against transformers 5.23 (`AttentionInterface`, `AttentionMaskInterface`,
@@ -117,6 +130,12 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
                 inspect.signature(spec_.reference_run).bind(None, None, None, **params)
         except TypeError as exc:
             raise TypeError(f"{where}: bad parameters for {method!r}: {exc}") from None
+        new_state = METHODS[method].new_state
+        if new_state is not None:
+            try:
+                new_state(params)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{where}: bad parameters for {method!r}: {exc}") from None
         return Choice(method, params)
     raise TypeError(f"{where}: expected None, a method name or a dict of parameters, got {type(spec).__name__}")
 
@@ -192,6 +211,7 @@ class SparsePrefillAttention:
         fast_dtype: dtype q, k, v are cast to for the fast backend when they are not
             float16/bfloat16 (the Triton kernels take half precision only); the
             output is cast back to the model's dtype.
+        use_ops: run the fast backend through `sparseprefill.fast.ops` (see the module doc).
         calls: counts of attention calls by path, "sparse" and "sdpa".
     """
 
@@ -204,6 +224,7 @@ class SparsePrefillAttention:
         min_seqlen: int = 4096,
         fast_dtype: torch.dtype = torch.float16,
         name: str | None = None,
+        use_ops: bool = False,
     ) -> None:
         self.method = _check_method(method)
         if backend not in _BACKENDS:
@@ -213,11 +234,18 @@ class SparsePrefillAttention:
         if fast_dtype not in HALF_DTYPES:
             raise ValueError(f"fast_dtype must be torch.float16 or torch.bfloat16, got {fast_dtype}")
         self.fast_dtype = fast_dtype
+        if not isinstance(use_ops, bool):
+            raise TypeError(f"use_ops must be a bool, got {type(use_ops).__name__}")
+        self.use_ops = use_ops
+        if use_ops:
+            from ..fast import ops  # noqa: F401  (registers torch.ops.sparseprefill.*)
         self.name = name if name is not None else f"sparseprefill-{next(_NAMES)}"
         self.calls: Counter[str] = Counter()
         self._config = config
         self._per_layer = isinstance(config, Mapping) and any(isinstance(key, int) for key in config)
         self._resolved: dict[tuple[int | None, int], list[Choice] | None] = {}
+        # Per stateful method: (state, layers done in this forward pass, (B, N, device)).
+        self._forward: dict[str, tuple[Any, set[int], tuple[int, int, torch.device]]] = {}
         self._validate_config()
 
     def _validate_config(self) -> None:
@@ -310,8 +338,53 @@ class SparsePrefillAttention:
             )
         self._check_sparse_call(layer_idx, q_len, attention_mask, dropout, kwargs)
         self.calls["sparse"] += 1
-        out = self.sparse_attention(query, key, value, choices, scale=scaling)
+        if any(METHODS[c.method].new_state is not None for c in choices):
+            out = self.stateful_attention(query, key, value, choices, layer_idx, scale=scaling)
+        else:
+            out = self.sparse_attention(query, key, value, choices, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
+
+    def stateful_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        choices: Sequence[Choice],
+        layer_idx: int | None,
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """One layer of a method with state across layers (see the module doc).
+
+        Raises:
+            ValueError: the layer mixes the method with others, or has no `layer_idx`.
+        """
+        choice = choices[0]
+        if any(c != choice for c in choices):
+            raise ValueError(f"{self.name}, layer {layer_idx}: {choice.method!r} carries state across "
+                             "heads and layers; give it to every head of the layer")
+        if layer_idx is None:
+            raise ValueError(f"{self.name}: {choice.method!r} needs attention modules with an int layer_idx")
+        spec = METHODS[choice.method]
+        assert spec.new_state is not None and spec.reference_layer is not None and spec.fast_layer is not None
+        use_fast = self.backend == "fast" or (self.backend == "auto" and q.is_cuda)
+        out_dtype = q.dtype
+        if use_fast and q.dtype not in HALF_DTYPES:
+            q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
+        shape = (int(q.shape[0]), int(q.shape[2]), q.device)
+        current = self._forward.get(choice.method)
+        if current is None or layer_idx in current[1] or current[2] != shape:
+            current = (spec.new_state(_resolve_params(choice, q)), set(), shape)
+            self._forward[choice.method] = current
+        current[1].add(layer_idx)
+        layer_fn = spec.fast_layer if use_fast else spec.reference_layer
+        out: torch.Tensor = layer_fn(q, k, v, current[0], layer=layer_idx, scale=scale)
+        return out.to(out_dtype)
+
+    def last_state(self, method: str) -> Any:
+        """The state of the latest prefill of a stateful method (None before the first)."""
+        current = self._forward.get(method)
+        return None if current is None else current[0]
 
     def _check_sparse_call(
         self, layer_idx: int | None, n: int, mask: torch.Tensor | None, dropout: float, kwargs: Mapping[str, Any]
@@ -367,6 +440,8 @@ class SparsePrefillAttention:
             q, k, v = (t.to(self.fast_dtype) for t in (q, k, v))
         first = choices[0]
         spec = METHODS[first.method]
+        if use_fast and self.use_ops:
+            return self._ops_attention(q, k, v, choices, scale=scale).to(out_dtype)
         if not spec.plan_based and all(c == first for c in choices):
             # A method that is not one plan's attention (Delta-KV) runs end to end.
             run = spec.run_fn("fast" if use_fast else "reference")
@@ -376,6 +451,19 @@ class SparsePrefillAttention:
         impl = fast if use_fast else reference
         out: torch.Tensor = impl.sparse_attention(q, k, v, plan, scale=scale)
         return out.to(out_dtype)
+
+    def _ops_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, choices: Sequence[Choice], *,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """The fast path through `sparseprefill.fast.ops` (half-precision q, k, v)."""
+        from ..fast import ops
+
+        first = choices[0]
+        if all(c == first for c in choices):
+            return ops.call(first.method, q, k, v, **_resolve_params(first, q), scale=scale)
+        plan = build_plan(q, k, choices, fast_plans=True)
+        return ops.sparse_attention(q, k, v, plan, scale=scale)
 
 
 def _is_plain_causal(mask: torch.Tensor, n: int, rows_per_step: int = 1024) -> bool:
@@ -459,6 +547,7 @@ def register_attention(
     min_seqlen: int = 4096,
     fast_dtype: torch.dtype = torch.float16,
     name: str | None = None,
+    use_ops: bool = False,
 ) -> SparsePrefillAttention:
     """Register a sparse attention with transformers under a new name.
 
@@ -479,6 +568,8 @@ def register_attention(
         min_seqlen: prompts shorter than this run SDPA.
         fast_dtype: half dtype for the fast backend when the model is float32.
         name: registration key; a fresh "sparseprefill-<n>" if None.
+        use_ops: run the fast backend through the custom ops of `sparseprefill.fast.ops`
+            (for `torch.compile`; see docs/serving.md).
 
     Returns:
         The registered `SparsePrefillAttention` (its `calls` counts the paths taken).
@@ -487,7 +578,8 @@ def register_attention(
         TypeError, ValueError: an unknown method or a malformed config.
     """
     attn = SparsePrefillAttention(
-        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype, name=name
+        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype, name=name,
+        use_ops=use_ops,
     )
     AttentionInterface.register(attn.name, attn)
     # Without a mask function under our name transformers builds no mask at all, and
@@ -514,13 +606,14 @@ def patch(
     backend: Backend = "auto",
     min_seqlen: int = 4096,
     fast_dtype: torch.dtype = torch.float16,
+    use_ops: bool = False,
 ) -> SparsePrefillAttention:
     """Switch a loaded model's attention to a sparse prefill method.
 
     Args:
         model: a transformers `PreTrainedModel` whose attention goes through
             `AttentionInterface` (Llama, Qwen2, Mistral and most decoders).
-        method, config, backend, min_seqlen, fast_dtype: see `register_attention`.
+        method, config, backend, min_seqlen, fast_dtype, use_ops: see `register_attention`.
 
     Returns:
         The registered `SparsePrefillAttention`.
@@ -540,7 +633,7 @@ def patch(
             "methods are causal self-attention only"
         )
     attn = register_attention(
-        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype
+        method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype, use_ops=use_ops
     )
     if isinstance(config, Mapping) and attn._per_layer:
         known = _layer_indices(model)

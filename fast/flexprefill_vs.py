@@ -1,0 +1,168 @@
+"""FlexPrefill-style vertical-slash heads on the GPU (see `reference.flexprefill_vs` for the spec).
+
+Estimate: `last_q_scores` (Triton, no `[L, N]` tensor), the same kernel as
+MInference's vertical-slash. Lines: the fp32 scores are normalised and ranked in
+float64 with the reference's `cover_threshold` (a stable sort and a cumulative
+sum, O(N log N) per head). Index: the kept lines, padded to the longest head's
+count with the offset N (which reaches no row), go through the vertical-slash
+index kernel (Alg. 4) and per-query-block disjoint columns where they fit.
+
+Float rounding: the fp32 estimate differs from the reference's float64 one in the
+last bits, so a line whose share nearly ties the last kept one, or whose cumulative
+share lies within rounding of `gamma`, may be decided differently;
+`conformance.ties.flexprefill_vs_tie_check` accepts exactly those differences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference._checks import HALF_DTYPES, check_count, check_qk, check_qkv
+from ..reference.flexprefill_vs import (
+    GAMMA,
+    check_flexprefill_vs_params,
+    cover_threshold,
+    first_lines,
+)
+from ..reference.plan import BlockColumnPlan
+from .capture import static_widths_active
+from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
+from .kernels.last_q_estimate import last_q_scores
+from .kernels.vertical_slash_index import vertical_slash_index
+from .vertical_slash import with_own_columns
+
+
+def flexprefill_vs_lines(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    gamma: float = GAMMA,
+    last_q: int = 64,
+    init_columns: int = 1,
+    local_diagonals: int = 1,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept columns and offsets (see `reference.flexprefill_vs.flexprefill_vs_lines`).
+
+    Returns:
+        (verticals, slashes) bool `[B, Hq, N]`.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=1, block_n=1,
+                                init_columns=init_columns, local_diagonals=local_diagonals)
+    n = shape.seqlen
+    last_q = check_count("last_q", last_q, cap=n)
+    init_columns = check_count("init_columns", init_columns, cap=n, minimum=0)
+    local_diagonals = check_count("local_diagonals", local_diagonals, cap=n, minimum=0)
+    vertical, slash = last_q_scores(q, k, last_q=last_q, scale=scale)
+    a_v = vertical.to(torch.float64)
+    a_s = slash.to(torch.float64)
+    # Alg. 5 lines 2-3: both sums hold the same total mass (L rows of one each).
+    total = a_v.sum(dim=-1, keepdim=True)
+    verticals = cover_threshold(a_v / total, gamma, first_lines(init_columns, n, q.device))
+    slashes = cover_threshold(a_s / total, gamma, first_lines(local_diagonals, n, q.device))
+    return verticals, slashes
+
+
+def padded_lines(kept: torch.Tensor) -> torch.Tensor:
+    """bool `[B, H, N]` -> int32 `[B, H, W]` kept indices ascending, padded with N.
+
+    `W` is the largest count (at least 1; one host synchronisation), or N inside
+    `fast.capture.static_widths()` and during CUDA-graph capture. The index
+    kernel reads offset N as a slash that reaches no row, and a column N is never
+    causal, so the padding adds nothing.
+    """
+    n = kept.shape[-1]
+    width = n if static_widths_active(kept) else max(1, int(kept.sum(dim=-1).max().item()))
+    ids = torch.arange(n, dtype=torch.int32, device=kept.device)
+    ranked = torch.where(kept, ids, n)
+    return torch.sort(ranked, dim=-1).values[..., :width].contiguous()
+
+
+def lines_index(
+    verticals: torch.Tensor,
+    slashes: torch.Tensor,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> BlockColumnPlan:
+    """Alg. 4 of kept-line masks on the GPU (see `reference.flexprefill_vs.lines_index`).
+
+    Args:
+        verticals, slashes: bool `[B, H, N]`.
+        block_m, block_n: query rows and keys per block.
+
+    Returns:
+        The plan; `equal` to the reference's.
+    """
+    n = verticals.shape[-1]
+    plan = vertical_slash_index(padded_lines(verticals), padded_lines(slashes), seqlen=n,
+                                block_m=block_m, block_n=block_n)
+    return with_own_columns(plan.mark_valid())
+
+
+def flexprefill_vs_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    gamma: float = GAMMA,
+    last_q: int = 64,
+    block_m: int = 64,
+    block_n: int = 64,
+    init_columns: int = 1,
+    local_diagonals: int = 1,
+    scale: float | None = None,
+) -> BlockColumnPlan:
+    """FlexPrefill-style vertical-slash plan (see `reference.flexprefill_vs_plan`).
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    check_qk(q, k, dtypes=HALF_DTYPES)
+    check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
+                                init_columns=init_columns, local_diagonals=local_diagonals)
+    check_kernel_block_sizes(block_m, block_n)
+    verticals, slashes = flexprefill_vs_lines(
+        q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
+        local_diagonals=local_diagonals, scale=scale,
+    )
+    return lines_index(verticals, slashes, block_m=block_m, block_n=block_n)
+
+
+def flexprefill_vs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    gamma: float = GAMMA,
+    last_q: int = 64,
+    block_m: int = 64,
+    block_n: int = 64,
+    init_columns: int = 1,
+    local_diagonals: int = 1,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """FlexPrefill-style vertical-slash sparse attention (see `reference.flexprefill_vs`).
+
+    Host synchronisations: the padded line width and the index's counting pass. Inside
+    `fast.capture.static_widths()` (`torch.ops.sparseprefill.flexprefill_vs_static`)
+    and during CUDA-graph capture both use their bounds (N lines, Kb blocks): no sync,
+    capture-safe (docs/serving.md).
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    check_forward_only(q, k, v)
+    plan = flexprefill_vs_plan(
+        q, k, gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
+        init_columns=init_columns, local_diagonals=local_diagonals, scale=scale,
+    )
+    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
+    return out

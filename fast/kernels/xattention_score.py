@@ -1,0 +1,234 @@
+"""Triton kernels for XAttention's tile weights (see `reference.xattention` for the spec).
+
+The stride-level scores (one per query group x key group, `[G, G]` per head with
+`G ~ N / stride`) are never stored. Two kernels:
+
+1. `_row_tile_lse_kernel`: per (tile of `BLOCK_R` query groups, head), walks the key
+   groups `TILES_PER_STEP` key tiles at a time, computes the scores (antidiagonal: a
+   sum of `stride` tile products `q[start_g + a] . k[start_h + S - 1 - a]`, so the
+   head-dim concatenation of section 2.5 is never built; naive: one product), and
+   writes, per query group and key tile, the log2-sum-exp of the group's scores in
+   that tile, plus each group's log2-sum-exp over the whole row (online). That is
+   `[G, T]` floats per head (`block / stride` times fewer than `[G, G]`); the
+   launcher runs heads in groups so that it stays under `_SCRATCH_BYTES`.
+2. `_tile_weight_kernel`: per (query tile, head), `W[i, j] = sum_g exp2(lse_gj - lse_g)`
+   over the query groups `g` of tile `i`: the row-softmax probabilities summed into tiles.
+
+The launcher divides each row of `W` by its sum. Everything is fp32 (products of
+16-bit inputs are exact in fp32; sums round). GQA maps query head `h` to KV head
+`h // G`; K is never copied. No host synchronisation.
+
+Layout: kernels -> launcher (`xattention_tile_weights`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
+from ...reference.plan import cdiv
+from ...reference.xattention import check_xattention_params
+from .block_column import check_forward_only, check_kernel_device, interpreter_active
+
+LOG2E = 1.4426950408889634
+# Largest per-launch [B, H, G, T] fp32 scratch of row-tile log-sum-exps.
+_SCRATCH_BYTES = 256 << 20
+# Key groups scored per step (a multiple of the padded groups per tile).
+_STEP_COLUMNS = 64
+
+
+def check_fast_block(block: int) -> None:
+    """Raise ValueError unless `block` (the plan's tiles) is a multiple of 16."""
+    if block % 16 != 0:
+        raise ValueError(f"block must be a multiple of 16 for the fast kernels, got {block}")
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    # The CPU interpreter multiplies bfloat16 tiles wrongly; products of 16-bit floats
+    # are exact in fp32, so upcasting there changes nothing else.
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _group_bounds(o_g, seqlen, block, stride, groups_per_tile):
+    """First token and end (exclusive) of global groups `o_g` (tile-major order)."""
+    i_t = o_g // groups_per_tile
+    start = i_t * block + (o_g % groups_per_tile) * stride
+    end = tl.minimum(tl.minimum(start + stride, i_t * block + block), seqlen)
+    return start, end
+
+
+@triton.jit
+def _row_tile_lse_kernel(
+    Q, K, TILE_LSE, ROW_LSE,
+    qk_scale, seqlen, head_dim, num_heads, head0, group,
+    block, stride, groups_per_tile, num_rows, num_tiles,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    BLOCK_R: tl.constexpr, GPT_PAD: tl.constexpr, TILES_PER_STEP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TERMS: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // num_heads
+    i_h = head0 + i_bh % num_heads
+    i_hkv = i_h // group
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_start, r_end = _group_bounds(o_r, seqlen, block, stride, groups_per_tile)
+    m_r = (o_r < num_rows) & (r_start < seqlen)
+    o_d = tl.arange(0, HEAD_DIM)
+    m_d = o_d < head_dim
+    COLS: tl.constexpr = TILES_PER_STEP * GPT_PAD
+    o_c = tl.arange(0, COLS)
+    c_tile_off = o_c // GPT_PAD
+    c_g = o_c % GPT_PAD
+    o_s = tl.arange(0, TILES_PER_STEP)
+    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + o_d[None, :] * stride_qd
+    p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh + o_d[:, None] * stride_kd
+    p_lse = TILE_LSE + i_bh.to(tl.int64) * num_rows * num_tiles + o_r.to(tl.int64)[:, None] * num_tiles
+
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # Key tiles after the last row's tile are invisible to every row here.
+    last_row = tl.minimum(i_r * BLOCK_R + BLOCK_R, num_rows) - 1
+    last_tile = last_row // groups_per_tile
+    for t0 in range(0, last_tile + 1, TILES_PER_STEP):
+        c_tile = t0 + c_tile_off
+        c_start = c_tile * block + c_g * stride
+        c_end = tl.minimum(tl.minimum(c_start + stride, c_tile * block + block), seqlen)
+        m_c = (c_g < groups_per_tile) & (c_start < seqlen) & (c_tile < num_tiles)
+        b_s = tl.zeros([BLOCK_R, COLS], dtype=tl.float32)
+        # Sec. 2.5: the antidiagonal of each S x S sub-block, a + b = S - 1 (naive: a = b = 0).
+        for a in range(TERMS):
+            q_pos = r_start + a
+            k_pos = c_start + (TERMS - 1 - a)
+            m_q = m_r & (q_pos < r_end)
+            m_k = m_c & (k_pos < c_end)
+            b_q = tl.load(p_q + q_pos.to(tl.int64)[:, None] * stride_qn,
+                          mask=m_q[:, None] & m_d[None, :], other=0.0)
+            b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn,
+                          mask=m_k[None, :] & m_d[:, None], other=0.0)
+            b_s += _dot(b_q, b_k, DOT_F32)
+        b_s = b_s * qk_scale
+        # A non-finite score (NaN or infinity in q or k) weighs nothing, as in the reference.
+        visible = m_r[:, None] & m_c[None, :] & (c_start[None, :] <= r_start[:, None]) \
+            & (tl.abs(b_s) < float("inf"))
+        b_s = tl.where(visible, b_s, float("-inf"))
+        b_s3 = tl.reshape(b_s, (BLOCK_R, TILES_PER_STEP, GPT_PAD))
+        t_max = tl.max(b_s3, 2)
+        t_shift = tl.where(t_max == float("-inf"), 0.0, t_max)
+        t_sum = tl.sum(tl.math.exp2(b_s3 - t_shift[:, :, None]), 2)
+        t_lse = tl.where(t_sum > 0.0, t_shift + tl.math.log2(tl.where(t_sum > 0.0, t_sum, 1.0)),
+                         float("-inf"))
+        o_t = t0 + o_s
+        tl.store(p_lse + o_t[None, :], t_lse, mask=m_r[:, None] & (o_t[None, :] < num_tiles))
+        m_new = tl.maximum(m_i, tl.max(t_lse, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.math.exp2(m_i - m_shift) + tl.sum(tl.math.exp2(t_lse - m_shift[:, None]), 1)
+        m_i = m_new
+    # l_i > 0 unless a group has no finite score: its lse is then -inf, its weights NaN.
+    row_lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    tl.store(ROW_LSE + i_bh.to(tl.int64) * num_rows + o_r, row_lse, mask=m_r)
+
+
+@triton.jit
+def _tile_weight_kernel(
+    TILE_LSE, ROW_LSE, W,
+    seqlen, num_heads, head0, block, stride, groups_per_tile, num_rows, num_tiles,
+    stride_wb, stride_wh, stride_wi,
+    GPT_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    i_q = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // num_heads
+    i_h = head0 + i_bh % num_heads
+    o_g = tl.arange(0, GPT_PAD)
+    rows = i_q * groups_per_tile + o_g
+    start, _ = _group_bounds(rows, seqlen, block, stride, groups_per_tile)
+    m_g = (o_g < groups_per_tile) & (start < seqlen)
+    row_lse = tl.load(ROW_LSE + i_bh.to(tl.int64) * num_rows + rows, mask=m_g, other=0.0)
+    p_lse = TILE_LSE + i_bh.to(tl.int64) * num_rows * num_tiles + rows.to(tl.int64)[:, None] * num_tiles
+    p_w = W + i_b.to(tl.int64) * stride_wb + i_h.to(tl.int64) * stride_wh + i_q.to(tl.int64) * stride_wi
+    for j0 in range(0, i_q + 1, BLOCK_T):
+        o_t = j0 + tl.arange(0, BLOCK_T)
+        m_t = o_t <= i_q
+        t_lse = tl.load(p_lse + o_t[None, :], mask=m_g[:, None] & m_t[None, :], other=float("-inf"))
+        # Sec. 2.5: the row-softmax probabilities of the tile, summed over its query groups.
+        w = tl.sum(tl.math.exp2(t_lse - row_lse[:, None]), 0)
+        tl.store(p_w + o_t, w, mask=m_t)
+
+
+def xattention_tile_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    stride: int = 8,
+    block: int = 128,
+    scoring: str = "antidiagonal",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """XAttention tile weights (see `reference.xattention.xattention_tile_weights`).
+
+    Args:
+        q: `[B, Hq, N, D]` float16/bfloat16; k: `[B, Hkv, N, D]`.
+        stride: tokens per group (>= 1; values past `block` mean `block`).
+        block: tokens per tile, a multiple of 16.
+        scoring: "antidiagonal" or "naive".
+        scale: softmax scale, `1/sqrt(D)` if None.
+
+    Returns:
+        float32 `[B, Hq, T, T]`, `T = ceil(N / block)`: rows sum to 1 over `j <= i`;
+        non-causal entries are 0.
+
+    Raises:
+        TypeError, ValueError: bad inputs (dtype, device, shapes, head dim > 256) or
+            parameters.
+    """
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    check_kernel_device(q)
+    check_forward_only(q, k)
+    stride, _, block, scoring = check_xattention_params(stride=stride, threshold=1.0, block=block,
+                                                        scoring=scoring)
+    check_fast_block(block)
+    if shape.head_dim > 256:
+        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
+    tiles = cdiv(n, block)
+    per_tile = cdiv(block, stride)
+    rows = tiles * per_tile
+    antidiagonal = scoring == "antidiagonal"
+    terms = stride if antidiagonal else 1
+    qk_scale = sm_scale * LOG2E / (stride if antidiagonal else 1)
+    gpt_pad = triton.next_power_of_2(per_tile)
+    tiles_per_step = max(1, _STEP_COLUMNS // gpt_pad)
+    head_dim = max(16, triton.next_power_of_2(d))
+    block_r = 64
+    dot_f32 = interpreter_active() and q.dtype == torch.bfloat16
+    num_stages = 1 if interpreter_active() else 2
+    weights = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
+    heads_at_once = max(1, min(hq, _SCRATCH_BYTES // max(1, b * rows * tiles * 4)))
+    for h0 in range(0, hq, heads_at_once):
+        hl = min(heads_at_once, hq - h0)
+        tile_lse = torch.empty(b * hl, rows, tiles, dtype=torch.float32, device=q.device)
+        row_lse = torch.empty(b * hl, rows, dtype=torch.float32, device=q.device)
+        _row_tile_lse_kernel[(triton.cdiv(rows, block_r), b * hl)](
+            q, k, tile_lse, row_lse,
+            qk_scale, n, d, hl, h0, shape.group, block, stride, per_tile, rows, tiles,
+            *q.stride(), *k.stride(),
+            BLOCK_R=block_r, GPT_PAD=gpt_pad, TILES_PER_STEP=tiles_per_step, HEAD_DIM=head_dim,
+            TERMS=terms, DOT_F32=dot_f32, num_warps=4, num_stages=num_stages,
+        )
+        _tile_weight_kernel[(tiles, b * hl)](
+            tile_lse, row_lse, weights,
+            n, hl, h0, block, stride, per_tile, rows, tiles,
+            weights.stride(0), weights.stride(1), weights.stride(2),
+            GPT_PAD=gpt_pad, BLOCK_T=32, num_warps=4,
+        )
+        del tile_lse, row_lse
+    return weights / weights.sum(dim=-1, keepdim=True)

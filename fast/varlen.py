@@ -1,0 +1,45 @@
+"""Packed variable-length batches on the block/column kernel, one launch (see `reference.varlen`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..reference.plan import BlockColumnPlan, stack_plans
+from ..reference.varlen import PlanFn, check_varlen, sequence
+from .kernels import varlen_block_column_attention
+
+
+def varlen_plans(plan_fn: PlanFn, q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor,
+                 **params: Any) -> BlockColumnPlan:
+    """Estimate and plan every sequence on its own, stacked (see `reference.varlen_plans`).
+
+    Each sequence's estimate runs on its own `[1, H, n, D]` view of the packed
+    tensors (no copies); the launches of the estimators are per sequence.
+    """
+    cu = check_varlen(q, k, k, cu_seqlens, dtypes=(torch.float16, torch.bfloat16))
+    if any(b == a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"every sequence must have at least one token, got cu_seqlens {cu}")
+    return stack_plans([plan_fn(sequence(q, cu, s), sequence(k, cu, s), **params) for s in range(len(cu) - 1)])
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    plan: BlockColumnPlan,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a packed batch under a stacked plan, one kernel launch
+    (see `reference.varlen_attention`; `kernels.varlen_block_column_attention`)."""
+    out, lse = varlen_block_column_attention(q, k, v, cu_seqlens, max_seqlen, plan, scale=scale,
+                                             return_lse=return_lse)
+    if return_lse:
+        assert lse is not None
+        return out, lse
+    return out

@@ -1,0 +1,267 @@
+"""FlexPrefill-style vertical-slash heads: lines chosen by a cumulative threshold (SharePrefill Alg. 5).
+
+SharePrefill (Peng et al., Appendix B, Algorithm 5) falls back to the
+vertical-slash search of FlexPrefill (Lai et al.) for highly sparse heads. Unlike
+MInference's vertical-slash (`vertical_slash`), which keeps a fixed number of
+lines, it keeps the fewest lines whose estimated attention mass reaches `gamma`:
+
+1. `A_hat = softmax(Q_hat K^T / sqrt(d))` for the last `L = min(last_q, N)` queries
+   `Q_hat` of each query head (causal), as in `vertical_slash.approximate_attention`.
+2. `a_v = sum_vertical(A_hat) / sum(A_hat)` and `a_s = sum_slash(A_hat) / sum(A_hat)`:
+   the share of the estimated mass on every key column and every diagonal offset
+   `o = row - col`; each sums to 1.
+3. For each kind, the lines sorted by share, descending; `K = min{k : the k largest
+   shares sum to >= gamma}`; the `K` largest are kept (`cover_threshold`).
+
+Forced lines (our addition, documented choice): the first `init_columns` columns and
+the `local_diagonals` nearest diagonals are always kept and their share counts first:
+`K` is then the fewest further lines, in descending share, that bring the kept share
+to `gamma`. With `init_columns = local_diagonals = 0` this is Alg. 5 exactly. The
+defaults keep column 0 (the attention sink) and the main diagonal, so that no query
+row is left without keys; FlexPrefill's released code likewise always keeps the
+first key block and the diagonal block. Ties between equal shares: the lower index
+(column, or nearer diagonal) ranks first. If rounding keeps the cumulative share just
+below `gamma` after every line, every line is kept.
+
+Index: the kept lines go through MInference's Alg. 4 (`vertical_slash.vertical_slash_index`
+semantics): the key blocks a kept slash reaches in a query block, plus the kept
+columns outside them. Unlike MInference, the number of lines differs per head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_block_size, check_count, check_fraction, check_positive_int, check_qk, resolve_scale
+from .attention import sparse_attention
+from .plan import BlockColumnPlan, cdiv, rank_nan_last
+from .vertical_slash import approximate_attention, slash_coverage, sum_slash, sum_vertical
+
+# FlexPrefill's and SharePrefill's cumulative attention threshold.
+GAMMA = 0.9
+
+
+def check_flexprefill_vs_params(
+    *,
+    gamma: float,
+    last_q: int,
+    block_m: int,
+    block_n: int,
+    init_columns: int,
+    local_diagonals: int,
+) -> None:
+    """Raise TypeError/ValueError naming the first bad parameter."""
+    check_fraction("gamma", gamma)
+    check_positive_int("last_q", last_q)
+    check_block_size("block_m", block_m)
+    check_block_size("block_n", block_n)
+    check_positive_int("init_columns", init_columns, minimum=0)
+    check_positive_int("local_diagonals", local_diagonals, minimum=0)
+
+
+def normalized_lines(a_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 5 lines 2-3: `a_v`, `a_s` = vertical and slash sums over the total mass.
+
+    Args:
+        a_hat: float64 `[B, H, L, N]`, softmax rows of the estimated queries.
+
+    Returns:
+        (a_v, a_s) float64 `[B, H, N]`, each summing to 1 per head.
+    """
+    total = a_hat.sum(dim=(2, 3)).unsqueeze(-1)
+    return sum_vertical(a_hat) / total, sum_slash(a_hat) / total
+
+
+def cover_threshold(scores: torch.Tensor, gamma: float, forced: torch.Tensor) -> torch.Tensor:
+    """Alg. 5 lines 4-8 (and Alg. 2's budget): the fewest entries whose share reaches `gamma`.
+
+    Entries are ranked by score, descending (ties: lower index first), with the
+    `forced` entries ranked before all others whatever their score; an entry is kept
+    iff it is forced or the scores of the entries ranked before it sum to less than
+    `gamma`. With nothing forced, that keeps the `K = min{k : sum of the k largest
+    >= gamma}` largest entries, and all of them if the sum never reaches `gamma`.
+
+    A NaN score (from NaN in q or k) ranks below every number (`rank_nan_last`) and,
+    once reached, stops the cumulative sum: only the forced entries and the numbers
+    ranked before it are kept.
+
+    Args:
+        scores: float64 `[..., L]`, non-negative shares (summing to about 1).
+        gamma: the threshold in `[0, 1]`.
+        forced: bool, broadcastable to `scores`: entries always kept.
+
+    Returns:
+        bool `[..., L]`, the kept entries.
+    """
+    forced = forced.expand(scores.shape)
+    ranked = torch.where(forced, math.inf, rank_nan_last(scores))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    mass = torch.gather(scores, -1, order)
+    before = torch.cumsum(mass, dim=-1) - mass
+    keep_sorted = torch.gather(forced, -1, order) | (before < gamma)
+    return torch.zeros_like(forced).scatter(-1, order, keep_sorted)
+
+
+def first_lines(count: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """bool `[N]`: True for the first `count` indices (forced columns or diagonals)."""
+    return torch.arange(seqlen, device=device) < count
+
+
+def flexprefill_vs_lines(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    gamma: float = GAMMA,
+    last_q: int = 64,
+    init_columns: int = 1,
+    local_diagonals: int = 1,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 5 lines 1-9: the kept key columns and diagonal offsets of every query head.
+
+    Args:
+        q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
+        gamma: cumulative share to reach, in `[0, 1]`.
+        last_q: queries of the estimate (the last ones; more than N means all).
+        init_columns, local_diagonals: forced first columns and nearest diagonals.
+        scale: softmax scale, `1/sqrt(D)` if None.
+
+    Returns:
+        (verticals, slashes) bool `[B, Hq, N]`: kept columns, kept offsets `row - col`.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    shape = check_qk(q, k)
+    check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=1, block_n=1,
+                                init_columns=init_columns, local_diagonals=local_diagonals)
+    n = shape.seqlen
+    # Counts past N mean "all": clamp before any arithmetic.
+    last_q = check_count("last_q", last_q, cap=n)
+    init_columns = check_count("init_columns", init_columns, cap=n, minimum=0)
+    local_diagonals = check_count("local_diagonals", local_diagonals, cap=n, minimum=0)
+    a_hat = approximate_attention(q, k, last_q=last_q, scale=resolve_scale(scale, shape.head_dim))
+    a_v, a_s = normalized_lines(a_hat)
+    verticals = cover_threshold(a_v, gamma, first_lines(init_columns, n, q.device))
+    slashes = cover_threshold(a_s, gamma, first_lines(local_diagonals, n, q.device))
+    return verticals, slashes
+
+
+def lines_masks(
+    verticals: torch.Tensor,
+    slashes: torch.Tensor,
+    *,
+    block_m: int,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 4 of MInference on kept-line masks, as dense selections.
+
+    Args:
+        verticals, slashes: bool `[B, H, N]`, kept columns and kept offsets.
+        block_m, block_n: query rows and keys per block.
+
+    Returns:
+        (blocks bool `[B, H, Qb, Kb]`: the key blocks a kept slash reaches in each query
+        block; columns bool `[B, H, Qb, N]`: the kept columns), for `BlockColumnPlan.from_masks`.
+    """
+    b, h, n = verticals.shape
+    qb, kb = cdiv(n, block_m), cdiv(n, block_n)
+    offsets = torch.arange(n, device=slashes.device).expand(b, h, n)
+    # slash_coverage ignores offset N (its spare slot): pad the ragged lists with it.
+    padded = torch.where(slashes, offsets, n)
+    reached = slash_coverage(padded, seqlen=n, block_m=block_m)
+    wide = torch.zeros(b, h, qb, kb * block_n, dtype=torch.bool, device=reached.device)
+    wide[..., :n] = reached
+    blocks = wide.reshape(b, h, qb, kb, block_n).any(dim=-1)
+    return blocks, verticals.unsqueeze(2).expand(b, h, qb, n)
+
+
+def lines_index(
+    verticals: torch.Tensor,
+    slashes: torch.Tensor,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> BlockColumnPlan:
+    """Alg. 4 of MInference on kept-line masks: the key blocks the kept slashes reach in
+    each query block, plus the kept columns outside them (intersected with causality).
+
+    Args:
+        verticals, slashes: bool `[B, H, N]`, kept columns and kept offsets.
+        block_m, block_n: query rows and keys per block.
+
+    Returns:
+        The plan (disjoint blocks and columns).
+    """
+    n = verticals.shape[-1]
+    blocks, columns = lines_masks(verticals, slashes, block_m=block_m, block_n=block_n)
+    return BlockColumnPlan.from_masks(blocks, columns, seqlen=n, block_m=block_m, block_n=block_n)
+
+
+def flexprefill_vs_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    gamma: float = GAMMA,
+    last_q: int = 64,
+    block_m: int = 64,
+    block_n: int = 64,
+    init_columns: int = 1,
+    local_diagonals: int = 1,
+    scale: float | None = None,
+) -> BlockColumnPlan:
+    """FlexPrefill-style vertical-slash plan (SharePrefill Alg. 5); see the module doc.
+
+    Args:
+        q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
+        gamma: cumulative attention share the kept lines must reach, in `[0, 1]`.
+        last_q: queries used for the estimate (>= 1; more than N means all).
+        block_m, block_n: query rows and keys per block of the plan.
+        init_columns: first columns always kept (>= 0).
+        local_diagonals: nearest diagonals always kept (>= 0).
+        scale: softmax scale of the estimate, `1/sqrt(D)` if None.
+
+    Returns:
+        A `BlockColumnPlan` per batch row and query head.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    check_qk(q, k)
+    check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
+                                init_columns=init_columns, local_diagonals=local_diagonals)
+    verticals, slashes = flexprefill_vs_lines(
+        q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
+        local_diagonals=local_diagonals, scale=scale,
+    )
+    return lines_index(verticals, slashes, block_m=block_m, block_n=block_n)
+
+
+def flexprefill_vs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    gamma: float = GAMMA,
+    last_q: int = 64,
+    block_m: int = 64,
+    block_n: int = 64,
+    init_columns: int = 1,
+    local_diagonals: int = 1,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """FlexPrefill-style vertical-slash sparse attention through `flexprefill_vs_plan`.
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters.
+    """
+    plan = flexprefill_vs_plan(
+        q, k, gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
+        init_columns=init_columns, local_diagonals=local_diagonals, scale=scale,
+    )
+    return sparse_attention(q, k, v, plan, scale=scale)

@@ -1,0 +1,1435 @@
+"""Sparse prefill past one GPU: head-parallel and context-parallel attention on torch.distributed.
+
+Both modes use only `torch.distributed` collectives (NCCL on GPUs, gloo on CPUs),
+never a transport of their own, and any method of the registry
+(`conformance.registry.METHODS`) through its `run_fn` / `plan_fn` and
+`call_params`.
+
+Head-parallel (`head_parallel_attention`): each rank holds a slice of the query
+heads with their KV heads, as a tensor-parallel attention layer does after its
+column-parallel QKV projection, and runs the method's estimate, plan and kernel
+for those heads alone. Plans never cross ranks; the output stays sharded by heads
+or is all-gathered. GQA groups are kept whole: the KV heads are split when the
+world size divides them, and replicated (each rank one KV head, as serving engines
+do when there are fewer KV heads than ranks) when they divide the world size.
+
+Context-parallel (`context_parallel_attention`): the sequence is cut into
+`2 * world` chunks on `align`-token boundaries (`ZigZagLayout`); rank `r` holds the
+chunks `r` and `2 * world - 1 - r`, so the causal work of every rank is the same.
+Per rank:
+
+1. estimate where the inputs live (`context_parallel_plan`): each method says what
+   its estimate reads (`ESTIMATES`); shape-only plans move nothing; vertical-slash
+   and its FlexPrefill-style variant broadcast the last queries and reduce their
+   line scores, SampleAttention broadcasts its sampled rows and reduces block
+   scores, block-sparse all-gathers the pooled keys; any other plan-based method
+   all-gathers q and k (`estimate="gather"`: correct for every method, and costlier
+   than a dense ring);
+2. the plan rows of the rank's query blocks are split into the keys it holds
+   (`RankPlan.own`) and the keys held elsewhere (`RankPlan.remote`);
+3. the rank tells every other rank which of its keys it needs (a bit per key and
+   KV head, one `all_to_all_single`), and fetches exactly those K/V rows (a second
+   `all_to_all_single`, started asynchronously);
+4. while the fetch runs it computes its rows over its own keys; then over the
+   fetched keys (`attend_rows`: one kernel call per chunk on the plan's
+   `query_offset` rows); the two online-softmax states merge exactly with the lse
+   (`AttentionState.merge`).
+
+`Traffic` counts the bytes every collective moves (the payload a rank sends,
+under the ring algorithms for all-reduce and all-gather); `ring_bytes` is what
+ring attention would move (every K/V shard visits every other rank).
+See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .conformance.registry import METHODS, MethodSpec
+from .reference._checks import check_block_size, check_positive_int
+from .reference.attention import AttentionState
+from .reference.block_sparse import mean_pooling
+from .reference.minference import MInferenceConfig
+from .reference.plan import BlockColumnPlan, cdiv, rank_nan_last
+from .reference.vertical_slash import check_vertical_slash_params, kept_lines
+
+IMPLS = ("reference", "fast")
+# Float64 logits of the distributed last-q estimate are made this many bytes at a time.
+_ESTIMATE_CHUNK_BYTES = 256 * 2**20
+
+
+# -- traffic ----------------------------------------------------------------------
+
+
+@dataclass
+class Traffic:
+    """Bytes one rank sent (or, after `reduced`, all ranks together), by purpose.
+
+    Attributes:
+        estimate: collectives of the estimate (last queries, line scores, pooled
+            keys, or the whole q and k for `estimate="gather"`).
+        index: which K/V rows each rank asks of each other rank (one bit per key
+            and KV head).
+        kv: the fetched K and V rows.
+        output: gathering the output (`gather_output=True`).
+    """
+
+    estimate: int = 0
+    index: int = 0
+    kv: int = 0
+    output: int = 0
+
+    @property
+    def total(self) -> int:
+        """All bytes counted."""
+        return self.estimate + self.index + self.kv + self.output
+
+    def as_dict(self) -> dict[str, int]:
+        """The counts and their total, for JSON."""
+        return {"estimate": self.estimate, "index": self.index, "kv": self.kv,
+                "output": self.output, "total": self.total}
+
+    def reduced(self, group: dist.ProcessGroup | None = None) -> Traffic:
+        """The sum over the ranks of `group` (a collective: every rank must call it)."""
+        device = _group_device(group)
+        t = torch.tensor([self.estimate, self.index, self.kv, self.output], dtype=torch.int64,
+                         device=device)
+        dist.all_reduce(t, group=group)
+        e, i, k, o = (int(x) for x in t.tolist())
+        return Traffic(estimate=e, index=i, kv=k, output=o)
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device collectives of `group` take (NCCL: this rank's GPU; gloo: CPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Comm:
+    """The collectives this module uses, each adding what it sends to a `Traffic` field."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call "
+                               "torch.distributed.init_process_group first (torchrun sets it up)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.traffic = Traffic()
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        setattr(self.traffic, kind, getattr(self.traffic, kind) + int(nbytes))
+
+    def all_reduce(self, t: torch.Tensor, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        """In place; a ring all-reduce sends `2 (W - 1) / W` of the tensor per rank."""
+        if self.world > 1:
+            dist.all_reduce(t, op=op, group=self.group)
+            self._count(kind, 2 * (self.world - 1) * _nbytes(t) // self.world)
+
+    def broadcast(self, t: torch.Tensor, src: int, kind: str) -> None:
+        """In place from group rank `src`, counted as `W - 1` copies sent by `src`."""
+        if self.world > 1:
+            dist.broadcast(t, src=dist.get_global_rank(self.group, src) if self.group is not None
+                           else src, group=self.group)
+            if self.rank == src:
+                self._count(kind, (self.world - 1) * _nbytes(t))
+
+    def all_gather(self, t: torch.Tensor, lengths: Sequence[int], dim: int, kind: str) -> list[torch.Tensor]:
+        """Every rank's `t`, whose size along `dim` is `lengths[rank]` (padded on the wire).
+
+        Counted as `W - 1` copies of this rank's unpadded tensor.
+        """
+        if self.world == 1:
+            return [t]
+        width = max(lengths)
+        pad = list(t.shape)
+        pad[dim] = width - t.shape[dim]
+        padded = torch.cat([t, t.new_zeros(pad)], dim=dim).contiguous() if pad[dim] else t.contiguous()
+        out = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(out, padded, group=self.group)
+        self._count(kind, (self.world - 1) * _nbytes(t))
+        return [o.narrow(dim, 0, n) for o, n in zip(out, lengths)]
+
+    def all_to_all(self, send: Sequence[torch.Tensor], recv_numel: Sequence[int], kind: str,
+                   *, async_op: bool = False) -> tuple[list[torch.Tensor], Any]:
+        """Send `send[s]` (flattened, one dtype) to rank `s`; receive `recv_numel[s]` from `s`.
+
+        Returns the received pieces (valid once the returned work, if any, has waited)
+        and the work handle (None when not `async_op` or with one rank). Counted: the
+        bytes sent to other ranks.
+        """
+        dtype, device = send[0].dtype, send[0].device
+        flat_in = torch.cat([s.reshape(-1) for s in send]) if send else torch.empty(0)
+        recv = torch.empty(sum(recv_numel), dtype=dtype, device=device)
+        work = None
+        if self.world == 1:
+            recv.copy_(flat_in)
+        else:
+            work = dist.all_to_all_single(recv, flat_in, output_split_sizes=list(recv_numel),
+                                          input_split_sizes=[s.numel() for s in send],
+                                          group=self.group, async_op=async_op)
+            self._count(kind, sum(_nbytes(s) for i, s in enumerate(send) if i != self.rank))
+        return list(torch.split(recv, list(recv_numel))), work
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# -- layout -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZigZagLayout:
+    """The context-parallel split of `N` tokens over `world` ranks.
+
+    The sequence is cut into `2 * world` chunks whose boundaries are multiples of
+    `align` (the last chunk ends at `N`), as equal as `align` allows; rank `r` holds
+    chunks `r` and `2 * world - 1 - r`, in that order (its "local order"). Under
+    causal attention chunk `c` costs about `2c + 1` units, so every rank's pair costs
+    the same (ring attention's zig-zag split). Plans need `block_m` and `block_n`
+    dividing `align`, so that every query block and key block lies on one rank.
+
+    Attributes:
+        seqlen: N.
+        world: ranks.
+        align: tokens per unit of the split (a multiple of the plan's block sizes).
+    """
+
+    seqlen: int
+    world: int
+    align: int = 128
+
+    def __post_init__(self) -> None:
+        check_positive_int("seqlen", self.seqlen)
+        check_positive_int("world", self.world, maximum=1 << 16)
+        check_positive_int("align", self.align, maximum=1 << 30)
+
+    @property
+    def chunks(self) -> tuple[tuple[int, int], ...]:
+        """The `2 * world` chunks `[start, stop)` in sequence order (some may be empty)."""
+        units = cdiv(self.seqlen, self.align)
+        count = 2 * self.world
+        bounds = [min(self.seqlen, (c * units // count) * self.align) for c in range(count + 1)]
+        bounds[-1] = self.seqlen
+        return tuple((bounds[c], bounds[c + 1]) for c in range(count))
+
+    def rank_chunks(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The two chunks of `rank`, early one first."""
+        self._check_rank(rank)
+        chunks = self.chunks
+        return chunks[rank], chunks[2 * self.world - 1 - rank]
+
+    def local_length(self, rank: int) -> int:
+        """Tokens held by `rank`."""
+        return sum(e - s for s, e in self.rank_chunks(rank))
+
+    def tokens(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 `[local_length(rank)]`: the global position of every local token."""
+        return torch.cat([torch.arange(s, e, device=device) for s, e in self.rank_chunks(rank)])
+
+    def owner(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 `[N]`: the rank holding every token."""
+        out = torch.empty(self.seqlen, dtype=torch.int64, device=device)
+        for c, (s, e) in enumerate(self.chunks):
+            out[s:e] = c if c < self.world else 2 * self.world - 1 - c
+        return out
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 2) -> torch.Tensor:
+        """The local part of `x` (natural order along `dim`, `N` long), in local order."""
+        if x.shape[dim] != self.seqlen:
+            raise ValueError(f"x must have N={self.seqlen} entries along dim {dim}, got {tuple(x.shape)}")
+        return torch.cat([x.narrow(dim, s, e - s) for s, e in self.rank_chunks(rank)], dim=dim)
+
+    def unshard(self, parts: Sequence[torch.Tensor], dim: int = 2) -> torch.Tensor:
+        """Every rank's local part (rank order) back in natural order along `dim`."""
+        if len(parts) != self.world:
+            raise ValueError(f"expected {self.world} parts, got {len(parts)}")
+        pieces: list[torch.Tensor | None] = [None] * (2 * self.world)
+        for r, part in enumerate(parts):
+            (s0, e0), (s1, e1) = self.rank_chunks(r)
+            if part.shape[dim] != (e0 - s0) + (e1 - s1):
+                raise ValueError(f"part {r} must have {self.local_length(r)} entries along dim {dim}, "
+                                 f"got {tuple(part.shape)}")
+            pieces[r] = part.narrow(dim, 0, e0 - s0)
+            pieces[2 * self.world - 1 - r] = part.narrow(dim, e0 - s0, e1 - s1)
+        return torch.cat([p for p in pieces if p is not None], dim=dim)
+
+    def query_block_ranges(self, rank: int, block_m: int) -> tuple[tuple[int, int], ...]:
+        """The query blocks `[i0, i1)` of `rank`'s non-empty chunks."""
+        return tuple((s // block_m, cdiv(e, block_m)) for s, e in self.rank_chunks(rank) if e > s)
+
+    def check_blocks(self, block_m: int, block_n: int) -> None:
+        """Raise ValueError unless `block_m` and `block_n` divide `align`."""
+        for name, size in (("block_m", block_m), ("block_n", block_n)):
+            if self.align % size:
+                raise ValueError(
+                    f"context-parallel attention needs chunk boundaries on block boundaries: "
+                    f"align={self.align} is not a multiple of the plan's {name}={size} "
+                    f"(choose an align that all block sizes divide, e.g. {math.lcm(block_m, block_n)})")
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank must lie in [0, {self.world}), got {rank}")
+
+
+def ring_bytes(layout: ZigZagLayout, *, batch: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes ring attention moves: every rank's K and V shard visits the `W - 1` others."""
+    return (layout.world - 1) * 2 * batch * kv_heads * layout.seqlen * head_dim * itemsize
+
+
+# -- methods ----------------------------------------------------------------------
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The registered method `name`.
+
+    Raises:
+        ValueError: no such method (the message lists the registered ones).
+    """
+    if not isinstance(name, str) or name not in METHODS:
+        raise ValueError(f"method must be one of {sorted(METHODS)}, got {name!r}")
+    return METHODS[name]
+
+
+def _check_impl(impl: str) -> Any:
+    from . import fast, reference
+
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return fast if impl == "fast" else reference
+
+
+def _standin(batch: int, heads: int, seqlen: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+    """A zero tensor of the given shape costing one element (for shape-only calls)."""
+    return torch.zeros((), dtype=like.dtype, device=like.device).expand(batch, heads, seqlen, head_dim)
+
+
+def _slice_head_params(params: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """Per-head parameters (MInference's per-head config) cut to the heads `[start, stop)`."""
+    out = dict(params)
+    for key, value in params.items():
+        if isinstance(value, MInferenceConfig):
+            out[key] = MInferenceConfig(tuple(layer[start:stop] for layer in value.layers))
+    return out
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# -- head-parallel ----------------------------------------------------------------
+
+
+def head_slices(q_heads: int, kv_heads: int, world: int, rank: int) -> tuple[slice, slice]:
+    """The query heads and KV heads rank `rank` of `world` owns (GQA groups kept whole).
+
+    KV heads are split when `world` divides `kv_heads`; when `kv_heads` divides
+    `world` instead, every rank gets one KV head (replicated over `world / kv_heads`
+    ranks) and an equal share of its query heads.
+
+    Raises:
+        ValueError: counts that cannot be split this way (the message says why).
+    """
+    hq = check_positive_int("q_heads", q_heads)
+    hkv = check_positive_int("kv_heads", kv_heads)
+    w = check_positive_int("world", world)
+    if not isinstance(rank, int) or not 0 <= rank < w:
+        raise ValueError(f"rank must lie in [0, {w}), got {rank!r}")
+    if hq % hkv:
+        raise ValueError(f"q_heads={hq} must be a multiple of kv_heads={hkv}")
+    if hq % w:
+        raise ValueError(f"head-parallel attention needs q_heads={hq} divisible by the world size {w}")
+    per_q = hq // w
+    if hkv % w == 0:
+        per_kv = hkv // w
+        return slice(rank * per_q, (rank + 1) * per_q), slice(rank * per_kv, (rank + 1) * per_kv)
+    if w % hkv == 0:
+        # Each KV head's group of G query heads is shared by W / Hkv ranks.
+        kv = rank // (w // hkv)
+        return slice(rank * per_q, (rank + 1) * per_q), slice(kv, kv + 1)
+    raise ValueError(f"head-parallel attention needs kv_heads={hkv} divisible by the world size {w} "
+                     f"(KV heads split) or dividing it (KV heads replicated)")
+
+
+def shard_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world: int,
+                rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s heads of full `q: [B, Hq, N, D]`, `k, v: [B, Hkv, N, D]` (see `head_slices`)."""
+    qs, ks = head_slices(int(q.shape[1]), int(k.shape[1]), world, rank)
+    return q[:, qs], k[:, ks], v[:, ks]
+
+
+def _head_call(spec: MethodSpec, params: Mapping[str, Any] | None, q: torch.Tensor,
+               comm: _Comm) -> dict[str, Any]:
+    """`call_params` for the local heads as the global call would set them."""
+    b, hq, n, d = q.shape
+    standin = _standin(b, hq * comm.world, n, d, q)
+    full = spec.call_params(dict(params or {}), standin)
+    return _slice_head_params(full, comm.rank * hq, (comm.rank + 1) * hq)
+
+
+def head_parallel_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    method: str,
+    params: Mapping[str, Any] | None = None,
+    impl: str = "reference",
+    group: dist.ProcessGroup | None = None,
+) -> BlockColumnPlan:
+    """The method's plan for this rank's heads (no communication).
+
+    Args:
+        q: `[B, Hq / W, N, D]` and k: `[B, Hkv_local, N, D]`, this rank's heads
+            (`shard_heads`).
+        method: a registered method with plans (`METHODS`).
+        params: its keyword parameters, as for one process (`call_params` sees the
+            global head count, so per-head configs pick this rank's heads).
+        impl: "reference" or "fast".
+        group: the process group (default: the world).
+
+    Returns:
+        The local heads' plan: the global plan's heads `[r Hq/W, (r+1) Hq/W)`.
+
+    Raises:
+        ValueError: unknown method or impl, or a method without plans.
+    """
+    spec = method_spec(method)
+    _check_impl(impl)
+    comm = _Comm(group)
+    return spec.plan_fn(impl)(q, k, **_head_call(spec, params, q, comm))
+
+
+def head_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    method: str,
+    params: Mapping[str, Any] | None = None,
+    impl: str = "reference",
+    scale: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    gather_output: bool = True,
+    traffic: Traffic | None = None,
+) -> torch.Tensor:
+    """Any registered method on this rank's heads; the output gathered or left sharded.
+
+    Args:
+        q: `[B, Hq / W, N, D]`; k, v: `[B, Hkv_local, N, D]`: this rank's heads, GQA
+            groups whole (`shard_heads` cuts them from full tensors).
+        method: a registered method (`METHODS`); Delta-KV included.
+        params: its keyword parameters, as for one process.
+        impl: "reference" or "fast".
+        scale: softmax scale, `1/sqrt(D)` if None.
+        group: the process group (default: the world).
+        gather_output: all-gather the heads into `[B, Hq, N, D]` (every rank), or
+            return this rank's `[B, Hq / W, N, D]` (what a tensor-parallel output
+            projection takes).
+        traffic: a `Traffic` to add the output gather's bytes to, or None.
+
+    Returns:
+        The attention output in q's dtype.
+
+    Raises:
+        ValueError: unknown method or impl; bad inputs as the method raises them.
+    """
+    spec = method_spec(method)
+    _check_impl(impl)
+    comm = _Comm(group)
+    call = _head_call(spec, params, q, comm)
+    out: torch.Tensor = spec.run_fn(impl)(q, k, v, **call, scale=scale)
+    if gather_output and comm.world > 1:
+        parts = comm.all_gather(out, [out.shape[1]] * comm.world, 1, "output")
+        out = torch.cat(parts, dim=1)
+    if traffic is not None:
+        traffic.output += comm.traffic.output
+    return out
+
+
+# -- context-parallel: the plan rows of a rank --------------------------------------
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share of a global plan, split by who holds the keys.
+
+    All three plans have the global sizes (`seqlen = N`, every query block), with
+    empty lists outside `ranges`; `own | remote == plan` on those rows.
+
+    Attributes:
+        plan: the global plan's rows of this rank's query blocks.
+        own: the keys this rank holds.
+        remote: the keys other ranks hold (fetched before the second pass).
+        ranges: this rank's query blocks, `[i0, i1)` per non-empty chunk.
+        estimate: how the plan was estimated ("shape", "native" or "gather").
+    """
+
+    plan: BlockColumnPlan
+    own: BlockColumnPlan
+    remote: BlockColumnPlan
+    ranges: tuple[tuple[int, int], ...]
+    estimate: str
+
+
+def _shared_dims(tensors: Sequence[torch.Tensor]) -> tuple[bool, bool]:
+    """Whether all tensors are stride-0 (or size 1) over the batch and over the heads."""
+    def shared(dim: int) -> bool:
+        return all(t.shape[dim] == 1 or t.stride(dim) == 0 for t in tensors)
+    return shared(0), shared(1)
+
+
+def _compact(count: torch.Tensor, index: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept entries of sorted lists, in order: (count int32, index int32 as narrow as needed)."""
+    valid = torch.arange(index.shape[-1], device=index.device) < count.unsqueeze(-1)
+    keep = keep & valid
+    new_count = keep.sum(dim=-1)
+    width = int(new_count.max().item()) if new_count.numel() else 0
+    # A stable sort of the dropped flags moves the kept entries first, in order.
+    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+    return new_count.to(torch.int32), torch.gather(index, -1, order).to(torch.int32)
+
+
+def _rows_shared(index: torch.Tensor) -> bool:
+    """One list read by every query block (stride 0 over them): prefixes of it per block."""
+    return index.shape[2] == 1 or index.stride(2) == 0
+
+
+def _restrict_lists(
+    count: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    keep_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of one kind kept on the query blocks `rows` (bool `[Qb]`) and by `keep_fn`.
+
+    Args:
+        count: int32 `[b, h, Qb]`; index: int `[b, h, Qb, W]`, one list per query
+            block (a list shared by every block may be a stride-0 view).
+        rows: bool `[Qb]`, the query blocks that keep their lists.
+        keep_fn: bool function of the int64 entries, or None (keep all).
+
+    Returns:
+        (count int32 `[b, h, Qb]`, index int32 `[b, h, Qb, W']`); a shared list stays
+        one shared list (its kept entries, each block counting those in its prefix).
+    """
+    b, h, qb = count.shape
+    width = index.shape[3]
+    if _rows_shared(index):
+        row = index[:, :, :1].to(torch.int64)
+        keep = torch.ones_like(row, dtype=torch.bool) if keep_fn is None else keep_fn(row)
+        kept = torch.cumsum(keep.to(torch.int32), dim=-1).expand(b, h, qb, width)
+        prefix = (count.to(torch.int64) - 1).clamp(min=0).unsqueeze(-1)
+        new_count = torch.where(count > 0, kept.gather(-1, prefix).squeeze(-1), 0) if width else \
+            torch.zeros_like(count)
+        new_count = torch.where(rows, new_count, 0).to(torch.int32)
+        full = torch.full((b, h, 1), width, dtype=torch.int32, device=index.device)
+        _, shared = _compact(full, row, keep)
+        return new_count, shared.expand(b, h, qb, shared.shape[-1])
+    idx = index.to(torch.int64)
+    keep = torch.ones_like(idx, dtype=torch.bool) if keep_fn is None else keep_fn(idx)
+    new_count, new_index = _compact(torch.where(rows, count, 0), idx, keep)
+    return new_count, new_index
+
+
+def restrict_plan(
+    plan: BlockColumnPlan,
+    ranges: Sequence[tuple[int, int]],
+    keep_key: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> BlockColumnPlan:
+    """The plan's rows of the query blocks in `ranges`, other rows empty, optionally
+    keeping only the keys `keep_key` accepts.
+
+    Args:
+        plan: a valid global plan.
+        ranges: query block ranges `[i0, i1)`.
+        keep_key: bool function of int64 key positions, or None (all). Blocks are
+            kept where it accepts the block's first key, so it must be constant over
+            every key block (as ownership is when the block size divides the layout's
+            `align`).
+
+    Returns:
+        A plan of the global sizes with `column_group = 1`. Index tensors stay
+        expanded views where the input's were (over batch and heads, and a list
+        shared by every query block stays one list), so a dense or vertical-slash
+        plan costs no more here than in one process.
+    """
+    plan = plan.ensure_valid()
+    if plan.column_group != 1 and not _rows_shared(plan.column_index):
+        plan = plan.ungrouped()
+    b, h, qb = plan.block_count.shape
+    fields = [plan.block_count, plan.block_index, plan.column_count, plan.column_index]
+    shared_b, shared_h = _shared_dims(fields)
+    bs, hs = (1 if shared_b else b), (1 if shared_h else h)
+    device = plan.device
+    rows = torch.zeros(qb, dtype=torch.bool, device=device)
+    for i0, i1 in ranges:
+        rows[i0:i1] = True
+    bn = plan.block_n
+
+    def keep_block(i: torch.Tensor) -> torch.Tensor:
+        assert keep_key is not None
+        return keep_key((i.clamp(0, plan.num_key_blocks - 1) * bn))
+
+    def keep_column(c: torch.Tensor) -> torch.Tensor:
+        assert keep_key is not None
+        return keep_key(c.clamp(0, plan.seqlen - 1))
+
+    block_count, block_index = _restrict_lists(plan.block_count[:bs, :hs], plan.block_index[:bs, :hs], rows,
+                                               None if keep_key is None else keep_block)
+    column_count, column_index = _restrict_lists(plan.column_count[:bs, :hs], plan.column_index[:bs, :hs],
+                                                 rows, None if keep_key is None else keep_column)
+    out = BlockColumnPlan(
+        seqlen=plan.seqlen, block_m=plan.block_m, block_n=plan.block_n,
+        block_count=block_count.expand(b, h, qb), block_index=block_index.expand(b, h, *block_index.shape[2:]),
+        column_count=column_count.expand(b, h, qb),
+        column_index=column_index.expand(b, h, *column_index.shape[2:]),
+        columns_disjoint=plan.columns_disjoint,
+    )
+    # Sub-lists (or sub-prefixes) of a valid plan's sorted, causal lists: valid.
+    return out.mark_valid()
+
+
+def split_plan(plan: BlockColumnPlan, layout: ZigZagLayout, rank: int, *, estimate: str = "") -> RankPlan:
+    """`rank`'s rows of a global plan, split into keys it holds and keys it must fetch.
+
+    Raises:
+        ValueError: the plan's block sizes do not divide `layout.align`, or its length
+            is not the layout's.
+    """
+    if plan.seqlen != layout.seqlen or plan.query_offset != 0:
+        raise ValueError(f"plan must cover the layout's whole prompt (seqlen={layout.seqlen}, query_offset 0), "
+                         f"got seqlen={plan.seqlen}, query_offset={plan.query_offset}")
+    layout.check_blocks(plan.block_m, plan.block_n)
+    ranges = layout.query_block_ranges(rank, plan.block_m)
+    owner = layout.owner(plan.device)
+
+    def mine(keys: torch.Tensor) -> torch.Tensor:
+        return owner[keys] == rank
+
+    def theirs(keys: torch.Tensor) -> torch.Tensor:
+        return owner[keys] != rank
+
+    return RankPlan(
+        plan=restrict_plan(plan, ranges),
+        own=restrict_plan(plan, ranges, mine),
+        remote=restrict_plan(plan, ranges, theirs),
+        ranges=ranges,
+        estimate=estimate,
+    )
+
+
+def needed_keys(remote: BlockColumnPlan, kv_heads: int) -> torch.Tensor:
+    """bool `[B, Hkv, N]`: the keys a plan lists for any query head of each KV head.
+
+    Whole key blocks count (the plan's remote blocks lie before the rows that list
+    them, so all their keys are causal); positions past N are dropped.
+    """
+    b, hq, qb = remote.block_count.shape
+    n, bn, kb = remote.seqlen, remote.block_n, remote.num_key_blocks
+    fields = [remote.block_count, remote.block_index, remote.column_count, remote.column_index]
+    shared_b, shared_h = _shared_dims(fields)
+    bs, hs = (1 if shared_b else b), (1 if shared_h else hq)
+    device = remote.device
+
+    def marks(count: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+        count, index = count[:bs, :hs], index[:bs, :hs]
+        if _rows_shared(index):
+            # Prefixes of one list: their union is the longest prefix.
+            count, index = count.amax(dim=2, keepdim=True), index[:, :, :1]
+        valid = torch.arange(index.shape[-1], device=device) < count.unsqueeze(-1)
+        idx = torch.where(valid, index.to(torch.int64), size).reshape(bs, hs, -1)
+        out = torch.zeros(bs, hs, size + 1, dtype=torch.bool, device=device)
+        return out.scatter_(2, idx, True)[..., :size]
+
+    blocks = marks(remote.block_count, remote.block_index, kb)
+    keys = blocks.repeat_interleave(bn, dim=2)[..., :n] | marks(remote.column_count, remote.column_index, n)
+    if hs == 1:
+        per_kv = keys.expand(bs, kv_heads, n)
+    else:
+        per_kv = keys.reshape(bs, kv_heads, hq // kv_heads, n).any(dim=2)
+    return per_kv.expand(b, kv_heads, n)
+
+
+def rank_fetch_bytes(rank_plan: RankPlan, layout: ZigZagLayout, rank: int, *, kv_heads: int, head_dim: int,
+                     itemsize: int) -> dict[str, int]:
+    """The bytes of rank `rank`'s fetch in `context_parallel_attention`: (index, kv).
+
+    Computed from its plan alone (one process), by the rule the exchange follows: the
+    rank sends every other rank a bit per (batch, KV head, token held there) and
+    receives the K and V rows it asked for. Summed over ranks these are the measured
+    `Traffic.index` and `Traffic.kv` (tests check it).
+    """
+    need = needed_keys(rank_plan.remote, kv_heads)
+    b = need.shape[0]
+    index = kv = 0
+    for s in range(layout.world):
+        if s != rank:
+            index += b * kv_heads * cdiv(layout.local_length(s), 8)
+            kv += int(need[..., layout.tokens(s, need.device)].sum()) * 2 * head_dim * itemsize
+    return {"index": index, "kv": kv}
+
+
+def fetch_bytes(rank_plans: Sequence[RankPlan], layout: ZigZagLayout, *, kv_heads: int, head_dim: int,
+                itemsize: int) -> dict[str, int]:
+    """`rank_fetch_bytes` summed over every rank (`rank_plans[r]` is rank `r`'s)."""
+    parts = [rank_fetch_bytes(rp, layout, r, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize)
+             for r, rp in enumerate(rank_plans)]
+    return {key: sum(p[key] for p in parts) for key in ("index", "kv")}
+
+
+# -- context-parallel: estimates ------------------------------------------------------
+
+
+@dataclass
+class _Shard:
+    """One rank's inputs and the global sizes."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    layout: ZigZagLayout
+    rank: int
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    tokens: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = self.layout.tokens(self.rank, self.q.device)
+
+    def standins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.layout.seqlen
+        return (_standin(self.batch, self.q_heads, n, self.head_dim, self.q),
+                _standin(self.batch, self.kv_heads, n, self.head_dim, self.k))
+
+
+EstimateFn = Callable[[_Shard, dict[str, Any], str, "float | None", _Comm], BlockColumnPlan]
+
+
+@dataclass(frozen=True)
+class DistributedEstimate:
+    """How one method estimates its plan when the sequence is split over ranks.
+
+    Attributes:
+        kind: "shape" (the plan depends on the sizes only), or "native" (a
+            distributed estimate that moves only what `needs` says).
+        needs: what the estimate reads and what it moves, in a sentence (docs).
+        build: `(shard, params, impl, scale, comm) -> plan`: a global plan whose rows
+            of this rank's query blocks are the method's (other rows may be anything).
+    """
+
+    kind: str
+    needs: str
+    build: EstimateFn
+
+
+def _shape_only(spec_name: str) -> EstimateFn:
+    def build(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+              comm: _Comm) -> BlockColumnPlan:
+        q, k = shard.standins()
+        plan: BlockColumnPlan = method_spec(spec_name).plan_fn(impl)(q, k, **params)
+        return plan
+    return build
+
+
+def _gather_rows(shard: _Shard, rows: torch.Tensor, comm: _Comm) -> torch.Tensor:
+    """The q rows `rows` (int64, ascending, global) on every rank: `[B, Hq, R, D]`.
+
+    Broadcast from their holder when one rank holds them all, else an all-reduce of
+    zero-padded copies (each row is non-zero on its one holder: the sum is exact).
+    """
+    layout = shard.layout
+    owner = layout.owner()[rows.cpu()]
+    out = torch.zeros(shard.batch, shard.q_heads, rows.numel(), shard.head_dim, dtype=shard.q.dtype,
+                      device=shard.q.device)
+    # Position of every global token in this rank's local order (-1: not held here).
+    local = torch.full((layout.seqlen,), -1, dtype=torch.int64, device=shard.q.device)
+    local[shard.tokens] = torch.arange(shard.tokens.numel(), device=shard.q.device)
+    where = local[rows.to(shard.q.device)]
+    mine = where >= 0
+    if bool(mine.any()):
+        out[:, :, mine] = shard.q[:, :, where[mine]]
+    holders = torch.unique(owner).tolist()
+    if len(holders) == 1:
+        comm.broadcast(out, int(holders[0]), "estimate")
+    else:
+        comm.all_reduce(out, "estimate")
+    return out
+
+
+def _global_softmax(shard: _Shard, q_rows: torch.Tensor, row_ids: torch.Tensor, *, scale: float, comm: _Comm,
+                    consume: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """`softmax(Q_rows K^T)` over every rank's keys, handed to `consume` a local key chunk at a time.
+
+    Every rank computes the float64 logits of the rows against its own keys; the
+    row maxima (all-reduce max) and the row sums of `exp(logit - max)` (all-reduce
+    sum) make the softmax global. `consume(a_hat [B, Hq, R, c], cols [c])` gets the
+    probabilities of each chunk of local keys (`cols`: their global positions);
+    non-causal entries are 0.
+    """
+    b, hq, rows, d = q_rows.shape
+    hkv = shard.kv_heads
+    g = hq // hkv
+    device = q_rows.device
+    qg = q_rows.to(torch.float64).reshape(b, hkv, g, rows, d)
+    n_local = shard.k.shape[2]
+    step = max(1, _ESTIMATE_CHUNK_BYTES // max(1, b * hq * rows * 8))
+
+    def logits(c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = shard.tokens[c0:c1]
+        s = torch.matmul(qg, shard.k[:, :, c0:c1].to(torch.float64).unsqueeze(2).transpose(-1, -2)) * scale
+        causal = cols[None, :] <= row_ids[:, None]
+        return s.masked_fill(~causal, -math.inf), cols
+
+    m = torch.full((b, hkv, g, rows), -math.inf, dtype=torch.float64, device=device)
+    for c0 in range(0, n_local, step):
+        m = torch.maximum(m, logits(c0, min(n_local, c0 + step))[0].amax(dim=-1))
+    comm.all_reduce(m, "estimate", op=dist.ReduceOp.MAX)
+    shift = torch.where(torch.isneginf(m), 0.0, m).unsqueeze(-1)
+    total = torch.zeros(b, hkv, g, rows, dtype=torch.float64, device=device)
+    for c0 in range(0, n_local, step):
+        total += torch.exp(logits(c0, min(n_local, c0 + step))[0] - shift).sum(dim=-1)
+    comm.all_reduce(total, "estimate")
+    for c0 in range(0, n_local, step):
+        s, cols = logits(c0, min(n_local, c0 + step))
+        consume((torch.exp(s - shift) / total.unsqueeze(-1)).reshape(b, hq, rows, -1), cols)
+
+
+def distributed_last_q_scores(shard: _Shard, q_last: torch.Tensor, *, scale: float,
+                              comm: _Comm) -> tuple[torch.Tensor, torch.Tensor]:
+    """MInference Alg. 2 lines 2-6 with the keys split over ranks, up to the local scores.
+
+    `A_hat = softmax(Q_last K^T)` over all keys (`_global_softmax`).
+
+    Returns:
+        (vertical float64 `[B, Hq, n_local]`: the mass of each local key column,
+        complete; slash float64 `[B, Hq, N]`: this rank's part of every diagonal's
+        mass, to be summed over ranks). Equal to the one-process scores up to the
+        order of float64 additions.
+    """
+    b, hq, rows, _ = q_last.shape
+    n = shard.layout.seqlen
+    row_ids = torch.arange(n - rows, n, device=q_last.device)
+    vertical = torch.zeros(b, hq, shard.k.shape[2], dtype=torch.float64, device=q_last.device)
+    slash = torch.zeros(b, hq, n, dtype=torch.float64, device=q_last.device)
+    start = 0
+
+    def consume(a_hat: torch.Tensor, cols: torch.Tensor) -> None:
+        nonlocal start
+        # Alg. 2 line 4: sum_v, the mass of every (local) key column.
+        vertical[..., start:start + cols.numel()] = a_hat.sum(dim=2)
+        start += cols.numel()
+        # Alg. 2 line 6: sum_s by offset row - col; non-causal entries are 0 (park on 0).
+        offset = (row_ids[:, None] - cols[None, :]).clamp(min=0).expand(b, hq, rows, -1)
+        slash.scatter_add_(2, offset.reshape(b, hq, -1), a_hat.reshape(b, hq, -1))
+
+    _global_softmax(shard, q_last, row_ids, scale=scale, comm=comm, consume=consume)
+    return vertical, slash
+
+
+def _offset_bounds(n: int, world: int) -> list[int]:
+    """Rank `s` completes the slash sums of the offsets `[bounds[s], bounds[s + 1])`."""
+    return [s * n // world for s in range(world + 1)]
+
+
+def _reduce_scatter(partial: torch.Tensor, comm: _Comm) -> torch.Tensor:
+    """Sum `partial: [B, H, N]` over ranks, keeping this rank's offsets (`_offset_bounds`).
+
+    An all-to-all of the slices and a sum in rank order: a reduce-scatter, which
+    gloo lacks; `(W - 1) / W` of the vector leaves each rank.
+    """
+    b, h, n = partial.shape
+    bounds = _offset_bounds(n, comm.world)
+    mine = bounds[comm.rank + 1] - bounds[comm.rank]
+    send = [partial[..., bounds[s]:bounds[s + 1]].contiguous() for s in range(comm.world)]
+    got, _ = comm.all_to_all(send, [b * h * mine] * comm.world, "estimate")
+    total = torch.zeros(b, h, mine, dtype=partial.dtype, device=partial.device)
+    for piece in got:
+        total += piece.reshape(b, h, mine)
+    return total
+
+
+def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int], *, count: int,
+                        forced: int, comm: _Comm) -> torch.Tensor:
+    """`reference.vertical_slash.argtopk` of scores partitioned over ranks.
+
+    Args:
+        values: `[B, H, m]` this rank's complete scores; ids: int64 `[m]`, ascending,
+            their global indices; lengths: every rank's `m`.
+        count, forced: as `argtopk`.
+
+    Returns:
+        int32 `[B, H, count]` sorted ascending, on every rank: each rank's best
+        `count` (by score, then lower index) are all-gathered and ranked again, which
+        picks exactly the one-process set (the global best `count` are among them).
+    """
+    ranked = rank_nan_last(values).clone()
+    ranked[..., ids < forced] = math.inf
+    take = [min(count, m) for m in lengths]
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :take[comm.rank]]
+    cand_val = torch.gather(ranked, -1, order)
+    cand_id = ids[order]
+    all_val = torch.cat(comm.all_gather(cand_val, take, 2, "estimate"), dim=-1)
+    all_id = torch.cat(comm.all_gather(cand_id.contiguous(), take, 2, "estimate"), dim=-1)
+    # Index order first, so that the stable sort by score gives ties to the lower index.
+    by_id = torch.sort(all_id, dim=-1).indices
+    all_val, all_id = torch.gather(all_val, -1, by_id), torch.gather(all_id, -1, by_id)
+    top = torch.sort(all_val, dim=-1, descending=True, stable=True).indices[..., :count]
+    return torch.sort(torch.gather(all_id, -1, top), dim=-1).values.to(torch.int32)
+
+
+def _vertical_slash_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+                             comm: _Comm) -> BlockColumnPlan:
+    from .reference.vertical_slash import vertical_slash_index as reference_index
+
+    p = {"last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 30, "local_diagonals": 100, **params}
+    unknown = set(p) - {"vertical_size", "slash_size", "last_q", "block_m", "block_n", "init_columns",
+                        "local_diagonals"}
+    if unknown:
+        raise TypeError(f"vertical_slash got unexpected parameters {sorted(unknown)}")
+    check_vertical_slash_params(**p)
+    layout = shard.layout
+    layout.check_blocks(p["block_m"], p["block_n"])
+    n = layout.seqlen
+    rows = min(p["last_q"], n)
+    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
+    # Alg. 2 line 2: the last queries live on the ranks holding the sequence's end.
+    q_last = _gather_rows(shard, torch.arange(n - rows, n, device=shard.q.device), comm)
+    vertical, slash_part = distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
+    # Alg. 2 lines 4 and 6: argtopk with the forced lines, ties to the lower index.
+    verticals = distributed_argtopk(
+        vertical, shard.tokens, [layout.local_length(r) for r in range(comm.world)],
+        count=kept_lines(p["vertical_size"], p["init_columns"], n), forced=p["init_columns"], comm=comm)
+    bounds = _offset_bounds(n, comm.world)
+    slashes = distributed_argtopk(
+        _reduce_scatter(slash_part, comm), torch.arange(bounds[comm.rank], bounds[comm.rank + 1],
+                                                        device=slash_part.device),
+        [bounds[r + 1] - bounds[r] for r in range(comm.world)],
+        count=kept_lines(p["slash_size"], p["local_diagonals"], n), forced=p["local_diagonals"], comm=comm)
+    if impl == "fast":
+        from .fast.kernels.vertical_slash_index import vertical_slash_index as fast_index
+        from .fast.vertical_slash import with_own_columns
+
+        return with_own_columns(fast_index(verticals, slashes, seqlen=n, block_m=p["block_m"],
+                                           block_n=p["block_n"]))
+    plan: BlockColumnPlan = reference_index(verticals, slashes, seqlen=n, block_m=p["block_m"],
+                                            block_n=p["block_n"])
+    return plan
+
+
+def _flexprefill_vs_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+                             comm: _Comm) -> BlockColumnPlan:
+    from .reference._checks import check_count
+    from .reference.flexprefill_vs import GAMMA, check_flexprefill_vs_params, cover_threshold, first_lines
+
+    p = {"gamma": GAMMA, "last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 1, "local_diagonals": 1,
+         **params}
+    unknown = set(p) - {"gamma", "last_q", "block_m", "block_n", "init_columns", "local_diagonals"}
+    if unknown:
+        raise TypeError(f"flexprefill_vs got unexpected parameters {sorted(unknown)}")
+    check_flexprefill_vs_params(**p)
+    layout = shard.layout
+    layout.check_blocks(p["block_m"], p["block_n"])
+    n = layout.seqlen
+    last_q = check_count("last_q", p["last_q"], cap=n)
+    init_columns = check_count("init_columns", p["init_columns"], cap=n, minimum=0)
+    local_diagonals = check_count("local_diagonals", p["local_diagonals"], cap=n, minimum=0)
+    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
+    device = shard.q.device
+    # Alg. 5 line 1: the last queries' softmax over every rank's keys (as vertical-slash).
+    q_last = _gather_rows(shard, torch.arange(n - last_q, n, device=device), comm)
+    vertical_local, slash = distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
+    # Alg. 5 lines 2-8 need every line's share on every rank: gather the columns, sum the slashes.
+    lengths = [layout.local_length(r) for r in range(comm.world)]
+    vertical = layout.unshard(comm.all_gather(vertical_local, lengths, 2, "estimate"))
+    comm.all_reduce(slash, "estimate")
+    total = vertical.sum(dim=-1, keepdim=True)
+    verticals = cover_threshold(vertical / total, p["gamma"], first_lines(init_columns, n, device))
+    slashes = cover_threshold(slash / total, p["gamma"], first_lines(local_diagonals, n, device))
+    if impl == "fast":
+        from .fast.flexprefill_vs import lines_index as fast_lines_index
+
+        return fast_lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
+    from .reference.flexprefill_vs import lines_index
+
+    plan: BlockColumnPlan = lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
+    return plan
+
+
+def _block_sparse_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+                           comm: _Comm) -> BlockColumnPlan:
+    p = {"block_size": 64, **params}
+    unknown = set(p) - {"top_k", "block_size"}
+    if unknown:
+        raise TypeError(f"block_sparse got unexpected parameters {sorted(unknown)}")
+    if "top_k" not in p:
+        raise TypeError("block_sparse needs top_k")
+    top_k = check_positive_int("top_k", p["top_k"])
+    bs = check_block_size("block_size", p["block_size"])
+    layout = shard.layout
+    layout.check_blocks(bs, bs)
+    n, nb = layout.seqlen, cdiv(layout.seqlen, bs)
+    device = shard.q.device
+    b, hq, hkv, d = shard.batch, shard.q_heads, shard.kv_heads, shard.head_dim
+
+    def pooled(x: torch.Tensor) -> torch.Tensor:
+        # Alg. 3 lines 2-3 per chunk: chunks start on block boundaries, so pooling a
+        # chunk pools exactly the global blocks it holds (the last one partial).
+        parts, offset = [x.new_zeros(b, x.shape[1], 0, d, dtype=torch.float64)], 0
+        for s, e in layout.rank_chunks(shard.rank):
+            if e > s:
+                parts.append(mean_pooling(x[:, :, offset:offset + e - s], bs))
+            offset += e - s
+        return torch.cat(parts, dim=2)
+
+    ids = [_block_ids(layout, r, bs, device) for r in range(comm.world)]
+    gathered = comm.all_gather(pooled(shard.k), [int(i.numel()) for i in ids], 2, "estimate")
+    k_all = torch.zeros(b, hkv, nb, d, dtype=torch.float64, device=device)
+    for r, part in enumerate(gathered):
+        k_all[:, :, ids[r]] = part
+    q_pool, q_ids = pooled(shard.q), ids[shard.rank]
+    blocks = torch.zeros(b, hq, nb, nb, dtype=torch.bool, device=device)
+    if q_ids.numel():
+        g = hq // hkv
+        # Alg. 3 line 4: pooled scores of the local query blocks against every key block.
+        scores = torch.matmul(q_pool.reshape(b, hkv, g, -1, d), k_all.unsqueeze(2).transpose(-1, -2))
+        scores = scores.reshape(b, hq, -1, nb)
+        causal = torch.arange(nb, device=device)[None, :] <= q_ids[:, None]
+        # Alg. 3 line 6: argtopk with the diagonal forced, ties to the lower index.
+        ranked = torch.where(causal, rank_nan_last(scores), -math.inf)
+        ranked[..., torch.arange(q_ids.numel(), device=device), q_ids] = math.inf
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :min(top_k, nb)]
+        keep = torch.zeros_like(ranked, dtype=torch.bool).scatter_(-1, order, True) & causal
+        blocks[:, :, q_ids] = keep
+    return BlockColumnPlan.from_masks(blocks, None, seqlen=n, block_m=bs, block_n=bs)
+
+
+def _sample_attention_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+                               comm: _Comm) -> BlockColumnPlan:
+    from .reference.sample_attention import arg_topk, find_k, merge_index, resolve_params, sampled_rows
+
+    p = dict(params)
+    unknown = set(p) - {"alpha_c", "alpha_s", "chunk_n", "block_size", "settings"}
+    if unknown:
+        raise TypeError(f"sample_attention got unexpected parameters {sorted(unknown)}")
+    layout = shard.layout
+    n = layout.seqlen
+    bs = check_block_size("block_size", p.get("block_size", 128))
+    a_c, a_s, c_n = resolve_params(n, alpha_c=p.get("alpha_c"), alpha_s=p.get("alpha_s"),
+                                   chunk_n=p.get("chunk_n"), block_size=bs, settings=p.get("settings"))
+    layout.check_blocks(bs, bs)
+    device = shard.q.device
+    b, hq, kb = shard.batch, shard.q_heads, cdiv(n, bs)
+    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
+    # Alg. 1 line 2: the sampled rows, wherever they live.
+    rows = torch.cat([torch.arange(a, z, device=device) for a, z in sampled_rows(n, c_n, bs)])
+    q_rows = _gather_rows(shard, rows, comm)
+    # Alg. 1 lines 3-4: the sampled softmax over every rank's keys, reduced per block cell.
+    scores = torch.zeros(2, b, hq, kb + 1, dtype=torch.float64, device=device)
+    diag_of = (rows // bs)[:, None]
+
+    def consume(a_hat: torch.Tensor, cols: torch.Tensor) -> None:
+        blocks = cols // bs
+        cells = torch.zeros(b, hq, rows.numel(), kb, dtype=torch.float64, device=device)
+        cells.index_add_(3, blocks, a_hat)
+        scores[0, ..., :kb] += cells.sum(dim=2)
+        diag = diag_of - torch.arange(kb, device=device)[None, :]
+        diag = torch.where(diag >= 0, diag, kb).expand(b, hq, -1, kb).reshape(b, hq, -1)
+        scores[1].scatter_add_(2, diag, cells.reshape(b, hq, -1))
+
+    _global_softmax(shard, q_rows, rows, scale=sm_scale, comm=comm, consume=consume)
+    # Column scores are complete on the block's holder, slash scores partial: one all-reduce.
+    comm.all_reduce(scores, "estimate")
+    column, slash = scores[0, ..., :kb], scores[1, ..., :kb]
+    # Alg. 1 lines 6-9 on every rank (the scores are [B, Hq, Kb]: tiny).
+    columns = arg_topk(column, find_k(column, a_c))
+    slashes = arg_topk(slash, find_k(slash, a_s))
+    if impl == "fast":
+        from .fast.kernels.sample_index import sample_attention_index
+
+        return sample_attention_index(columns, slashes, seqlen=n, block_size=bs)
+    plan: BlockColumnPlan = merge_index(columns, slashes, seqlen=n, block_size=bs)
+    return plan
+
+
+def _block_ids(layout: ZigZagLayout, rank: int, block: int, device: torch.device) -> torch.Tensor:
+    """int64: the global indices of the `block`-sized blocks `rank` holds, in local order."""
+    ids = [torch.arange(s // block, cdiv(e, block), device=device) for s, e in layout.rank_chunks(rank) if e > s]
+    return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def _gather_estimate(spec_name: str) -> EstimateFn:
+    def build(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
+              comm: _Comm) -> BlockColumnPlan:
+        lengths = [shard.layout.local_length(r) for r in range(comm.world)]
+        q = shard.layout.unshard(comm.all_gather(shard.q, lengths, 2, "estimate"))
+        k = shard.layout.unshard(comm.all_gather(shard.k, lengths, 2, "estimate"))
+        fn = method_spec(spec_name).plan_fn(impl)
+        extra = {"scale": scale} if scale is not None and _accepts(fn, "scale") else {}
+        plan: BlockColumnPlan = fn(q, k, **params, **extra)
+        return plan
+    return build
+
+
+ESTIMATES: dict[str, DistributedEstimate] = {
+    "dense": DistributedEstimate("shape", "nothing: the causal triangle depends on N alone", _shape_only("dense")),
+    "streaming": DistributedEstimate("shape", "nothing: sink and window depend on N alone", _shape_only("streaming")),
+    "a_shape": DistributedEstimate("shape", "nothing: sink and window depend on N alone", _shape_only("a_shape")),
+    "vertical_slash": DistributedEstimate(
+        "native",
+        "the last `last_q` queries (broadcast from the rank holding the sequence's end); "
+        "per-row softmax max and sum (two all-reduces of `[B, Hq, last_q]`); each rank's "
+        "slash partial sums reduce-scattered (`(W-1)/W` of a float64 `[B, Hq, N]` per rank); "
+        "the best `vertical_size` / `slash_size` candidates of every rank all-gathered",
+        _vertical_slash_estimate),
+    "block_sparse": DistributedEstimate(
+        "native",
+        "the mean-pooled keys of every rank (all-gather of `[B, Hkv, N / block_size, D]` float64)",
+        _block_sparse_estimate),
+    "flexprefill_vs": DistributedEstimate(
+        "native",
+        "as vertical-slash up to the scores; then, since the cumulative threshold needs every "
+        "line's share, the column shares are all-gathered and the slash sums all-reduced "
+        "(float64 `[B, Hq, N]` each)",
+        _flexprefill_vs_estimate),
+    "sample_attention": DistributedEstimate(
+        "native",
+        "the sampled query rows (`chunk_n` chunks' last `block_size` rows; broadcast or all-reduced "
+        "from their holders); per-row softmax max and sum (two all-reduces of `[B, Hq, R]`); one "
+        "all-reduce of the float64 column and block-diagonal scores `[2, B, Hq, N / block_size]`",
+        _sample_attention_estimate),
+}
+
+GATHER_NEEDS = ("all of q and k (all-gather): the estimate reads queries against keys across the "
+                "whole sequence, so every rank rebuilds them and runs the one-process estimator")
+
+
+def estimate_kind(method: str, estimate: str = "auto") -> str:
+    """"shape", "native" or "gather": how `context_parallel_plan` estimates `method`."""
+    if estimate not in ("auto", "gather"):
+        raise ValueError(f"estimate must be 'auto' or 'gather', got {estimate!r}")
+    if estimate == "gather" or method not in ESTIMATES:
+        return "gather"
+    return ESTIMATES[method].kind
+
+
+# -- context-parallel: plan, fetch, attention ----------------------------------------
+
+
+def _check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, layout: ZigZagLayout,
+                     comm: _Comm) -> tuple[int, int, int, int]:
+    if not isinstance(layout, ZigZagLayout):
+        raise TypeError(f"layout must be a ZigZagLayout, got {type(layout).__name__}")
+    if layout.world != comm.world:
+        raise ValueError(f"layout.world={layout.world} does not match the process group's size {comm.world}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a rank-4 tensor [B, H, n_local, D]")
+        want = layout.local_length(comm.rank)
+        if t.shape[2] != want:
+            raise ValueError(f"{name} must hold this rank's {want} tokens along dim 2 (ZigZagLayout.shard), "
+                             f"got shape {tuple(t.shape)}")
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    if k.shape[0] != b or k.shape[3] != d or hkv == 0 or hq % hkv:
+        raise ValueError(f"k must be [B={b}, Hkv, n_local, D={d}] with Hkv dividing Hq={hq}, got {tuple(k.shape)}")
+    if v is not None and v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.dtype != q.dtype or (v is not None and v.dtype != q.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}"
+                        + ("" if v is None else f", {v.dtype}"))
+    return b, hq, hkv, d
+
+
+def context_parallel_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    method: str,
+    params: Mapping[str, Any] | None = None,
+    layout: ZigZagLayout,
+    impl: str = "reference",
+    scale: float | None = None,
+    estimate: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    traffic: Traffic | None = None,
+) -> RankPlan:
+    """Estimate the method's plan with the sequence split over ranks; this rank's rows.
+
+    Args:
+        q: `[B, Hq, n_local, D]`, k: `[B, Hkv, n_local, D]`: this rank's tokens in
+            local order (`layout.shard`).
+        method: a registered method with plans.
+        params: its keyword parameters, as for one process.
+        layout: the split (its `world` must be the group's size).
+        impl: "reference" or "fast" (which package builds the plan where it matters).
+        scale: the estimate's softmax scale where the method has one (vertical-slash).
+        estimate: "auto" (the method's `ESTIMATES` entry, else gather) or "gather"
+            (all-gather q and k and run the one-process estimator).
+        group: the process group (default: the world).
+        traffic: a `Traffic` to add the estimate's bytes to, or None.
+
+    Returns:
+        `RankPlan`: the global plan's rows of this rank's query blocks and their split.
+
+    Raises:
+        ValueError: unknown method or impl, a method without plans (Delta-KV), inputs
+            that do not match the layout, or block sizes that do not divide
+            `layout.align`.
+    """
+    spec = method_spec(method)
+    if not spec.plan_based:
+        raise ValueError(f"context-parallel attention needs a method with plans; {method!r} has none "
+                         f"(run it head-parallel instead)")
+    _check_impl(impl)
+    kind = estimate_kind(method, estimate)
+    comm = _Comm(group)
+    b, hq, hkv, d = _check_cp_inputs(q, k, None, layout, comm)
+    shard = _Shard(q=q, k=k, layout=layout, rank=comm.rank, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d)
+    call = spec.call_params(dict(params or {}), shard.standins()[0])
+    build = _gather_estimate(method) if kind == "gather" else ESTIMATES[method].build
+    plan = build(shard, call, impl, scale, comm)
+    if traffic is not None:
+        traffic.estimate += comm.traffic.estimate
+    return split_plan(plan, layout, comm.rank, estimate=kind)
+
+
+class KVFetch:
+    """The K/V rows a rank's remote plan lists, asked for and received with two all-to-alls.
+
+    Constructing it runs the first (a bit per key and KV head, blocking) and starts the
+    second (the rows, asynchronous); `finish` waits and writes the rows into full-length
+    buffers. Every rank of the group must construct its fetch at the same point.
+
+    Args:
+        k, v: `[B, Hkv, n_local, D]`, this rank's keys and values (local order).
+        remote: this rank's `RankPlan.remote`.
+        layout: the split.
+        group: the process group (default: the world).
+        traffic: a `Traffic` the bytes are added to, or None.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, remote: BlockColumnPlan, layout: ZigZagLayout,
+                 group: dist.ProcessGroup | None = None, traffic: Traffic | None = None) -> None:
+        comm = _Comm(group)
+        self.comm, self.layout, self.traffic = comm, layout, traffic
+        device = k.device
+        b, hkv, _, d = k.shape
+        need = needed_keys(remote, hkv)
+        # Own keys are never remote, so a rank asks nothing of itself.
+        self.asks = [need[..., layout.tokens(s, device)] for s in range(comm.world)]
+        # Step 1: one bit per (batch, KV head, token held by s), to every rank s.
+        n_me = layout.local_length(comm.rank)
+        packed = [_pack_bits(a) for a in self.asks]
+        got, _ = comm.all_to_all(packed, [b * hkv * cdiv(n_me, 8)] * comm.world, "index")
+        asked = [_unpack_bits(x.reshape(b, hkv, -1), n_me) for x in got]
+        # Step 2: the K and V rows each rank asked for, as [count, 2, D] per rank.
+        send = [torch.stack([k[a], v[a]], dim=1) for a in asked]
+        self.recv_rows = [int(a.sum()) for a in self.asks]
+        self.pieces, self.work = comm.all_to_all(send, [r * 2 * d for r in self.recv_rows], "kv",
+                                                 async_op=True)
+        if traffic is not None:
+            traffic.index += comm.traffic.index
+            traffic.kv += comm.traffic.kv
+
+    def finish(self, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        """Wait for the rows and write them at their global positions.
+
+        Args:
+            k_buf, v_buf: `[B, Hkv, N, D]`, written at the fetched (batch, head, key)
+                entries only.
+        """
+        if self.work is not None:
+            self.work.wait()
+        d = k_buf.shape[3]
+        for s, (ask, piece) in enumerate(zip(self.asks, self.pieces)):
+            if s == self.comm.rank or not self.recv_rows[s]:
+                continue
+            bi, hi, ti = ask.nonzero(as_tuple=True)
+            rows = piece.reshape(-1, 2, d)
+            pos = self.layout.tokens(s, k_buf.device)[ti]
+            k_buf[bi, hi, pos] = rows[:, 0]
+            v_buf[bi, hi, pos] = rows[:, 1]
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool `[..., n]` -> uint8 `[..., ceil(n / 8)]`, bit `j` of byte `i` = entry `8 i + j`."""
+    n = mask.shape[-1]
+    pad = cdiv(n, 8) * 8 - n
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).reshape(*mask.shape[:-1], -1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (m * weights).sum(dim=-1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `_pack_bits`: bool `[..., n]`."""
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(-1) & weights) != 0
+    return bits.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def attend_rows(
+    impl: str,
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    plan: BlockColumnPlan,
+    chunks: Sequence[tuple[int, int]],
+    *,
+    scale: float | None,
+) -> AttentionState:
+    """The online-softmax state of a rank's query rows over the keys `plan` lists.
+
+    The one local-compute step of context-parallel attention: one kernel call per
+    chunk `[P, P + n)` of rows, on the chunk's plan rows (`plan.rows(P, P + n)`,
+    `query_offset = P`) and the keys `[0, P + n)`.
+
+    Args:
+        impl: "reference" or "fast".
+        q: `[B, Hq, n_local, D]`, the local rows in local order (the chunks one after
+            the other).
+        k_buf, v_buf: `[B, Hkv, N, D]`, holding at least the keys the plan lists at
+            their global positions.
+        plan: a valid plan of the global sizes (`query_offset` 0).
+        chunks: the global rows `[start, stop)` of the local rows, in local order; each
+            start a multiple of `plan.block_m`, each stop one too or N.
+        scale: softmax scale, `1/sqrt(D)` if None.
+
+    Returns:
+        The state of the local rows: float64 (reference) or float32 (fast), `[B, Hq, n_local]`.
+    """
+    mod = _check_impl(impl)
+    b, hq, n_local, d = q.shape
+    dtype = torch.float32 if impl == "fast" else torch.float64
+    parts, offset = [], 0
+    for start, stop in chunks:
+        if stop <= start:
+            continue
+        rows = stop - start
+        state = AttentionState.empty(b, hq, rows, d, device=q.device, dtype=dtype)
+        mod.sparse_attention(q[:, :, offset:offset + rows], k_buf[:, :, :stop], v_buf[:, :, :stop],
+                             plan.rows(start, stop), scale=scale, state=state)
+        parts.append(state)
+        offset += rows
+    if offset != n_local:
+        raise ValueError(f"chunks hold {offset} rows, q has {n_local}")
+    if not parts:
+        return AttentionState.empty(b, hq, 0, d, device=q.device, dtype=dtype)
+    return AttentionState(m=torch.cat([p.m for p in parts], dim=2), l=torch.cat([p.l for p in parts], dim=2),
+                          acc=torch.cat([p.acc for p in parts], dim=2))
+
+
+@dataclass(frozen=True)
+class ContextParallelOutput:
+    """What `context_parallel_attention` returns.
+
+    Attributes:
+        out: `[B, Hq, n_local, D]` (local order) or, gathered, `[B, Hq, N, D]`.
+        lse: float32, the same rows.
+        plan: this rank's `RankPlan`.
+        traffic: the bytes this rank sent (`Traffic.reduced` sums the ranks).
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    plan: RankPlan
+    traffic: Traffic
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    method: str,
+    params: Mapping[str, Any] | None = None,
+    layout: ZigZagLayout,
+    impl: str = "reference",
+    scale: float | None = None,
+    estimate: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    gather_output: bool = False,
+) -> ContextParallelOutput:
+    """Sparse attention with the sequence split over ranks (see the module doc).
+
+    Args:
+        q: `[B, Hq, n_local, D]`; k, v: `[B, Hkv, n_local, D]`: this rank's tokens in
+            local order (`layout.shard`); fp16/bf16 for "fast".
+        method, params, layout, impl, scale, estimate, group: as `context_parallel_plan`.
+        gather_output: all-gather the rows into natural order `[B, Hq, N, D]` on every
+            rank, or keep this rank's rows (local order).
+
+    Returns:
+        `ContextParallelOutput` (output, lse, the rank's plan, bytes sent).
+
+    Raises:
+        TypeError, ValueError: as `context_parallel_plan`, and v not matching k.
+    """
+    comm = _Comm(group)
+    _check_cp_inputs(q, k, v, layout, comm)
+    traffic = Traffic()
+    rp = context_parallel_plan(q, k, method=method, params=params, layout=layout, impl=impl, scale=scale,
+                               estimate=estimate, group=group, traffic=traffic)
+    b, hkv, _, d = k.shape
+    tokens = layout.tokens(comm.rank, q.device)
+    k_buf = k.new_zeros(b, hkv, layout.seqlen, d)
+    v_buf = v.new_zeros(b, hkv, layout.seqlen, d)
+    k_buf.index_copy_(2, tokens, k)
+    v_buf.index_copy_(2, tokens, v)
+    fetch = KVFetch(k, v, rp.remote, layout, group, traffic)
+    # The rows over the keys held here while the fetch is under way...
+    chunks = layout.rank_chunks(comm.rank)
+    own = attend_rows(impl, q, k_buf, v_buf, rp.own, chunks, scale=scale)
+    fetch.finish(k_buf, v_buf)
+    # ...then over the fetched keys; the two states merge exactly (lse weights).
+    state = own.merge(attend_rows(impl, q, k_buf, v_buf, rp.remote, chunks, scale=scale))
+    out = state.output(q.dtype)
+    lse = state.lse().to(torch.float32)
+    if gather_output:
+        lengths = [layout.local_length(r) for r in range(comm.world)]
+        out = layout.unshard(comm.all_gather(out, lengths, 2, "output"))
+        lse = layout.unshard(comm.all_gather(lse, lengths, 2, "output"))
+    traffic.output += comm.traffic.output
+    return ContextParallelOutput(out=out, lse=lse, plan=rp, traffic=traffic)
+
+
+__all__ = [
+    "ESTIMATES",
+    "GATHER_NEEDS",
+    "ContextParallelOutput",
+    "DistributedEstimate",
+    "KVFetch",
+    "RankPlan",
+    "Traffic",
+    "ZigZagLayout",
+    "attend_rows",
+    "context_parallel_attention",
+    "context_parallel_plan",
+    "distributed_last_q_scores",
+    "estimate_kind",
+    "fetch_bytes",
+    "rank_fetch_bytes",
+    "head_parallel_attention",
+    "head_parallel_plan",
+    "head_slices",
+    "method_spec",
+    "needed_keys",
+    "restrict_plan",
+    "ring_bytes",
+    "shard_heads",
+    "split_plan",
+]
