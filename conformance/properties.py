@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,8 @@ from .strategies import (
     draw_scale,
     draw_seqlen,
     draw_shape,
+    draw_tiles,
+    forced_tiles,
     method_blocks,
 )
 from .tolerance import (
@@ -146,6 +148,16 @@ def check_plans_equal(
                              f"{bool(dense_g[at])}, expected {bool(dense_e[at])}")
 
 
+def _check_valid(plan: BlockColumnPlan, which: str, context: str) -> None:
+    """Every plan invariant holds, checked from scratch: a plan marked valid without a
+    check (`mark_valid`, as estimators do) must still pass `validate()`, including the
+    `columns_disjoint` promise the kernel relies on."""
+    try:
+        replace(plan, _checked=False).validate()
+    except (TypeError, ValueError) as err:
+        raise _fail(context, f"the {which} plan breaks an invariant: {err}") from err
+
+
 def check_method_plan(
     spec: MethodSpec,
     q: torch.Tensor,
@@ -157,16 +169,25 @@ def check_method_plan(
     """`fast.<name>_plan` equals `reference.<name>_plan` on the same inputs.
 
     For methods with `exact_plans=False`, a difference is handed to the method's
-    `tie_check`, which must show that every difference is decided by a tie.
+    `tie_check`, which must show that every difference is decided by a tie. Both plans
+    must pass `validate()` from scratch (whatever `mark_valid` said), and a method's
+    `plan_check` first checks the reference plan against its definition.
 
     Raises:
         AssertionError: plans differ (and no tie explains it), or the fast plan is
             invalid or on another device than q.
     """
     expected = spec.plan_fn("reference")(q, k, **params)
+    _check_valid(expected, "reference", context)
+    if spec.plan_check is not None:
+        try:
+            spec.plan_check(q, k, params, expected)
+        except AssertionError as err:
+            raise _fail(context, f"reference plan: {err}") from err
     got = spec.plan_fn("fast")(q, k, **params)
     if got.device != q.device:
         raise _fail(context, f"fast plan is on {got.device}, q on {q.device}")
+    _check_valid(got, "fast", context)
     if spec.exact_plans:
         check_plans_equal(expected, got, context=context)
         return
@@ -428,7 +449,8 @@ def check_method_end_to_end(
     *,
     context: str = "",
 ) -> float:
-    """`fast.<name>(q, k, v, **params)` against the float64 golden of the method.
+    """`fast.<name>(q, k, v, **params)` against the float64 golden of the method (at
+    `params["scale"]` when the method takes one).
 
     The golden runs the reference estimator's plan through float64 attention (for
     `exact_plans=False` methods whose plans differ at a tie, the fast plan's golden
@@ -449,17 +471,18 @@ def check_method_end_to_end(
         fast_plan = spec.plan_fn("fast")(q, k, **params).to(q.device)
         if not ref_plan.equal(fast_plan):
             plan = fast_plan
+    scale = params.get("scale")
     mask = plan.to_dense_mask()
-    golden = golden_attention(q, k, v, mask)
-    baseline = baseline_attention(q, k, v, mask)
+    golden = golden_attention(q, k, v, mask, scale=scale)
+    baseline = baseline_attention(q, k, v, mask, scale=scale)
     with nan_poisoned_empty():
         out = spec.fast_run(q, k, v, **params)
     ratio = check_attention(out, None, golden, baseline, context=f"{context} fast")
     ref_out = spec.reference_run(q, k, v, **params)
     if plan is not ref_plan:
         ref_mask = ref_plan.to_dense_mask()
-        golden = golden_attention(q, k, v, ref_mask)
-        baseline = baseline_attention(q, k, v, ref_mask)
+        golden = golden_attention(q, k, v, ref_mask, scale=scale)
+        baseline = baseline_attention(q, k, v, ref_mask, scale=scale)
     check_output(ref_out, golden[0], baseline[0], context=f"{context} reference")
     return ratio
 
@@ -515,7 +538,7 @@ def _method_inputs(
     n = draw_seqlen(draw, caps)
     params = draw_method_params(draw, spec, n)
     blocks = method_blocks(params)
-    shape = draw_shape(draw, caps, seqlen=n, blocks=blocks)
+    shape = draw_shape(draw, caps, seqlen=n, blocks=blocks, min_heads=spec.min_heads)
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=spec.input_kinds,
                                 blocks=blocks)
     limits, limits_what = draw_limits(draw, caps)
@@ -565,30 +588,35 @@ def _prop_method_recall(draw: Draw, caps: Caps, spec: MethodSpec | None) -> floa
         expected_plan = s.plan_fn("reference")(q, k, **params)
         if not s.exact_plans and not expected_plan.equal(got_plan.to(expected_plan.device)):
             expected_plan = got_plan  # a tie; `method_plan` judges it
-        return check_recall_density(q, k, got_plan, expected_selection=expected_plan, context=context)
+        return check_recall_density(q, k, got_plan, expected_selection=expected_plan,
+                                    scale=params.get("scale"), context=context)
 
 
-# Inputs of the kernel properties: random, planted lines (peaked rows), exact ties.
-_KERNEL_INPUTS = ("normal", "lines", "lattice")
+# Inputs of the kernel properties: random, planted lines (peaked rows), exact ties,
+# logits far from 0 (block means and sums that a miscount moves).
+_KERNEL_INPUTS = ("normal", "lines", "lattice", "shifted")
 
 
 def _random_plan_inputs(
     draw: Draw, caps: Caps
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BlockColumnPlan, str]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BlockColumnPlan, str, Any]:
+    """Inputs and a random plan, with the `forced_tiles` context to run the kernel in."""
     n = draw_seqlen(draw, caps)
     bm, bn = draw_block_sizes(draw)
-    shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn))
+    tiles = draw_tiles(draw, caps, bm, bn)
+    shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn), tiles=tiles)
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=_KERNEL_INPUTS,
                                 blocks=(bm, bn))
     plan, plan_what = draw_plan(draw, shape, block_m=bm, block_n=bn, device=caps.device)
-    return q, k, v, plan, f"{what} {plan_what}"
+    tiles_what = f" tiles={tiles[0]}x{tiles[1]}" if tiles else ""
+    return q, k, v, plan, f"{what} {plan_what}{tiles_what}", forced_tiles(tiles)
 
 
 def _prop_sparse_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    q, k, v, plan, context, tiles = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
     limits, limits_what = draw_limits(draw, caps)
-    with limits:
+    with limits, tiles:
         return check_sparse_attention(q, k, v, plan, scale=scale,
                                       context=f"{context} scale={scale} {limits_what}")
 
@@ -738,7 +766,7 @@ def check_nonfinite_propagation(
 
 
 def _prop_nonfinite(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    q, k, v, plan, context, tiles = _random_plan_inputs(draw, caps)
     where = str(draw(st.sampled_from(["q", "k", "v"])))
     value = float(draw(st.sampled_from([math.nan, math.inf, -math.inf])))
     target = {"q": q, "k": k, "v": v}[where].clone()
@@ -749,22 +777,25 @@ def _prop_nonfinite(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
         at = tuple(int(torch.randint(0, size, (1,), generator=gen)) for size in target.shape)
         target[at] = value
     inputs = {"q": q, "k": k, "v": v, where: target}
-    return check_nonfinite_propagation(inputs["q"], inputs["k"], inputs["v"], plan,
-                                       context=f"{context} {count} x {value} in {where} seed={seed}")
+    with tiles:
+        return check_nonfinite_propagation(inputs["q"], inputs["k"], inputs["v"], plan,
+                                           context=f"{context} {count} x {value} in {where} seed={seed}")
 
 
 def _prop_resumed_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    q, k, v, plan, context, tiles = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
     seed = int(draw(st.integers(0, 2**31 - 1)))
-    return check_resumed_attention(q, k, v, plan, seed=seed, scale=scale,
-                                   context=f"{context} split seed={seed} scale={scale}")
+    with tiles:
+        return check_resumed_attention(q, k, v, plan, seed=seed, scale=scale,
+                                       context=f"{context} split seed={seed} scale={scale}")
 
 
 def _prop_block_means(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, v, plan, context = _random_plan_inputs(draw, caps)
+    q, k, v, plan, context, tiles = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
-    return check_block_mean_output(q, k, v, plan, scale=scale, context=f"{context} scale={scale}")
+    with tiles:
+        return check_block_mean_output(q, k, v, plan, scale=scale, context=f"{context} scale={scale}")
 
 
 def _prop_masked_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
@@ -781,12 +812,13 @@ def _prop_masked_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> f
 
 
 def _prop_recall_random(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    q, k, _, plan, context = _random_plan_inputs(draw, caps)
+    q, k, _, plan, context, tiles = _random_plan_inputs(draw, caps)
     scale = draw_scale(draw)
-    if bool(draw(st.booleans())):
-        return check_recall_density(q, k, plan, scale=scale, context=f"{context} scale={scale}")
-    mask = plan.to_dense_mask()
-    return check_recall_density(q, k, mask, scale=scale, context=f"{context} as mask scale={scale}")
+    with tiles:
+        if bool(draw(st.booleans())):
+            return check_recall_density(q, k, plan, scale=scale, context=f"{context} scale={scale}")
+        mask = plan.to_dense_mask()
+        return check_recall_density(q, k, mask, scale=scale, context=f"{context} as mask scale={scale}")
 
 
 PROPERTIES: tuple[Property, ...] = (

@@ -90,6 +90,12 @@ class MethodSpec:
         tie the plan property forgives. None: the method has no such stage.
     input_kinds: the structured inputs its properties draw (`strategies.INPUT_KINDS`),
         the first one most often.
+    plan_check: `(q, k, params, reference_plan) -> None`, a check of the reference plan
+        against the method's definition in terms of other methods' plans (MInference:
+        query head `h` is planned by its own pattern alone), run by the "plan" property
+        so that code both packages share is checked too; raises AssertionError.
+    min_heads: the fewest query heads its examples draw, past the strategies' cost cap
+        (MInference: 2, so that two heads can take two patterns and be merged).
     prepare: `(params, q) -> call parameters` for a method whose parameters depend on
         the input's shape (MInference's per-head config needs Hq): drawn, demo and sweep
         parameters go through `call_params` before every call. None: unchanged.
@@ -121,6 +127,8 @@ class MethodSpec:
     sweep: Callable[[int], list[dict[str, Any]]] | None = None
     estimate: Callable[[str, torch.Tensor, torch.Tensor, dict[str, Any]], dict[str, Estimate]] | None = None
     input_kinds: tuple[str, ...] = ("normal", "lines", "lattice", "runs")
+    plan_check: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None = None
+    min_heads: int = 1
     prepare: Callable[[dict[str, Any], torch.Tensor], dict[str, Any]] | None = None
     chunked: str = ""
 
@@ -251,6 +259,14 @@ register(MethodSpec(
 ))
 
 
+def _scale(draw: Callable[[Any], Any]) -> float | None:
+    """A softmax scale for the methods whose plans take one: the default (None) mostly,
+    else a small or a large explicit one, so a scale that is not passed on is seen."""
+    from hypothesis import strategies as st
+
+    return draw(st.sampled_from([None, None, None, 0.05, 0.4]))  # type: ignore[no-any-return]
+
+
 def _minference_blocks(draw: Callable[[Any], Any]) -> dict[str, int]:
     from hypothesis import strategies as st
 
@@ -262,7 +278,7 @@ def _vertical_slash_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str,
     """Half the draws keep few lines and force none, so the lines the estimate picks
     (the planted ones of `strategies.draw_inputs(kinds=("lines",))`) decide the plan
     and the index meets lines on block edges without the diagonal blocks hiding them."""
-    return {**_minference_blocks(draw), **_vertical_slash_lines(draw, seqlen)}
+    return {**_minference_blocks(draw), **_vertical_slash_lines(draw, seqlen), "scale": _scale(draw)}
 
 
 def _vertical_slash_lines(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
@@ -281,6 +297,10 @@ def _vertical_slash_lines(draw: Callable[[Any], Any], seqlen: int) -> dict[str, 
     params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything, 15, 17, 33, 63, 65]))
     params["init_columns"] = draw(st.sampled_from([0, 0] if few else [0, 1, 5, 30]))
     params["local_diagonals"] = draw(st.sampled_from([0, 0, 1] if few else [0, 1, 7, 100]))
+    if not few and draw(st.booleans()):
+        # Budgets just above the forced lines: which lines are forced decides the rest.
+        params["vertical_size"] = params["init_columns"] + draw(st.integers(1, 4))
+        params["slash_size"] = params["local_diagonals"] + draw(st.integers(1, 4))
     return params
 
 
@@ -403,6 +423,7 @@ def _anchor_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     # large that every search key is kept; step: one block, a few, more than exist.
     params["theta"] = draw(st.sampled_from([0.0, 1.0, 4.0, 12.0, 1e9]))
     params["step"] = draw(st.sampled_from([1, 1, 2, 3, 16, blocks, blocks + 1]))
+    params["scale"] = _scale(draw)
     return params
 
 
@@ -642,6 +663,7 @@ def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[st
         # seqlen + 5 chunks: more chunks than rows, so every row is sampled.
         "chunk_n": draw(st.sampled_from([1, 2, 3, 4, 7, seqlen + 5])),
         "block_size": draw(st.sampled_from([16, 32, 48, 64, 128])),
+        "scale": _scale(draw),
     }
 
 
@@ -704,7 +726,7 @@ def _minference_patterns(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
             params = {"top_k": _block_sparse_top_k(draw, seqlen, bm), "block_size": bm}
         patterns.append(HeadPattern(kind, params))
     # block_m / block_n are hints for the strategies' cost cap; `prepare` drops them.
-    return {"patterns": tuple(patterns), "block_m": bm, "block_n": bn}
+    return {"patterns": tuple(patterns), "block_m": bm, "block_n": bn, "scale": _scale(draw)}
 
 
 def _minference_demo(n: int) -> dict[str, Any]:
@@ -740,7 +762,33 @@ def _minference_prepare(params: dict[str, Any], q: torch.Tensor) -> dict[str, An
 
     patterns = tuple(params["patterns"])
     heads = tuple(patterns[h % len(patterns)] for h in range(int(q.shape[1])))
-    return {"config": MInferenceConfig((heads,)), "layer": 0}
+    out: dict[str, Any] = {"config": MInferenceConfig((heads,)), "layer": 0}
+    if params.get("scale") is not None:
+        out["scale"] = params["scale"]
+    return out
+
+
+def _minference_plan_check(q: torch.Tensor, k: torch.Tensor, params: dict[str, Any],
+                           plan: BlockColumnPlan) -> None:
+    """Head `h` of the merged plan keeps exactly what its pattern's own plan of head `h`
+    alone keeps (`reference.<pattern>_plan` on `q[:, h]` and its KV head), so a bug in
+    the dispatch or the merge, which both packages share, still fails."""
+    heads = params["config"].layer(int(params.get("layer", 0)))
+    plans: dict[str, PlanFn] = {"a_shape": reference.a_shape_plan, "vertical_slash": reference.vertical_slash_plan,
+             "block_sparse": reference.block_sparse_plan}
+    group = q.shape[1] // k.shape[1]
+    merged = plan.to_dense_mask()
+    for h, head in enumerate(heads):
+        kwargs: dict[str, Any] = dict(head.params)
+        if head.pattern == "vertical_slash":
+            kwargs["scale"] = params.get("scale")
+        own = plans[head.pattern](q[:, h:h + 1], k[:, h // group:h // group + 1], **kwargs)
+        mask = own.to_dense_mask()[:, 0]
+        if not torch.equal(mask, merged[:, h]):
+            at = tuple(int(i) for i in (mask != merged[:, h]).nonzero()[0].tolist())
+            raise AssertionError(f"head {h} ({head.pattern} {head.params}) of the merged plan differs "
+                                 f"from its pattern's own plan at (b, row, key) {at}: merged "
+                                 f"{bool(merged[at[0], h, at[1], at[2]])}, own {bool(mask[at])}")
 
 
 def _minference_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
@@ -755,8 +803,8 @@ def _minference_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
             continue
         seen[head.key()] = len(seen)
         pattern_params = {**head.params, "scale": params.get("scale")}
-        part = (_vertical_slash_estimate if head.pattern == "vertical_slash" else _block_sparse_estimate)(
-            impl_name, q, k, pattern_params)
+        estimate = _vertical_slash_estimate if head.pattern == "vertical_slash" else _block_sparse_estimate
+        part = estimate(impl_name, q, k, pattern_params)
         out.update({f"{seen[head.key()]}.{head.pattern}.{name}": est for name, est in part.items()})
     return out
 
@@ -781,6 +829,8 @@ def _register_minference() -> None:
         prepare=_minference_prepare,
         sweep=_minference_sweep,
         estimate=_minference_estimate,
+        plan_check=_minference_plan_check,
+        min_heads=2,
         input_kinds=("lines", "normal", "lattice"),
     ))
 

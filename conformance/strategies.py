@@ -18,9 +18,9 @@ columns inside listed blocks and at block edges, and structured inputs
 (`INPUT_KINDS`): planted vertical and slash lines on the first and last row or column
 of a block, small-integer "lattice" values whose scores tie exactly, and runs of
 repeated keys whose distances sit exactly on a threshold. `draw_limits` lowers the
-size limits at which the fast code changes path (key splits of the estimate, score
-chunks, per-head planning, index chunks), so N <= 200 reaches the paths that long
-inputs take.
+size limits at which the fast code changes path (key splits of the estimates, score
+chunks, per-head planning, index chunks), and `draw_tiles` the kernel's tiles, so
+N <= 200 reaches the paths that long inputs and wide plan blocks take.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ _AWKWARD_SEQLENS = (1, 2, 15, 16, 17, 31, 32, 33, 47, 49, 63, 64, 65, 95, 97, 11
 
 # Structured inputs (see `draw_inputs`); the kinds a method cares most about are listed in
 # its `MethodSpec.input_kinds`.
-INPUT_KINDS = ("normal", "lines", "lattice", "runs")
+INPUT_KINDS = ("normal", "lines", "lattice", "runs", "shifted")
 
 
 @dataclass(frozen=True)
@@ -153,11 +153,14 @@ def draw_shape(
     *,
     seqlen: int | None = None,
     blocks: tuple[int, int] = (128, 128),
+    tiles: tuple[int, int] | None = None,
+    min_heads: int = 1,
 ) -> Shape:
     """A shape within `caps`; B and Hq shrink when N is long or tiles are small.
 
     Head dims are drawn from `HEAD_DIMS`, the common ones (64, 128) more often; under
     `caps.max_tile_steps` a dim whose one-head kernel work does not fit is not drawn.
+    Where at least four heads fit, half the shapes are GQA with `Hkv >= 2` and `G >= 2`.
 
     Args:
         draw: Hypothesis's draw.
@@ -165,21 +168,33 @@ def draw_shape(
         seqlen: N, or None to draw one (`draw_seqlen`).
         blocks: the plan block sizes `(block_m, block_n)` the example will run with
             (the kernel's tiles follow from them and D); used for `caps.max_tile_steps`.
+        tiles: kernel tiles forced by `draw_tiles` (None: the kernel's own choice).
+        min_heads: the fewest query heads, even past `caps.max_tile_steps`.
     """
     n = draw_seqlen(draw, caps) if seqlen is None else seqlen
     dims = [d for d in HEAD_DIMS if d <= caps.max_head_dim] or [HEAD_DIMS[0]]
     if caps.max_tile_steps is not None:
-        dims = [d for d in dims if interpreter_work(n, d, kernel_tiles(*blocks, d)) <= caps.max_tile_steps] \
-            or [dims[0]]
+        dims = [d for d in dims if interpreter_work(n, d, tiles or kernel_tiles(*blocks, d))
+                <= caps.max_tile_steps] or [dims[0]]
     weighted = dims + [d for d in (64, 128) if d in dims]
     d = int(draw(st.sampled_from(weighted)))
     heads_budget = max(1, caps.max_mask_elements // (n * n))
     if caps.max_tile_steps is not None:
-        per_head = max(1, int(interpreter_work(n, d, kernel_tiles(*blocks, d))))
+        per_head = max(1, int(interpreter_work(n, d, tiles or kernel_tiles(*blocks, d))))
         heads_budget = min(heads_budget, max(1, caps.max_tile_steps // per_head))
+    heads_budget = max(heads_budget, min_heads)
+    if heads_budget >= 4 and min(caps.max_kv_heads, caps.max_group) >= 2 and draw(st.booleans()):
+        # GQA first, half the time: two or more KV heads of two or more query heads each,
+        # where a head map that is wrong only for h >= G (h % Hkv for h // G) shows.
+        hkv = int(draw(st.integers(2, max(2, min(caps.max_kv_heads, heads_budget // 2)))))
+        g = int(draw(st.integers(2, max(2, min(caps.max_group, heads_budget // hkv)))))
+        b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget // (hkv * g))))))
+        return Shape(batch=b, kv_heads=hkv, group=g, seqlen=n, head_dim=d)
     b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget)))))
     hkv = int(draw(st.integers(1, max(1, min(caps.max_kv_heads, heads_budget // b)))))
     g = int(draw(st.integers(1, max(1, min(caps.max_group, heads_budget // (b * hkv))))))
+    if hkv * g < min_heads:
+        g = -(-min_heads // hkv)
     return Shape(batch=b, kv_heads=hkv, group=g, seqlen=n, head_dim=d)
 
 
@@ -311,6 +326,20 @@ def _runs_inputs(
     return q, k, f"runs at {starts[:8]}{'...' if len(starts) > 8 else ''} styles {styles[:8]}"
 
 
+def _shifted_inputs(gen: torch.Generator, shape: Shape, magnitude: float) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """q and k sharing one direction: every scaled logit is about +4 (or -4) plus noise, so
+    means and sums of logits (block means, lse) are far from 0 and a miscounted pair or
+    a dropped max shows."""
+    b, hq, hkv, n, d = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, shape.head_dim
+    u = torch.randn(d, generator=gen)
+    u = u / u.norm().clamp(min=1e-6)
+    sign = 1.0 if bool(torch.rand(1, generator=gen) < 0.7) else -1.0
+    c = 2.0 * d ** 0.25  # (c u) . (c u) / sqrt(d) = 4
+    q = torch.randn(b, hq, n, d, generator=gen) * 0.5 * magnitude + sign * c * u
+    k = torch.randn(b, hkv, n, d, generator=gen) * 0.5 + c * u
+    return q, k, f"shift {sign * 4:+.0f}"
+
+
 def draw_inputs(
     draw: Draw,
     shape: Shape,
@@ -331,7 +360,8 @@ def draw_inputs(
     * "lattice": values in {-1, -0.5, 0, 0.5, 1} with repeated keys and a repeated
       span of keys: scores and pooled scores tie exactly;
     * "runs": runs of keys starting at block edges whose members sit exactly at a
-      Euclidean distance of 0, 0.5, 1 or 2, or a cosine of 1/2, from the run's first key.
+      Euclidean distance of 0, 0.5, 1 or 2, or a cosine of 1/2, from the run's first key;
+    * "shifted": q and k share a direction, every scaled logit about +-4 plus noise.
 
     Layouts are contiguous, `[B, N, H, D]` transposed views, or views into a wider,
     NaN-filled head dimension.
@@ -356,6 +386,8 @@ def draw_inputs(
         q, k, detail = _lattice_inputs(gen, shape, edges)
     elif kind == "runs":
         q, k, detail = _runs_inputs(gen, shape, magnitude, edges)
+    elif kind == "shifted":
+        q, k, detail = _shifted_inputs(gen, shape, magnitude)
     else:
         q = torch.randn(b, hq, n, d, generator=gen) * magnitude
         k = torch.randn(b, hkv, n, d, generator=gen)
@@ -418,16 +450,21 @@ def draw_plan(
     """
     seed = int(draw(st.integers(0, 2**31 - 1)))
     p_block = float(draw(st.sampled_from([0.3, 1.0, 0.0, 0.05, 0.6])))
-    p_col = float(draw(st.sampled_from([0.0, 0.02, 0.1, 0.0, 0.5])))
+    p_col = float(draw(st.sampled_from([0.0, 0.02, 0.1, 0.0, 0.5, 0.3])))
     p_empty = float(draw(st.sampled_from([0.0, 0.2, 0.0, 1.0])))
     shared = bool(draw(st.booleans()))
     extra = int(draw(st.sampled_from([0, 1, 3])))
     garbage = str(draw(st.sampled_from(["zero", "random", "huge", "negative"])))
     layout = str(draw(st.sampled_from(["contiguous", "strided"])))
-    overlap = bool(draw(st.sampled_from([False, True, False])))
+    overlap = bool(draw(st.booleans()))
+    if overlap:
+        # Enough columns inside listed blocks that a block's columns straddle column tiles.
+        p_col = max(p_col, float(draw(st.sampled_from([0.3, 0.5, 0.8]))))
     group = int(draw(st.sampled_from([1, 1, 1, 2, 3, 1000])))
     edge_columns = bool(draw(st.booleans()))
-    disjoint = bool(draw(st.sampled_from([False, False, True])))
+    # The disjoint form drops the overlapping columns: drawn only for plans without them,
+    # so half the plans keep columns inside listed blocks for the kernel's window test.
+    disjoint = bool(draw(st.sampled_from([False, False, True]))) and not overlap
     gen = torch.Generator(device="cpu").manual_seed(seed)
     n = shape.seqlen
     qb, kb = cdiv(n, block_m), cdiv(n, block_n)
@@ -528,6 +565,12 @@ _LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("sparseprefill.fast.kernels.vertical_slash_index", "_CHUNK", (16, 32)),
     # Columns per vector step of the disjoint-columns kernel (a power of two).
     ("sparseprefill.fast.kernels.own_columns", "_CHUNK", (16,)),
+    # Keys per tile of AnchorAttention's stripe kernel (each tile finds its first group).
+    ("sparseprefill.fast.kernels.anchor_stripes", "_BLOCK_K", (16, 32)),
+    # Keys per split of SampleAttention's lse pass (a multiple of its 64-key tile).
+    ("sparseprefill.fast.kernels.sampled_scores", "_SPLIT_KEYS", (64,)),
+    # Key blocks per vector step of SampleAttention's merge-index kernel (a power of two).
+    ("sparseprefill.fast.kernels.sample_index", "_CHUNK", (16,)),
     # Block-sparse pooled scores built a chunk of query blocks at a time.
     ("sparseprefill.fast.block_sparse", "_SCORE_BYTES", (1, 4096)),
     # Vertical-slash plans and runs heads in groups past this size.
@@ -537,6 +580,44 @@ _LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     # The reference works a chunk of query rows at a time.
     ("sparseprefill.reference.attention", "_CHUNK_BYTES", (1, 1 << 16)),
 )
+
+
+def draw_tiles(draw: Draw, caps: Caps, block_m: int, block_n: int) -> tuple[int, int] | None:
+    """Kernel tiles smaller than the kernel's own choice, half the time under `caps.scaled_limits`.
+
+    At N <= 200 a plan block wider than the kernel's key tile (`SUB_N` > 1) is never
+    fully before a query tile with the kernel's own tiles (128 keys up to D = 128), so
+    its unmasked sub-tile loop would go unchecked; forced tiles of 16 or 32 keys (and
+    16 to 64 rows) make plan blocks of 32 to 256 keys several tiles wide. Run the
+    example inside `forced_tiles(tiles)`. None: the kernel's own tiles.
+    """
+    if not caps.scaled_limits or not draw(st.booleans()):
+        return None
+    widths = [t for t in (16, 32) if block_n % t == 0 and t < block_n]
+    heights = [t for t in (16, 32, 64) if block_m % t == 0]
+    if not widths or not heights:
+        return None
+    return int(draw(st.sampled_from(heights))), int(draw(st.sampled_from(widths)))
+
+
+@contextmanager
+def forced_tiles(tiles: tuple[int, int] | None) -> Iterator[None]:
+    """Run the block/column kernel with `tiles` (its `SPARSEPREFILL_TILE` override, 4 warps,
+    one stage) inside the context; None: unchanged."""
+    import os
+
+    if tiles is None:
+        yield
+        return
+    saved = os.environ.get("SPARSEPREFILL_TILE")
+    os.environ["SPARSEPREFILL_TILE"] = f"{tiles[0]},{tiles[1]},4,1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["SPARSEPREFILL_TILE"]
+        else:
+            os.environ["SPARSEPREFILL_TILE"] = saved
 
 
 @contextmanager

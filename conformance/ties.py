@@ -694,7 +694,8 @@ def minference_tie_check(
         where = f"head {h} ({pattern.pattern})"
         if pattern.pattern == "vertical_slash":
             try:
-                vertical_slash_tie_check(q_h, k_h, dict(pattern.params), exp_h, got_h)
+                vertical_slash_tie_check(q_h, k_h, {**pattern.params, "scale": params.get("scale")},
+                                         exp_h, got_h)
             except AssertionError as err:
                 raise _fail(f"{where}: {err}") from err
         elif pattern.pattern == "block_sparse":

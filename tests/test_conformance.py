@@ -258,7 +258,7 @@ def test_draw_limits_lowers_and_restores() -> None:
         with limits:
             inside = lq._SPLIT_KEYS
         assert lq._SPLIT_KEYS == real
-        assert (inside != real) == ("_SPLIT_KEYS" in what)
+        assert (inside != real) == ("last_q_estimate._SPLIT_KEYS" in what)
         seen.add(inside)
 
     seen: set[int] = set()
@@ -266,3 +266,55 @@ def test_draw_limits_lowers_and_restores() -> None:
     assert len(seen) > 1
     limits, what = draw_limits(lambda s: 64, Caps(scaled_limits=False))
     assert what == ""
+
+
+def test_forced_tiles_sets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`forced_tiles` changes the kernel's tiles inside its context only, and `draw_tiles`
+    draws tiles that divide the plan blocks and make them several tiles wide."""
+    from sparseprefill.conformance.strategies import draw_tiles, forced_tiles
+    from sparseprefill.fast.kernels.block_column import _tile_config
+
+    monkeypatch.delenv("SPARSEPREFILL_TILE", raising=False)
+    own = _tile_config(64, 128, 64)
+    with forced_tiles((16, 32)):
+        assert _tile_config(64, 128, 64)[:2] == (16, 32)
+    assert _tile_config(64, 128, 64) == own
+    with forced_tiles(None):
+        assert _tile_config(64, 128, 64) == own
+
+    @settings(max_examples=30)
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        bm, bn = data.draw(st.sampled_from([16, 32, 64, 256])), data.draw(st.sampled_from([16, 32, 64, 256]))
+        tiles = draw_tiles(data.draw, Caps(), bm, bn)
+        if tiles is not None:
+            assert bm % tiles[0] == 0 and bn % tiles[1] == 0 and bn // tiles[1] > 1
+            seen.add(bn // tiles[1])
+
+    seen: set[int] = set()
+    check()
+    assert len(seen) > 1
+    assert draw_tiles(lambda s: True, Caps(scaled_limits=False), 64, 64) is None
+
+
+def test_minference_plan_check_rejects_a_wrong_head() -> None:
+    """The MInference `plan_check` passes the reference plan and fails a plan whose head 1
+    is another pattern's (a merge that mixed heads up)."""
+    from sparseprefill.reference.minference import HeadPattern
+
+    spec = METHODS["minference"]
+    assert spec.plan_check is not None
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 80, 32, generator=gen).half()
+    k = torch.randn(1, 1, 80, 32, generator=gen).half()
+    patterns = (HeadPattern("a_shape", {"sink": 16, "window": 16, "block_m": 16, "block_n": 16}),
+                HeadPattern("vertical_slash", {"vertical_size": 2, "slash_size": 2, "last_q": 16,
+                                               "block_m": 16, "block_n": 16, "init_columns": 0,
+                                               "local_diagonals": 0}))
+    params = spec.call_params({"patterns": patterns}, q)
+    plan = reference.minference_plan(q, k, **params)
+    spec.plan_check(q, k, params, plan)
+    same = {"patterns": (patterns[0], patterns[0])}
+    wrong = reference.minference_plan(q, k, **spec.call_params(same, q))
+    with pytest.raises(AssertionError, match="head 1 .* differs from its pattern's own plan"):
+        spec.plan_check(q, k, params, wrong)

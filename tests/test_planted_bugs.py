@@ -62,3 +62,18 @@ def test_plant_writes_the_installed_layout(tmp_path: Path) -> None:
     assert (pkg / "sparseprefill" / "reference" / "plan.py").exists()
     assert (pkg / "sparseprefill" / "conformance" / "properties.py").exists()
     assert (tmp_path / "tests" / "test_conformance.py").exists()
+
+
+def test_each_bug_selects_its_own_properties() -> None:
+    """Shared-mechanism bugs run the kernel properties, method bugs their method's (and the
+    methods in `also`); every target is a registered method or a shared target."""
+    from sparseprefill.conformance import METHODS
+
+    tool = _tool()
+    assert tool.target_select("kernel") == "test_kernel_property"
+    assert tool.target_select("a_shape") == "test_method_property and a_shape"
+    assert tool.target_select("kernel", "delta_kv") == \
+        "test_kernel_property or (test_method_property and (delta_kv))"
+    for bug in tool.BUGS:
+        assert bug.target in METHODS or bug.target in tool.SHARED_TARGETS, bug.name
+        assert all(m in METHODS for m in bug.also.split(",") if m), bug.name

@@ -11,8 +11,8 @@ source snippet, its replacement, a one-line description). For each bug the harne
    Python imports the scratch copy before the editable install of the work tree
    (the `_planted_probe` plugin checks that it did): first the bug's own properties
    (`target_select`: the target method's, or the kernel properties for the shared
-   mechanism), and every property (`test_method_property or test_kernel_property`)
-   if those pass;
+   mechanism), and with `--fallback` every property (`test_method_property or
+   test_kernel_property`) if those pass;
 3. records whether the properties failed, which (method, property) rows failed and at
    which example each first failed (the plugin counts the examples of every row).
 
@@ -25,8 +25,8 @@ properties pass without a bug.
     python tools/planted_bugs.py --json benches/results/planted-bugs.json [--methods vertical_slash,kernel]
     python tools/planted_bugs.py --bugs kernel-causal-off-by-one --examples 100
 
-A bug its own properties catch costs seconds to a minute on 2 CPU cores; one they miss
-costs a run of every property too (about 4 minutes). See docs/planted-bugs.md.
+One bug costs one run of its own properties: about a minute on 2 idle CPU cores for a
+method, two for the kernel (less when a property fails early). See docs/planted-bugs.md.
 """
 
 from __future__ import annotations
@@ -52,12 +52,15 @@ PROPERTY_TESTS = "test_method_property or test_kernel_property"
 SHARED_TARGETS = ("kernel", "plan", "metrics", "state")
 
 
-def target_select(target: str) -> str:
+def target_select(target: str, also: str = "") -> str:
     """The pytest -k expression of a bug's own properties: the kernel properties for the
-    shared mechanism, else the target method's properties (ids `[<method>-<property>]`)."""
-    if target in SHARED_TARGETS:
-        return "test_kernel_property"
-    return f"test_method_property and {target}"
+    shared mechanism, else the target method's properties (ids `[<method>-<property>]`),
+    plus the properties of the methods in `also`."""
+    own = "test_kernel_property" if target in SHARED_TARGETS else f"(test_method_property and {target})"
+    methods = [m for m in also.split(",") if m]
+    if not methods:
+        return own.strip("()")
+    return f"{own} or (test_method_property and ({' or '.join(methods)}))"
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class Bug:
         replacement: the text put in its place (one line changes).
         description: one line, what the bug does.
         occurrence: which appearance of `snippet` (1-based); 0 requires exactly one.
+        also: methods whose properties also run against it (a kernel feature only a
+            method uses, e.g. the per-key bias of Delta-KV), comma-separated.
     """
 
     name: str
@@ -82,6 +87,7 @@ class Bug:
     replacement: str
     description: str
     occurrence: int = 0
+    also: str = ""
 
 
 K = "fast/kernels/block_column.py"
@@ -175,7 +181,7 @@ BUGS: tuple[Bug, ...] = (
     Bug("kernel-key-bias-dropped", "kernel", K,
         "b_s = b_s * qk_scale + b_bias[None, :]",
         "b_s = b_s * qk_scale",
-        "per-key bias (Delta-KV's log run length, padding -inf) not applied"),
+        "per-key bias (Delta-KV's log run length, padding -inf) not applied", also="delta_kv"),
     # -- vertical-slash: estimate kernel, index kernel, method ---------------------------
     Bug("vs-estimate-no-scale", "vertical_slash", LQ,
         "qk_scale = resolve_scale(scale, shape.head_dim) * LOG2E",
@@ -185,10 +191,12 @@ BUGS: tuple[Bug, ...] = (
         "m_keep = m_l[:, None] & m_c[None, :] & (o_c[None, :] <= o_r[:, None])",
         "m_keep = m_l[:, None] & m_c[None, :]",
         "vertical scores sum probabilities of keys after the row (no causal mask)", occurrence=1),
-    Bug("vs-estimate-slash-not-causal", "vertical_slash", LQ,
-        "m_keep = m_l[:, None] & m_c[None, :] & (o_c[None, :] <= o_r[:, None])",
-        "m_keep = m_l[:, None] & m_c[None, :]",
-        "slash scores sum probabilities of keys after the row (no causal mask)", occurrence=2),
+    # (Not "the slash kernel without its causal mask": its skewed gather reads only keys at
+    # offsets >= 0, so that mask is redundant and the change an equivalent mutant.)
+    Bug("vs-estimate-slash-first-row", "vertical_slash", LQ,
+        "first = tl.maximum(o0 - (seqlen - rows), 0) // BLOCK_L * BLOCK_L",
+        "first = tl.maximum(o0, 0) // BLOCK_L * BLOCK_L",
+        "slash kernel skips rows by their estimate index, not their position: last_q < N loses rows"),
     Bug("vs-estimate-lse-not-causal", "vertical_slash", LQ,
         "m_keep = (o_c[None, :] <= o_r[:, None]) & (o_c[None, :] < seqlen)",
         "m_keep = o_c[None, :] < seqlen",
@@ -337,6 +345,79 @@ BUGS: tuple[Bug, ...] = (
         "acc_new = acc_all[:, :, :, start:stop].to(torch.float64) * rescale.unsqueeze(-1) \\",
         "acc_new = acc_all[:, :, :, start:stop].to(torch.float64) \\",
         "reference resume: the saved accumulator is not rescaled to the new max"),
+    # -- MInference (per-head dispatch; the merge is shared by both packages) -------------
+    Bug("minference-merge-shared-any", "minference", "reference/minference.py",
+        "shared = all(t.shape[3] == 0 or t.stride(2) == 0 for t in indices)",
+        "shared = any(t.shape[3] == 0 or t.stride(2) == 0 for t in indices)",
+        "merge keeps one list row per head when any (not every) plan shares its lists over query blocks"),
+    Bug("minference-merge-first-heads", "minference", "reference/minference.py",
+        "index[:, heads, :, : src.shape[3]] = src[:, heads, :rows]",
+        "index[:, heads, :, : src.shape[3]] = src[:, : heads.numel(), :rows]",
+        "merge copies a pattern's first heads' lists, not the heads it owns"),
+    Bug("minference-merge-disjoint-any", "minference", "reference/minference.py",
+        "columns_disjoint=all(p.columns_disjoint or p.column_index.shape[3] == 0 for p in used),",
+        "columns_disjoint=any(p.columns_disjoint or p.column_index.shape[3] == 0 for p in used),",
+        "merged plan promises disjoint columns when any (not every) part does"),
+    Bug("minference-scale-not-forwarded", "minference", "reference/minference.py",
+        'kwargs["scale"] = scale',
+        'kwargs["scale"] = None',
+        "vertical-slash heads estimate with the default scale, not the layer's"),
+    Bug("minference-kernel-scale-dropped", "minference", "fast/minference.py",
+        "out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)",
+        "out, _ = block_column_attention(q, k, v, plan, validate_plan=False)",
+        "fast MInference runs the kernel at the default scale"),
+    # -- AnchorAttention ----------------------------------------------------------------
+    Bug("anchor-window-from-block-0", "anchor_attention", "fast/anchor_attention.py",
+        "start = torch.clamp((i // step) * step * block_m // block_n, min=1)",
+        "start = torch.clamp((i // step) * step * block_m // block_n, min=0)",
+        "the first group's window starts at block 0, which the anchor already lists (listed twice)"),
+    Bug("anchor-pooled-anchor-tail", "anchor_attention", "fast/kernels/anchor_stripes.py",
+        "return (padded.reshape(b, h, qb, block_m).sum(dim=3) / sizes.to(torch.float32)).contiguous()",
+        "return (padded.reshape(b, h, qb, block_m).sum(dim=3) / block_m).contiguous()",
+        "the last, partial query block's anchors are averaged over block_m rows"),
+    Bug("anchor-stripes-in-initial-block", "anchor_attention", "fast/kernels/anchor_stripes.py",
+        "m_key = (o_k >= block_n) & (o_k < end)",
+        "m_key = (o_k >= 0) & (o_k < end)",
+        "the stripe search region includes the initial block (its keys attended twice)"),
+    Bug("anchor-first-group-skipped", "anchor_attention", "fast/kernels/anchor_stripes.py",
+        "g_first = ((k0 // block_n + 1) * block_n + span - 1) // span",
+        "g_first = ((k0 // block_n + 1) * block_n + span) // span",
+        "the first group whose region reaches a key tile is skipped when its start divides evenly"),
+    # (Not "stripe scores from the pooled query's high part only": that 16-bit rounding
+    # stays inside the tie check's documented margin, which forgives it by design.)
+    Bug("anchor-window-end-unclamped", "anchor_attention", "fast/anchor_attention.py",
+        "end = (torch.clamp((i + 1) * block_m, max=seqlen) - 1) // block_n",
+        "end = ((i + 1) * block_m - 1) // block_n",
+        "the last query block's window is not clamped to N: key blocks past the end are listed"),
+    Bug("anchor-reference-region-first-key", "anchor_attention", "reference/anchor_attention.py",
+        "return (keys >= block_n) & (keys < end)",
+        "return (keys > block_n) & (keys < end)",
+        "reference search region leaves out the first key after the initial block"),
+    # -- SampleAttention ----------------------------------------------------------------
+    Bug("sample-mass-not-causal", "sample_attention", "fast/kernels/sampled_scores.py",
+        "m_keep = m_r[:, None] & (o_c[None, :] <= o_r[:, None])",
+        "m_keep = m_r[:, None] & (o_c[None, :] < stop_r)",
+        "sampled mass of a row counts the later keys of its row tile (no causal mask)"),
+    Bug("sample-row-tile-crosses-block", "sample_attention", "fast/kernels/sampled_scores.py",
+        "end = min(stop, (r // block_size + 1) * block_size, r + block_l)",
+        "end = min(stop, r + block_l)",
+        "a row tile may cross a query block: its mass lands on the first block's diagonals"),
+    Bug("sample-lse-split-combine", "sample_attention", "fast/kernels/sampled_scores.py",
+        "lse = m_safe + torch.log2((s_part * torch.exp2(m_part - m_safe)).sum(dim=1, keepdim=True))",
+        "lse = m_safe + torch.log2(s_part.sum(dim=1, keepdim=True))",
+        "lse of several key splits summed without rescaling each split to the common max"),
+    Bug("sample-slash-diagonal-dropped", "sample_attention", "fast/kernels/sampled_scores.py",
+        "diag = torch.where(diag >= 0, diag, kb).expand(b * hq, num_tiles, kb)",
+        "diag = torch.where(diag > 0, diag, kb).expand(b * hq, num_tiles, kb)",
+        "the main block diagonal's sampled mass is dropped from the slash scores"),
+    Bug("sample-index-diagonal-forgotten", "sample_attention", "fast/kernels/sample_index.py",
+        "keep = (m_j & ((col != 0) | (slash != 0) | (o_j == i_m))).to(tl.int32)",
+        "keep = (m_j & ((col != 0) | (slash != 0))).to(tl.int32)",
+        "merge index forgets the always-kept diagonal block"),
+    Bug("sample-index-chunk-range", "sample_attention", "fast/kernels/sample_index.py",
+        "for j0 in range(0, i_m + 1, CHUNK):",
+        "for j0 in range(0, i_m, CHUNK):",
+        "merge index loop stops before key block i: query block 0, and one at a chunk multiple, lose the diagonal"),
     # -- Delta-KV -----------------------------------------------------------------------
     Bug("delta-keep-mask-strict", "delta_kv", DP,
         "drop = _tree_sum(diff * diff, LANES, HEAD_DIM) <= t2",
@@ -487,10 +568,31 @@ def run_one(root: Path, bug: Bug | None, *, examples: int, timeout: float, selec
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def markdown_table(payload: dict[str, Any]) -> str:
+    """The results of a `--json` file as a markdown table, in `BUGS` order: bug, target,
+    verdict, the property that failed first (fewest examples), every property that
+    failed (`method/property@example`), seconds."""
+    bugs = payload["bugs"]
+    order = {name: i for i, name in enumerate(bugs)}
+    rows = ["| bug | target | caught | first property (examples) | every failing property@example | s |",
+            "| --- | --- | --- | --- | --- | ---: |"]
+    for r in sorted(payload["results"], key=lambda r: order.get(r["bug"], -1)):
+        by = r["caught_by"]
+        first = min(by.items(), key=lambda kv: (kv[1]["example"], kv[0]), default=None)
+        first_s = f"{first[0]} ({first[1]['example']})" if first else "-"
+        every = ", ".join(f"{k}@{v['example']}" for k, v in sorted(by.items())) or "-"
+        target = bugs[r["bug"]]["target"] if r["bug"] in bugs else "-"
+        verdict = ("yes" if r["caught"] else "**no**") if r["bug"] != "control" else \
+            ("**failed**" if r["caught"] else "passed")
+        rows.append(f"| `{r['bug']}` | {target} | {verdict} | {first_s} | {every} | {r['seconds']:.0f} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--list", action="store_true", help="list the bugs and exit")
+    p.add_argument("--table", type=Path, default=None, help="print a --json file as a markdown table; exit")
     p.add_argument("--check", action="store_true", help="check every snippet applies; exit")
     p.add_argument("--bugs", default="", help="comma-separated bug names (default: all)")
     p.add_argument("--methods", default="", help="comma-separated targets (kernel, vertical_slash, ...)")
@@ -503,10 +605,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", action="store_true", help="first run the unmodified copy")
     p.add_argument("--keep", action="store_true", help="keep the scratch copies")
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--fallback", action="store_true",
+                   help="run every property on a bug its own properties miss")
     p.add_argument("--snapshot", action="store_true",
                    help="plant into a copy of the checkout taken now (keep editing while it runs)")
     args = p.parse_args(argv)
 
+    if args.table is not None:
+        print(markdown_table(json.loads(args.table.read_text())), end="")
+        return 0
     bugs = list(BUGS)
     names = bug_by_name()
     if args.bugs:
@@ -564,12 +671,13 @@ def main(argv: list[str] | None = None) -> int:
     for bug in todo:
         name = bug.name if bug else "control"
         print(f"{name} ...", flush=True)
-        select = args.select or (PROPERTY_TESTS if bug is None else target_select(bug.target))
+        select = args.select or (PROPERTY_TESTS if bug is None else target_select(bug.target, bug.also))
         result = run_one(root, bug, examples=args.examples, timeout=args.timeout, select=select,
                          python=args.python, keep=args.keep)
         result["select"] = select
         result["commit"] = commit
-        if bug is not None and not result["caught"] and not args.select and select != PROPERTY_TESTS:
+        if bug is not None and args.fallback and not result["caught"] and not args.select \
+                and select != PROPERTY_TESTS:
             print(f"  missed by {select!r}; every property ...", flush=True)
             result = run_one(root, bug, examples=args.examples, timeout=args.timeout,
                              select=PROPERTY_TESTS, python=args.python, keep=args.keep)
