@@ -767,19 +767,49 @@ def check_nonfinite_propagation(
 
 def _prop_nonfinite(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     q, k, v, plan, context, tiles = _random_plan_inputs(draw, caps)
-    where = str(draw(st.sampled_from(["q", "k", "v"])))
+    # v most often: a non-finite value is the only thing the kernel must find itself (q and k
+    # reach the scores, which carry NaN on their own).
+    where = str(draw(st.sampled_from(["v", "q", "k", "v"])))
     value = float(draw(st.sampled_from([math.nan, math.inf, -math.inf])))
     target = {"q": q, "k": k, "v": v}[where].clone()
     count = int(draw(st.integers(1, 3)))
     seed = int(draw(st.integers(0, 2**31 - 1)))
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    # Two times in three, aimed at the boundary: a key (of k or v) that some rows of a query
+    # block keep and others of the same block do not (the diagonal, a column), so a
+    # kernel that poisons or reads a whole tile's rows shows it.
+    aimed = where != "q" and bool(draw(st.sampled_from([True, True, False])))
+    partial = _partially_kept_keys(plan, q.shape[1] // k.shape[1]) if aimed else []
     for _ in range(count):
-        at = tuple(int(torch.randint(0, size, (1,), generator=gen)) for size in target.shape)
+        if partial:
+            b, hkv, key = partial[int(torch.randint(0, len(partial), (1,), generator=gen))]
+            at = (b, hkv, key, int(torch.randint(0, target.shape[3], (1,), generator=gen)))
+        else:
+            at = tuple(int(torch.randint(0, size, (1,), generator=gen)) for size in target.shape)
         target[at] = value
     inputs = {"q": q, "k": k, "v": v, where: target}
     with tiles:
         return check_nonfinite_propagation(inputs["q"], inputs["k"], inputs["v"], plan,
-                                           context=f"{context} {count} x {value} in {where} seed={seed}")
+                                           context=f"{context} {count} x {value} in {where} seed={seed} "
+                                                   f"aimed={bool(partial)}")
+
+
+def _partially_kept_keys(plan: BlockColumnPlan, group: int) -> list[tuple[int, int, int]]:
+    """(batch row, KV head, key) of every key that some rows of a query block keep and
+    other rows of the same block do not, under `plan` (query head h reads KV head h // group)."""
+    mask = plan.to_dense_mask().cpu()  # [B, Hq, N, keys]
+    b, hq, n, keys = mask.shape
+    qb = -(-n // plan.block_m)
+    padded = torch.zeros(b, hq, qb * plan.block_m, keys, dtype=torch.bool)
+    padded[:, :, :n] = mask
+    rows = padded.view(b, hq, qb, plan.block_m, keys)
+    real = torch.zeros(qb * plan.block_m, dtype=torch.bool)
+    real[:n] = True
+    real = real.view(qb, plan.block_m)[None, None, :, :, None]
+    some = rows.any(dim=3)
+    every = (rows | ~real).all(dim=3)
+    hits = (some & ~every).any(dim=2)  # [B, Hq, keys]
+    return sorted({(int(i), int(h) // group, int(j)) for i, h, j in hits.nonzero().tolist()})
 
 
 def _prop_resumed_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
