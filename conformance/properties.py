@@ -781,6 +781,7 @@ def _prop_nonfinite(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     aimed = where != "q" and bool(draw(st.sampled_from([True, True, False])))
     partial = _partially_kept_keys(plan, q.shape[1] // k.shape[1]) if aimed else []
     for _ in range(count):
+        at: tuple[int, ...]
         if partial:
             b, hkv, key = partial[int(torch.randint(0, len(partial), (1,), generator=gen))]
             at = (b, hkv, key, int(torch.randint(0, target.shape[3], (1,), generator=gen)))
