@@ -211,15 +211,27 @@ def _near_multiple(draw: Callable[[Any], Any], size: int, seqlen: int, shifts: l
     return int(j * size + draw(st.sampled_from(shifts)))
 
 
-def _sink_window(draw: Callable[[Any], Any], seqlen: int, block_n: int | None = None) -> dict[str, int]:
+def _sink_window(draw: Callable[[Any], Any], seqlen: int, block_n: int | None = None,
+                 block_m: int | None = None) -> dict[str, int]:
     """`sink` and `window` draws shared by streaming and A-shape (both may exceed N).
 
     With `block_n`, half the draws aim at block edges: a sink one below, at or above a
     multiple of `block_n`, a window one or two past one (the window's first key block
-    then starts exactly at a block edge for query blocks aligned to `block_n`).
+    then starts exactly at a block edge for query blocks aligned to `block_n`). With
+    `block_m` too, one draw in six aims at one query block: its first row `r0` and a
+    key block `kb` before it, a window of `r0 + 1 - (kb + 1) * block_n + shift` (shift
+    -1, 0, 1) puts the window's edge on `kb`'s last key, with a sink that stops short of
+    `kb`, so the edge decides whether `kb` is kept.
     """
     from hypothesis import strategies as st
 
+    if block_n is not None and block_m is not None and draw(st.integers(0, 5)) == 0:
+        aligned = [r0 for r0 in range(block_m, seqlen, block_m) if r0 >= block_n]
+        if aligned:
+            r0 = int(draw(st.sampled_from(aligned)))
+            kb = int(draw(st.integers(0, r0 // block_n - 1)))
+            window = r0 + 1 - (kb + 1) * block_n + int(draw(st.sampled_from([0, 1, -1])))
+            return {"sink": int(draw(st.integers(0, kb * block_n))), "window": max(1, window)}
     if block_n is not None and draw(st.booleans()):
         return {"sink": max(0, _near_multiple(draw, block_n, seqlen, [0, 1, -1])),
                 "window": max(1, _near_multiple(draw, block_n, seqlen, [1, 2, 0]))}
@@ -229,7 +241,7 @@ def _sink_window(draw: Callable[[Any], Any], seqlen: int, block_n: int | None = 
 
 def _streaming_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     blocks = _block_sizes(draw)
-    return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"])}
+    return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"], blocks["block_m"])}
 
 
 register(MethodSpec(
@@ -361,7 +373,7 @@ def _max_abs(x: torch.Tensor) -> float:
 
 def _a_shape_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     blocks = _minference_blocks(draw)
-    return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"])}
+    return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"], blocks["block_m"])}
 
 
 register(MethodSpec(
@@ -719,7 +731,7 @@ def _minference_patterns(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(kinds))
         if kind == "a_shape":
-            params = {**_sink_window(draw, seqlen, bn), "block_m": bm, "block_n": bn}
+            params = {**_sink_window(draw, seqlen, bn, bm), "block_m": bm, "block_n": bn}
         elif kind == "vertical_slash":
             params = {**_vertical_slash_lines(draw, seqlen), "block_m": bm, "block_n": bn}
         else:
