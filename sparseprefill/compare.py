@@ -258,14 +258,24 @@ def plot(points: Sequence[Point], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sources = sorted({p.source for p in points})
+    def order(source: str) -> tuple[str, int]:
+        head, _, tail = source.rpartition(" ")
+        return (head, int(tail)) if tail.isdigit() else (source, 0)
+
+    sources = sorted({p.source for p in points}, key=order)
     timed = any(p.gpu for p in points)
-    cols = 2 if timed else 1
-    fig, axes = plt.subplots(len(sources), cols, figsize=(6.5 * cols, 4.6 * len(sources)), squeeze=False)
+    if timed:  # one row per source: recall vs density, speedup vs recall
+        fig, grid = plt.subplots(len(sources), 2, figsize=(13.0, 4.6 * len(sources)), squeeze=False)
+        panels = [(grid[i][0], grid[i][1]) for i in range(len(sources))]
+    else:  # the sources side by side
+        fig, grid = plt.subplots(1, len(sources), figsize=(6.0 * len(sources), 5.0), squeeze=False)
+        panels = [(grid[0][i], None) for i in range(len(sources))]
     names = sorted({p.method for p in points if p.method != "oracle"})
-    colors = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(names)}
+    # tab20 and a marker per method: up to 20 methods stay distinguishable.
+    colors = {name: plt.get_cmap("tab20")((2 * i) % 20 + (2 * i) // 20) for i, name in enumerate(names)}
+    markers = dict(zip(names, "osD^vP*Xh<>p8dH" * 2))
     for row, source in enumerate(sources):
-        ax = axes[row][0]
+        ax, ax2 = panels[row]
         mine = [p for p in points if p.source == source]
         oracle = sorted((p.density, p.recall_mean) for p in mine if p.method == "oracle")
         if oracle:
@@ -274,17 +284,18 @@ def plot(points: Sequence[Point], path: Path) -> Path:
             pts = [p for p in mine if p.method == name and p.recall_mean is not None]
             if not pts:
                 continue
-            ax.scatter([p.density for p in pts], [p.recall_mean for p in pts], s=18, color=colors[name], alpha=0.6)
+            ax.scatter([p.density for p in pts], [p.recall_mean for p in pts], s=18, color=colors[name], alpha=0.6,
+                       marker=markers[name])
             front = pareto(pts)
-            ax.plot([p.density for p in front], [p.recall_mean for p in front], "-", color=colors[name], label=name)
+            ax.plot([p.density for p in front], [p.recall_mean for p in front], "-", color=colors[name],
+                    marker=markers[name], markersize=4, label=name)
         ax.set_xlabel("density (computed share of the causal area)")
         ax.set_ylabel("recall (mean over rows and heads)")
         ax.set_title(f"{source}: recall vs density", fontsize=10)
         ax.set_xlim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
-        if timed:
-            ax2 = axes[row][1]
+        if ax2 is not None:
             for name in names:
                 pts = [p for p in mine if p.method == name and p.gpu and p.recall_mean is not None]
                 if pts:
