@@ -627,6 +627,12 @@ def _prop_plan_validation(draw: Draw, caps: Caps, spec: MethodSpec | None) -> fl
     shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn))
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device)
     plan, plan_what = draw_plan(draw, shape, block_m=bm, block_n=bn, device=caps.device)
+    # The dense mask is the plan's meaning for every golden: it must be causal on its own
+    # (the reference attention intersects it with causality again, so only this sees it).
+    dense = plan.to_dense_mask()
+    causal = torch.ones(plan.seqlen, plan.key_len, dtype=torch.bool, device=dense.device).tril_(plan.query_offset)
+    if bool((dense & ~causal).any()):
+        raise _fail(f"{what} {plan_what}", "plan.to_dense_mask() keeps a key after its row (not causal)")
     # Every corruption that applies to this plan (a few kinds need lists of two or more).
     seed = int(draw(st.integers(0, 2**31 - 1)))
     for kind in CORRUPTIONS:
