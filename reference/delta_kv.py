@@ -121,14 +121,15 @@ def check_metric(metric: object) -> str:
     return metric
 
 
-def check_threshold(threshold: object, metric: str) -> float:
-    """A finite float; `>= 0` for the Euclidean distance (a cosine threshold may be any)."""
+def check_threshold(threshold: object, metric: str, *, name: str = "threshold") -> float:
+    """A finite float; `>= 0` for the Euclidean distance (a cosine threshold may be any).
+    `name` is the argument's name in the messages."""
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-        raise TypeError(f"threshold must be a float, got {type(threshold).__name__}")
+        raise TypeError(f"{name} must be a float, got {type(threshold).__name__}")
     if not math.isfinite(threshold):
-        raise ValueError(f"threshold must be finite, got {threshold}")
+        raise ValueError(f"{name} must be finite, got {threshold}")
     if metric == "euclidean" and threshold < 0:
-        raise ValueError(f"threshold must be >= 0 for the euclidean metric, got {threshold}")
+        raise ValueError(f"{name} must be >= 0 for the euclidean metric, got {threshold}")
     return float(threshold)
 
 

@@ -61,6 +61,7 @@ from .delta_kv import (
     check_flags,
     check_keys,
     check_metric,
+    check_threshold,
     delta_keep_mask,
     delta_pack,
 )
@@ -150,14 +151,8 @@ def check_unselected(unselected: object) -> str:
 
 
 def check_delta_threshold(delta_threshold: object, metric: str) -> float:
-    """A finite float; `>= 0` for the Euclidean distance (a cosine threshold may be any)."""
-    if isinstance(delta_threshold, bool) or not isinstance(delta_threshold, (int, float)):
-        raise TypeError(f"delta_threshold must be a float, got {type(delta_threshold).__name__}")
-    if not math.isfinite(delta_threshold):
-        raise ValueError(f"delta_threshold must be finite, got {delta_threshold}")
-    if metric == "euclidean" and delta_threshold < 0:
-        raise ValueError(f"delta_threshold must be >= 0 for the euclidean metric, got {delta_threshold}")
-    return float(delta_threshold)
+    """Delta-KV's threshold check (`reference.delta_kv.check_threshold`) under this name."""
+    return check_threshold(delta_threshold, metric, name="delta_threshold")
 
 
 def check_pack_blocks(block: object, packed_block: object) -> tuple[int, int]:
