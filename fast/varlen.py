@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from ..reference.plan import BlockColumnPlan, stack_plans
-from ..reference.varlen import PlanFn, check_varlen, sequence
+from ..reference.plan import BlockColumnPlan
+from ..reference.varlen import PlanFn, plan_sequences
 from .kernels import varlen_block_column_attention
 
 
@@ -18,10 +18,7 @@ def varlen_plans(plan_fn: PlanFn, q: torch.Tensor, k: torch.Tensor, cu_seqlens: 
     Each sequence's estimate runs on its own `[1, H, n, D]` view of the packed
     tensors (no copies); the launches of the estimators are per sequence.
     """
-    cu = check_varlen(q, k, k, cu_seqlens, dtypes=(torch.float16, torch.bfloat16))
-    if any(b == a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"every sequence must have at least one token, got cu_seqlens {cu}")
-    return stack_plans([plan_fn(sequence(q, cu, s), sequence(k, cu, s), **params) for s in range(len(cu) - 1)])
+    return plan_sequences(plan_fn, q, k, cu_seqlens, params, dtypes=(torch.float16, torch.bfloat16))
 
 
 def varlen_attention(

@@ -74,7 +74,19 @@ def varlen_plans(plan_fn: PlanFn, q: torch.Tensor, k: torch.Tensor, cu_seqlens: 
     Raises:
         TypeError, ValueError: bad packed inputs, an empty sequence, or what `plan_fn` raises.
     """
-    cu = check_varlen(q, k, k, cu_seqlens, dtypes=(q.dtype,) if isinstance(q, torch.Tensor) else REFERENCE_DTYPES)
+    return plan_sequences(plan_fn, q, k, cu_seqlens, params,
+                          dtypes=(q.dtype,) if isinstance(q, torch.Tensor) else REFERENCE_DTYPES)
+
+
+def plan_sequences(plan_fn: PlanFn, q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor,
+                   params: dict[str, Any], *, dtypes: tuple[torch.dtype, ...]) -> BlockColumnPlan:
+    """`varlen_plans` of either package: check the packed batch (q's dtype among `dtypes`),
+    plan every sequence on its own `[1, H, n, D]` view (no copy), stack the plans.
+
+    Raises:
+        TypeError, ValueError: bad packed inputs, an empty sequence, or what `plan_fn` raises.
+    """
+    cu = check_varlen(q, k, k, cu_seqlens, dtypes=dtypes)
     if any(b == a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"every sequence must have at least one token, got cu_seqlens {cu}")
     return stack_plans([plan_fn(sequence(q, cu, s), sequence(k, cu, s), **params) for s in range(len(cu) - 1)])
