@@ -1,6 +1,6 @@
 """torch.compile and CUDA-graph checks of `sparseprefill.fast.ops` on a GPU (one line per check).
 
-Checks, for the methods of `conformance.registry.METHODS`:
+Checks, for the registered methods (`sparseprefill.methods`):
 
 * `compile`: a small attention layer (projections, a method op on bf16 q, k, v,
   output projection) compiled with inductor, `fullgraph=True`, against the same
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from sparseprefill.conformance.registry import METHODS
+from sparseprefill.methods import METHODS
 from sparseprefill.fast import ops
 
 RESULTS: list[dict[str, Any]] = []
@@ -224,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         report("graph", "*", None, "needs CUDA", 0.0)
     for name in args.methods if cuda else []:
-        status = ops.SYNC.get(name)
-        if status is None:
-            report("graph", name, False, "no line in sparseprefill.fast.ops.SYNC", 0.0)
-            continue
+        status = ops.sync_status(name)
         if not status.capture_safe:
             report("graph", name, None, f"not capture-safe: {status.note}", 0.0)
             continue
@@ -253,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Last: a refused capture may leave the device's capture state behind it.
     for name in args.methods if cuda else []:
-        if name in ops.SYNC and ops.SYNC[name].syncs:
+        if ops.sync_status(name).syncs:
             default = ops.method_op(name)
 
             def run_default(op: Any = default, params: dict[str, Any] = _params(name, q)) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparseprefill import distributed as D
-from sparseprefill.conformance.registry import METHODS
+from sparseprefill.methods import METHODS
 from sparseprefill.reference.metrics import density
 
 ALIGN = 128
@@ -152,7 +152,8 @@ def main() -> None:
     }
     for method in methods:
         kind = D.estimate_kind(method)
-        needs = D.ESTIMATES[method].needs if method in D.ESTIMATES else D.GATHER_NEEDS
+        native = METHODS[method].distributed
+        needs = native.needs if native is not None and kind != "gather" else D.GATHER_NEEDS
         out["methods"][method] = {"estimate": kind, "estimate_needs": needs,
                                   "params": {key: repr(val) for key, val in METHODS[method].demo_params(8192).items()},
                                   "layers": {}}

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from sparseprefill import fast, reference
-from sparseprefill.conformance.registry import METHODS
+from sparseprefill.methods import METHODS
 
 
 def _sync(dev: torch.device) -> None:

@@ -15,7 +15,8 @@ import argparse
 import torch
 import triton.testing
 
-from sparseprefill.bench import format_table, minference_anchor_lines, run_minference_suite
+from sparseprefill.bench import format_table, minference_anchor_lines
+from sparseprefill.methods.minference import run_minference_suite
 from sparseprefill.demo import Shape, synthetic_qkv
 from sparseprefill.fast.kernels import vertical_slash_index as vsi
 from sparseprefill.fast.vertical_slash import vertical_slash_lines

@@ -24,16 +24,8 @@ import torch
 from .. import fast, reference
 from ..reference.delta_kv import PackedKV, expand_packed, safe_blocks
 from ..reference.plan import cdiv
-from .registry import MethodView
-
-_STAGE1 = ("threshold", "metric", "chunk")
-
-
-def _packing(impl: Any, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any]) -> PackedKV:
-    stage1 = {name: params[name] for name in _STAGE1 if name in params}
-    keep = impl.delta_keep_mask(k, **stage1)
-    return impl.delta_pack(k, v, keep, block=int(params.get("block_n", 64)))  # type: ignore[no-any-return]
-
+from ..methods.delta_kv import STAGE1 as _STAGE1
+from ..methods.delta_kv import packing as _packing
 
 def delta_structure_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any]) -> None:
     """Fast keep mask, packed buffers and phase plans equal the reference's exactly.
@@ -120,14 +112,3 @@ def delta_golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     golden = _combined(q, k, v, packed, params, dtype=torch.float64)
     baseline = _combined(q, k, v, packed, params, dtype=q.dtype)
     return golden, baseline
-
-
-def delta_view(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               params: dict[str, Any]) -> MethodView:
-    """Density (score entries computed, both phases) and the phase-2 plan to draw; no recall."""
-    impl: Any = fast if impl_name == "fast" else reference
-    packed = _packing(impl, k, v, params)
-    block_m = int(params.get("block_m", 64))
-    _, exact = impl.delta_kv_plans(q, packed, block_m=block_m)
-    return MethodView(density=impl.delta_kv_density(q, packed, block_m=block_m), recall=None, plan=exact,
-                      notes=f"keep ratio {float(packed.keep_ratio().mean()):.3f}")

@@ -27,24 +27,9 @@ import torch
 
 from .. import fast, reference
 from ..reference.delta_xattention import EXACT, PACKED, TilePackedKV, share_of, tile_modes
-from .registry import MethodView
+from ..methods.delta_xattention import modes as _modes
+from ..methods.delta_xattention import packing as _packing
 from .ties import check_greedy_modulo_ties, tile_weight_tolerance
-
-_TILES = ("stride", "threshold", "exact_top", "block", "scoring", "unselected", "scale")
-_PACK = ("delta_threshold", "metric", "block", "packed_block")
-
-
-def _pick(params: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-    return {name: params[name] for name in names if name in params}
-
-
-def _modes(impl: Any, q: torch.Tensor, k: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
-    return impl.delta_xattention_tiles(q, k, **_pick(params, _TILES))  # type: ignore[no-any-return]
-
-
-def _packing(impl: Any, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any]) -> TilePackedKV:
-    return impl.delta_tile_pack(k, v, **_pick(params, _PACK))  # type: ignore[no-any-return]
-
 
 def check_top_modulo_ties(weights: torch.Tensor, selected: torch.Tensor, exact: torch.Tensor, exact_top: float,
                           *, tolerance: float) -> None:
@@ -178,16 +163,3 @@ def delta_xattention_golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     golden = _combined(q, k, v, modes, packing, params, dtype=torch.float64)
     baseline = _combined(q, k, v, modes, packing, params, dtype=q.dtype)
     return golden, baseline
-
-
-def delta_xattention_view(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          params: dict[str, Any]) -> MethodView:
-    """Density (score entries of both launches), the exact tiles' plan to draw; no recall."""
-    impl: Any = fast if impl_name == "fast" else reference
-    modes = _modes(impl, q, k, params)
-    packing = _packing(impl, k, v, params)
-    exact, _ = impl.delta_xattention_plans(q, modes, packing)
-    reduction = float(impl.delta_xattention_kv_reduction(modes, packing).mean())
-    share = float((modes == PACKED).sum()) / max(1.0, float((modes != 0).sum()))
-    return MethodView(density=impl.delta_xattention_density(modes, packing), recall=None, plan=exact,
-                      notes=f"KV reduction {reduction:.3f}, packed tiles {share:.3f}")

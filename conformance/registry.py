@@ -1,18 +1,26 @@
-"""The registry of shipped methods: one entry per method, read by the conformance
-properties, the GPU conformance runner, the demo and the benchmarks.
+"""What conformance knows about each method, keyed by method name: its Hypothesis
+parameter strategy, whether its plans must match bit for bit, its tie rule, its
+estimate comparison and, for a method without a plan, its golden output and structure
+check.
 
-Adding a method to every one of those is one `register(MethodSpec(...))` call.
+Every other fact about a method lives in its descriptor (`sparseprefill.methods`).
+`METHODS` joins the two: for each registered method a `MethodSpec` that the
+properties, the GPU conformance runner and the tests read. A method registered with
+no entry here still gets every property: its parameters are drawn from its compare
+sweep and defaults, and its plans must match exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import fast, reference
+from .. import reference
+from ..methods import Method, MethodView
+from ..methods import methods as registered_methods
 from ..reference.plan import BlockColumnPlan
 from .ties import (
     anchor_attention_tie_check,
@@ -27,165 +35,209 @@ from .ties import (
 from .tolerance import Estimate
 
 PlanFn = Callable[..., BlockColumnPlan]
-RunFn = Callable[..., torch.Tensor]
+ParamsFn = Callable[[Callable[[Any], Any], int], dict[str, Any]]
+
+__all__ = ["CHECKS", "Checks", "METHODS", "MethodSpec", "MethodView", "checks_for", "methods"]
 
 
 @dataclass(frozen=True)
-class MethodView:
-    """What the demo, the eval table and the benchmarks report about one method call.
+class Checks:
+    """How the conformance properties test one method.
 
     Attributes:
-        density: float64 `[B, Hq]`, score entries computed over the causal area.
-        recall: float32 `[B, Hq, N]`, the attention mass kept per row, or None where
-            recall does not apply (a method that changes the keys, as Delta-KV).
-        plan: the plan to draw (the keys computed exactly), or None.
-        notes: a short extra (e.g. a keep ratio).
-    """
-
-    density: torch.Tensor
-    recall: torch.Tensor | None
-    plan: BlockColumnPlan | None
-    notes: str = ""
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """How to call one method in both packages, and with which parameters.
-
-    Attributes:
-        name: the method's public name (`fast.<name>`, `reference.<name>`).
-        reference_plan, fast_plan: the estimators `(q, k, **params) -> BlockColumnPlan`.
-        reference_run, fast_run: the end-to-end functions `(q, k, v, **params, scale=)`.
         params: draws keyword parameters valid for a sequence length `N`, for
-            Hypothesis: a callable `(draw, seqlen) -> dict` (`draw` is Hypothesis's).
-        demo_params: parameters for the demo and benchmarks, given `N`.
+            Hypothesis: `(draw, seqlen) -> dict` (`draw` is Hypothesis's). None: one of
+            the method's sweep points or its defaults at N.
         exact_plans: True when the fast plan must equal the reference plan bit for bit
             on any input; False when a top-k tie may legitimately decide differently
             (then the property compares plans modulo exactly tied scores).
         tie_check: for `exact_plans=False`: `(q, k, params, reference_plan, fast_plan)
             -> None`, called only when the two plans differ; it raises AssertionError
             unless every difference is decided by an exactly tied score.
-        new_state, reference_layer, fast_layer: for methods that carry state across the
-            layers of one forward pass (SharePrefill). `new_state(params)` makes the
-            state of one prefill from the method's parameters; `*_layer(q, k, v, state,
-            *, layer, scale) -> out` runs one layer with it (plan, attention, update).
-            The transformers integration uses them instead of `*_plan` when set; the
-            plan functions stay the one-layer, fresh-state view used everywhere else.
-
-    A method whose output is not the attention of one plan (Delta-KV reads packed
-    keys) has `reference_plan = fast_plan = None` and instead:
-
-        golden: `(q, k, v, params) -> (golden float64 output, baseline output)` for
-            the end-to-end property under the tolerance policy.
-        structure_check: `(q, k, v, params) -> None`, the "plan" property: the fast
-            intermediate structures equal the reference's; raises AssertionError.
-        view: `(impl_name, q, k, v, params) -> MethodView` for reports.
-
-    sweep: `N -> [params, ...]`, the grid of the method's main knob that `sparseprefill
-        compare` measures (docs/compare.md lists them); None: only `demo_params(N)`.
-    estimate: `(impl_name, q, k, params) -> {name: Estimate}`, the method's numbers
-        before any top-k or threshold (scores, pooled means), from `fast` or
-        `reference`; the "estimate" property compares the two under the tolerance
-        policy (`tolerance.check_estimate`), so an estimator bug cannot hide behind a
-        tie the plan property forgives. None: the method has no such stage.
-    input_kinds: the structured inputs its properties draw (`strategies.INPUT_KINDS`),
-        the first one most often.
-    plan_check: `(q, k, params, reference_plan) -> None`, a check of the reference plan
-        against the method's definition in terms of other methods' plans (MInference:
-        query head `h` is planned by its own pattern alone), run by the "plan" property
-        so that code both packages share is checked too; raises AssertionError.
-    min_heads: the fewest query heads its examples draw, past the strategies' cost cap
-        (MInference: 2, so that two heads can take two patterns and be merged).
-    prepare: `(params, q) -> call parameters` for a method whose parameters depend on
-        the input's shape (MInference's per-head config needs Hq): drawn, demo and sweep
-        parameters go through `call_params` before every call. None: unchanged.
-    chunked: for chunked prefill (`chunk_plan`, queries `[P, P + N)` over keys
-        `[0, P + N)`): what the estimate of a chunk reads, one line (docs/serving.md
-        lists them). Non-empty promises the plan's rows `[P, P + N)` read no query
-        before P, so the chunk's plan equals the one-shot plan of the prompt up to the
-        chunk's end restricted to those rows (`tests/test_chunked.py` checks it). "":
-        the method needs the whole prompt (its estimate reads queries across it, or it
-        has no plan); `chunk_plan` is not offered for it.
+        golden: for a method without plans: `(q, k, v, params) -> (golden float64
+            output, baseline output)` for the end-to-end property under the tolerance
+            policy.
+        structure_check: for a method without plans: `(q, k, v, params) -> None`, the
+            "plan" property: the fast intermediate structures equal the reference's.
+        estimate: `(impl_name, q, k, params) -> {name: Estimate}`, the method's numbers
+            before any top-k or threshold, from `fast` or `reference`; the "estimate"
+            property compares the two under the tolerance policy, so an estimator bug
+            cannot hide behind a tie the plan property forgives. None: no such stage.
+        input_kinds: the structured inputs its properties draw (`strategies.INPUT_KINDS`),
+            the first one most often.
+        plan_check: `(q, k, params, reference_plan) -> None`, a check of the reference plan
+            against the method's definition in terms of other methods' plans, run by the
+            "plan" property; raises AssertionError.
+        min_heads: the fewest query heads its examples draw, past the strategies' cost cap.
     """
 
-    name: str
-    reference_plan: PlanFn | None
-    fast_plan: PlanFn | None
-    reference_run: RunFn
-    fast_run: RunFn
-    params: Callable[[Callable[[Any], Any], int], dict[str, Any]]
-    demo_params: Callable[[int], dict[str, Any]]
+    params: ParamsFn | None = None
     exact_plans: bool = True
-    notes: str = field(default="")
     tie_check: Callable[..., None] | None = None
-    new_state: Callable[[Mapping[str, Any]], Any] | None = None
-    reference_layer: Callable[..., torch.Tensor] | None = None
-    fast_layer: Callable[..., torch.Tensor] | None = None
     golden: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     structure_check: Callable[..., None] | None = None
-    view: Callable[..., MethodView] | None = None
-    sweep: Callable[[int], list[dict[str, Any]]] | None = None
     estimate: Callable[[str, torch.Tensor, torch.Tensor, dict[str, Any]], dict[str, Estimate]] | None = None
     input_kinds: tuple[str, ...] = ("normal", "lines", "lattice", "runs")
     plan_check: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None = None
     min_heads: int = 1
-    prepare: Callable[[dict[str, Any], torch.Tensor], dict[str, Any]] | None = None
-    chunked: str = ""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method as the properties see it: its descriptor and its `Checks`."""
+
+    method: Method
+    checks: Checks
 
     def __post_init__(self) -> None:
-        if (self.reference_plan is None) != (self.fast_plan is None):
-            raise ValueError(f"{self.name}: give both plan functions or neither")
-        if self.reference_plan is None and (self.golden is None or self.structure_check is None
-                                            or self.view is None):
-            raise ValueError(f"{self.name}: a method without plans needs golden, structure_check and view")
-        if self.chunked and self.reference_plan is None:
-            raise ValueError(f"{self.name}: chunked prefill needs plan functions")
+        if not self.method.plan_based and (self.checks.golden is None or self.checks.structure_check is None):
+            raise ValueError(f"{self.method.name}: a method without plans needs golden and structure_check "
+                             "in conformance.registry.CHECKS")
 
-    def call_params(self, params: Mapping[str, Any], q: torch.Tensor) -> dict[str, Any]:
-        """The keyword arguments of a call on `q` (`prepare` applied, if any)."""
-        return dict(params) if self.prepare is None else self.prepare(dict(params), q)
+    # The descriptor's facts.
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    @property
+    def notes(self) -> str:
+        return self.method.notes
+
+    @property
+    def reference_plan(self) -> PlanFn | None:
+        return self.method.reference_plan
+
+    @property
+    def fast_plan(self) -> PlanFn | None:
+        return self.method.fast_plan
+
+    @property
+    def reference_run(self) -> Callable[..., torch.Tensor]:
+        return self.method.run_fn("reference")
+
+    @property
+    def fast_run(self) -> Callable[..., torch.Tensor]:
+        return self.method.run_fn("fast")
+
+    @property
+    def new_state(self) -> Callable[[Mapping[str, Any]], Any] | None:
+        return self.method.new_state
+
+    @property
+    def reference_layer(self) -> Callable[..., torch.Tensor] | None:
+        return self.method.reference_layer
+
+    @property
+    def fast_layer(self) -> Callable[..., torch.Tensor] | None:
+        return self.method.fast_layer
+
+    @property
+    def sweep(self) -> Callable[[int], list[dict[str, Any]]] | None:
+        return self.method.sweep
+
+    @property
+    def chunked(self) -> str:
+        return self.method.chunked
 
     @property
     def plan_based(self) -> bool:
-        """True when the output is `sparse_attention` of the method's plan."""
-        return self.reference_plan is not None
+        return self.method.plan_based
+
+    def demo_params(self, seqlen: int) -> dict[str, Any]:
+        return self.method.demo_params(seqlen)
+
+    def call_params(self, params: Mapping[str, Any], q: torch.Tensor) -> dict[str, Any]:
+        return self.method.call_params(params, q)
 
     def plan_fn(self, impl_name: str) -> PlanFn:
-        """The `fast` or `reference` estimator (plan-based methods only)."""
-        fn = self.fast_plan if impl_name == "fast" else self.reference_plan
-        if fn is None:
-            raise ValueError(f"method {self.name!r} does not produce a plan")
-        return fn
+        return self.method.plan_fn(impl_name)
 
-    def run_fn(self, impl_name: str) -> RunFn:
-        """The `fast` or `reference` end-to-end function."""
-        return self.fast_run if impl_name == "fast" else self.reference_run
+    def run_fn(self, impl_name: str) -> Callable[..., torch.Tensor]:
+        return self.method.run_fn(impl_name)
 
     def method_view(self, impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     params: dict[str, Any], *, scale: float | None = None,
                     with_recall: bool = True) -> MethodView:
-        """Density, recall and a plan to draw for one call (see `MethodView`)."""
-        if self.view is not None:
-            return self.view(impl_name, q, k, v, params)
-        impl = fast if impl_name == "fast" else reference
-        plan = self.plan_fn(impl_name)(q, k, **params)
-        recall = impl.recall(q, k, plan, scale=scale) if with_recall else None
-        return MethodView(density=impl.density(plan), recall=recall, plan=plan)
+        return self.method.method_view(impl_name, q, k, v, params, scale=scale, with_recall=with_recall)
+
+    # The conformance facts.
+    @property
+    def params(self) -> ParamsFn:
+        return self.checks.params or _sweep_params(self.method)
+
+    @property
+    def exact_plans(self) -> bool:
+        return self.checks.exact_plans
+
+    @property
+    def tie_check(self) -> Callable[..., None] | None:
+        return self.checks.tie_check
+
+    @property
+    def golden(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+        return self.checks.golden
+
+    @property
+    def structure_check(self) -> Callable[..., None] | None:
+        return self.checks.structure_check
+
+    @property
+    def estimate(self) -> Callable[[str, torch.Tensor, torch.Tensor, dict[str, Any]], dict[str, Estimate]] | None:
+        return self.checks.estimate
+
+    @property
+    def input_kinds(self) -> tuple[str, ...]:
+        return self.checks.input_kinds
+
+    @property
+    def plan_check(self) -> Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None:
+        return self.checks.plan_check
+
+    @property
+    def min_heads(self) -> int:
+        return self.checks.min_heads
 
 
-METHODS: dict[str, MethodSpec] = {}
+def _sweep_params(method: Method) -> ParamsFn:
+    """Draw one of the method's sweep points or its defaults at N (a method with no `Checks`)."""
+    def draw_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+        from hypothesis import strategies as st
+
+        points = [method.demo_params(seqlen), *method.sweep_params(seqlen)]
+        return dict(draw(st.sampled_from(points)))
+    return draw_params
 
 
-def register(spec: MethodSpec) -> MethodSpec:
-    """Add `spec` to `METHODS`; names are unique."""
-    if spec.name in METHODS:
-        raise ValueError(f"method {spec.name!r} is already registered")
-    METHODS[spec.name] = spec
-    return spec
+# The conformance facts of the shipped methods, by name (filled below).
+CHECKS: dict[str, Checks] = {}
+
+
+def checks_for(name: str) -> Checks:
+    """The `Checks` of method `name`: its entry in `CHECKS`, else the defaults."""
+    return CHECKS.get(name, Checks())
+
+
+class _Specs(Mapping[str, MethodSpec]):
+    """Every registered method (`sparseprefill.methods`) with its checks, in registration order."""
+
+    def __getitem__(self, name: str) -> MethodSpec:
+        method = registered_methods().get(name)
+        if method is None:
+            raise KeyError(name)
+        return MethodSpec(method, checks_for(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(registered_methods()))
+
+    def __len__(self) -> int:
+        return len(registered_methods())
+
+
+METHODS: Mapping[str, MethodSpec] = _Specs()
 
 
 def methods() -> Mapping[str, MethodSpec]:
-    """The registered methods, in registration order."""
+    """The registered methods with their checks, in registration order."""
     return METHODS
 
 
@@ -244,31 +296,13 @@ def _streaming_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]
     return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"], blocks["block_m"])}
 
 
-register(MethodSpec(
-    name="dense",
-    chunked="nothing: every causal key",
-    reference_plan=reference.dense_plan,
-    fast_plan=fast.dense_plan,
-    reference_run=reference.dense,
-    fast_run=fast.dense,
+CHECKS["dense"] = Checks(
     params=_dense_params,
-    demo_params=lambda n: {},
-    notes="full causal attention (baseline)",
-    sweep=lambda n: [{}],
-))
+)
 
-register(MethodSpec(
-    name="streaming",
-    chunked="nothing: the sink and window are positions (the window ends at each row's own position)",
-    reference_plan=reference.streaming_plan,
-    fast_plan=fast.streaming_plan,
-    reference_run=reference.streaming,
-    fast_run=fast.streaming,
+CHECKS["streaming"] = Checks(
     params=_streaming_params,
-    demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": max(128, n // 8)},
-    notes="StreamingLLM / A-shape: sink + local window (baseline)",
-    sweep=lambda n: [{"sink": min(1024, max(64, n // 32)), "window": max(128, n // f)} for f in (32, 16, 8, 4, 2)],
-))
+)
 
 
 def _scale(draw: Callable[[Any], Any]) -> float | None:
@@ -330,13 +364,6 @@ def _vertical_slash_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
             "slash": Estimate(slash, terms=rows, bound=1.0)}
 
 
-def _vertical_slash_demo(n: int) -> dict[str, Any]:
-    # MInference's LLaMA-3 setting from 32K on; scaled down below so it stays sparse.
-    if n >= 32768:
-        return {"vertical_size": 1000, "slash_size": 6096}
-    return {"vertical_size": max(30, n // 32), "slash_size": max(100, n // 8)}
-
-
 def _block_sparse_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     from hypothesis import strategies as st
 
@@ -376,54 +403,25 @@ def _a_shape_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     return {**blocks, **_sink_window(draw, seqlen, blocks["block_n"], blocks["block_m"])}
 
 
-register(MethodSpec(
-    name="vertical_slash",
-    chunked="the chunk's last `last_q` queries (capped at the chunk's length) against every key of the "
-            "prefix and the chunk",
-    reference_plan=reference.vertical_slash_plan,
-    fast_plan=fast.vertical_slash_plan,
-    reference_run=reference.vertical_slash,
-    fast_run=fast.vertical_slash,
+CHECKS["vertical_slash"] = Checks(
     params=_vertical_slash_params,
-    demo_params=_vertical_slash_demo,
     exact_plans=False,
     tie_check=vertical_slash_tie_check,
     estimate=_vertical_slash_estimate,
     input_kinds=("lines", "normal", "lattice"),
-    notes="MInference vertical-slash: last_q estimate, top-k columns and diagonals, Alg. 4 index",
-    sweep=lambda n: [{"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f)}
-                     for f in (256, 128, 64, 32, 16, 8)],
-))
+)
 
-register(MethodSpec(
-    name="block_sparse",
-    chunked="each query block's pooled queries against the pooled keys: the chunk's own blocks",
-    reference_plan=reference.block_sparse_plan,
-    fast_plan=fast.block_sparse_plan,
-    reference_run=reference.block_sparse,
-    fast_run=fast.block_sparse,
+CHECKS["block_sparse"] = Checks(
     params=_block_sparse_params,
-    demo_params=lambda n: {"top_k": 100 if n >= 32768 else max(2, n // 512)},
     exact_plans=False,
     tie_check=block_sparse_tie_check,
     estimate=_block_sparse_estimate,
     input_kinds=("normal", "lattice", "runs", "lines"),
-    notes="MInference block-sparse: mean-pooled block scores, top-k key blocks per query block",
-    sweep=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (32, 16, 8, 4, 2)],
-))
+)
 
-register(MethodSpec(
-    name="a_shape",
-    chunked="nothing: as streaming, at block granularity",
-    reference_plan=reference.a_shape_plan,
-    fast_plan=fast.a_shape_plan,
-    reference_run=reference.a_shape,
-    fast_run=fast.a_shape,
+CHECKS["a_shape"] = Checks(
     params=_a_shape_params,
-    demo_params=lambda n: {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8))},
-    notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
-    sweep=lambda n: [{"sink": min(1024, max(64, n // 32)), "window": max(128, n // f)} for f in (32, 16, 8, 4)],
-))
+)
 
 
 def _anchor_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
@@ -470,30 +468,13 @@ def _anchor_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
             "q_mean": Estimate(q_mean, terms=rows, bound=_max_abs(q))}
 
 
-def _anchor_demo(n: int) -> dict[str, Any]:
-    # The paper's theta and blocks; step 16 from 16K on, smaller below so that a
-    # prompt has at least 8 groups (one group is all window, hence dense).
-    return {"step": max(1, min(16, -(-n // 128) // 8))}
-
-
-register(MethodSpec(
-    name="anchor_attention",
-    chunked="each query block's anchor and its group's stripes: the chunk's own rows (chunks start on a "
-            "group of `step` query blocks)",
-    reference_plan=reference.anchor_attention_plan,
-    fast_plan=fast.anchor_attention_plan,
-    reference_run=reference.anchor_attention,
-    fast_run=fast.anchor_attention,
+CHECKS["anchor_attention"] = Checks(
     params=_anchor_params,
-    demo_params=_anchor_demo,
     exact_plans=False,
     tie_check=anchor_attention_tie_check,
     estimate=_anchor_estimate,
     input_kinds=("normal", "lattice", "lines"),
-    notes="AnchorAttention: initial block + group window as anchor, difference-aware stripes "
-          "per group of step query blocks, stripe pass resuming the anchor state",
-    sweep=lambda n: [{**_anchor_demo(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
-))
+)
 
 
 def _delta_kv_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
@@ -518,23 +499,14 @@ def _delta_kv_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
 
 
 def _register_delta_kv() -> None:
-    from .delta import delta_golden, delta_structure_check, delta_view
+    from .delta import delta_golden, delta_structure_check
 
-    register(MethodSpec(
-        name="delta_kv",
-        reference_plan=None,
-        fast_plan=None,
-        reference_run=reference.delta_kv,
-        fast_run=fast.delta_kv,
+    CHECKS["delta_kv"] = Checks(
         params=_delta_kv_params,
-        demo_params=lambda n: {"threshold": 0.83, "metric": "cosine"},
-        notes="Delta-KV: anchors of similar-key runs packed with counts; exact critical diagonal",
         golden=delta_golden,
         structure_check=delta_structure_check,
-        view=delta_view,
         input_kinds=("runs", "normal", "lattice"),
-        sweep=lambda n: [{"threshold": t, "metric": "cosine"} for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
-    ))
+    )
 
 
 _register_delta_kv()
@@ -573,47 +545,17 @@ def _dpxa_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     return {"cos_threshold": float(cos), "threshold": _tile_threshold(draw), "block": _tile_block(draw)}
 
 
-# The greedy threshold, the knob of XAttention and DPXA (`sparseprefill compare`).
-_TILE_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.98)
-
-
-def _tile_demo_block(n: int) -> int:
-    # 128 (the papers') once a sequence has a few dozen tiles; smaller below so the demo's
-    # short workload still has tiles to skip.
-    return 128 if n >= 4096 else 64
-
-
-register(MethodSpec(
-    name="xattention",
-    chunked="each query tile's antidiagonal scores against the keys: the chunk's own tiles",
-    reference_plan=reference.xattention_plan,
-    fast_plan=fast.xattention_plan,
-    reference_run=reference.xattention,
-    fast_run=fast.xattention,
+CHECKS["xattention"] = Checks(
     params=_xattention_params,
-    demo_params=lambda n: {"stride": 8, "threshold": 0.9, "block": _tile_demo_block(n)},
     exact_plans=False,
     tie_check=xattention_tie_check,
-    sweep=lambda n: [{"stride": 8, "threshold": t, "block": _tile_demo_block(n)} for t in _TILE_SWEEP],
-    notes="XAttention: antidiagonal stride-level scores, row softmax summed into tiles, greedy "
-          "threshold selection (thesis sec. 2.5)",
-))
+)
 
-register(MethodSpec(
-    name="dpxa",
-    chunked="as xattention: the chunk's own tiles",
-    reference_plan=reference.dpxa_plan,
-    fast_plan=fast.dpxa_plan,
-    reference_run=reference.dpxa,
-    fast_run=fast.dpxa,
+CHECKS["dpxa"] = Checks(
     params=_dpxa_params,
-    demo_params=lambda n: {"cos_threshold": 0.75, "threshold": 0.9, "block": _tile_demo_block(n)},
     exact_plans=False,
     tie_check=dpxa_tie_check,
-    sweep=lambda n: [{"cos_threshold": 0.75, "threshold": t, "block": _tile_demo_block(n)} for t in _TILE_SWEEP],
-    notes="DPXA: delta anchors of Q and K per tile, anchor-pair tile scores, XAttention's greedy "
-          "selection (thesis sec. 4.3)",
-))
+)
 def _delta_xattention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     from hypothesis import strategies as st
 
@@ -636,30 +578,13 @@ def _delta_xattention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[st
 
 
 def _register_delta_xattention() -> None:
-    from .delta_xattention import (
-        delta_xattention_golden,
-        delta_xattention_structure_check,
-        delta_xattention_view,
-    )
+    from .delta_xattention import delta_xattention_golden, delta_xattention_structure_check
 
-    register(MethodSpec(
-        name="delta_xattention",
-        reference_plan=None,
-        fast_plan=None,
-        reference_run=reference.delta_xattention,
-        fast_run=fast.delta_xattention,
+    CHECKS["delta_xattention"] = Checks(
         params=_delta_xattention_params,
-        demo_params=lambda n: {"stride": 8, "threshold": 0.9, "exact_top": 0.1, "delta_threshold": 0.83,
-                               "metric": "cosine", "block": _tile_demo_block(n), "packed_block": 32},
-        notes="DeltaXAttention: XAttention's tiles, the diagonal and top tiles exact, the other "
-              "selected tiles through per-tile Delta-KV anchors (thesis sec. 4.2)",
         golden=delta_xattention_golden,
         structure_check=delta_xattention_structure_check,
-        view=delta_xattention_view,
-        sweep=lambda n: [{"stride": 8, "threshold": 0.9, "exact_top": 0.1, "delta_threshold": t,
-                          "metric": "cosine", "block": _tile_demo_block(n), "packed_block": 32}
-                         for t in (0.95, 0.9, 0.85, 0.8, 0.75)],
-    ))
+    )
 
 
 _register_delta_xattention()
@@ -698,23 +623,13 @@ def _sample_attention_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
             "slash": Estimate(slash, terms=rows, bound=1.0)}
 
 
-register(MethodSpec(
-    name="sample_attention",
-    reference_plan=reference.sample_attention_plan,
-    fast_plan=fast.sample_attention_plan,
-    reference_run=reference.sample_attention,
-    fast_run=fast.sample_attention,
+CHECKS["sample_attention"] = Checks(
     params=_sample_attention_params,
-    # Section 5.4's 32K setting; 64-token blocks below 4K so short prompts keep several blocks.
-    demo_params=lambda n: {"alpha_c": 0.95, "alpha_s": 0.95, "chunk_n": 1,
-                           "block_size": 128 if n >= 4096 else 64},
     exact_plans=False,
     tie_check=sample_attention_tie_check,
     estimate=_sample_attention_estimate,
     input_kinds=("normal", "lattice", "lines"),
-    notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
-    sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
-))
+)
 
 
 def _minference_patterns(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
@@ -739,45 +654,6 @@ def _minference_patterns(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
         patterns.append(HeadPattern(kind, params))
     # block_m / block_n are hints for the strategies' cost cap; `prepare` drops them.
     return {"patterns": tuple(patterns), "block_m": bm, "block_n": bn, "scale": _scale(draw)}
-
-
-def _minference_demo(n: int) -> dict[str, Any]:
-    from ..reference.minference import HeadPattern
-
-    vs = _vertical_slash_demo(n)
-    return {"patterns": (
-        HeadPattern("vertical_slash", {**vs, "block_m": 64, "block_n": 64}),
-        HeadPattern("a_shape", {"sink": min(1024, max(64, n // 32)), "window": min(4096, max(128, n // 8)),
-                                "block_m": 64, "block_n": 64}),
-        HeadPattern("block_sparse", {"top_k": 100 if n >= 32768 else max(2, n // 512), "block_size": 64}),
-    )}
-
-
-def _minference_sweep(n: int) -> list[dict[str, Any]]:
-    """The demo's three patterns with budgets scaled together: vertical-slash as its own grid,
-    the A-shape window N/f, block-sparse top_k Kb/f (blocks of 64)."""
-    from ..reference.minference import HeadPattern
-
-    blocks = -(-n // 64)
-    return [{"patterns": (
-        HeadPattern("vertical_slash", {"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f),
-                                       "block_m": 64, "block_n": 64}),
-        HeadPattern("a_shape", {"sink": min(1024, max(64, n // 32)), "window": max(128, n // f),
-                                "block_m": 64, "block_n": 64}),
-        HeadPattern("block_sparse", {"top_k": max(2, blocks * 8 // f), "block_size": 64}),
-    )} for f in (128, 64, 32, 16, 8)]
-
-
-def _minference_prepare(params: dict[str, Any], q: torch.Tensor) -> dict[str, Any]:
-    """Pattern `h % len(patterns)` for query head `h`: a one-layer `MInferenceConfig`."""
-    from ..reference.minference import MInferenceConfig
-
-    patterns = tuple(params["patterns"])
-    heads = tuple(patterns[h % len(patterns)] for h in range(int(q.shape[1])))
-    out: dict[str, Any] = {"config": MInferenceConfig((heads,)), "layer": 0}
-    if params.get("scale") is not None:
-        out["scale"] = params["scale"]
-    return out
 
 
 def _minference_plan_check(q: torch.Tensor, k: torch.Tensor, params: dict[str, Any],
@@ -824,27 +700,15 @@ def _minference_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
 def _register_minference() -> None:
     from .ties import minference_tie_check
 
-    register(MethodSpec(
-        name="minference",
-        chunked="per head, its pattern's reading (vertical-slash: the chunk's last queries; A-shape: none; "
-                "block-sparse: the chunk's blocks)",
-        reference_plan=reference.minference_plan,
-        fast_plan=fast.minference_plan,
-        reference_run=reference.minference,
-        fast_run=fast.minference,
+    CHECKS["minference"] = Checks(
         params=_minference_patterns,
-        demo_params=_minference_demo,
         exact_plans=False,
         tie_check=minference_tie_check,
-        notes="MInference per-head dispatch: each head its own pattern (vertical-slash, A-shape, "
-              "block-sparse), one merged plan, one kernel launch",
-        prepare=_minference_prepare,
-        sweep=_minference_sweep,
         estimate=_minference_estimate,
         plan_check=_minference_plan_check,
         min_heads=2,
         input_kinds=("lines", "normal", "lattice"),
-    ))
+    )
 
 
 _register_minference()
@@ -862,21 +726,11 @@ def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str,
     return params
 
 
-register(MethodSpec(
-    name="flexprefill_vs",
-    chunked="the chunk's last `last_q` queries (capped at the chunk's length), as vertical-slash",
-    reference_plan=reference.flexprefill_vs_plan,
-    fast_plan=fast.flexprefill_vs_plan,
-    reference_run=reference.flexprefill_vs,
-    fast_run=fast.flexprefill_vs,
+CHECKS["flexprefill_vs"] = Checks(
     params=_flexprefill_vs_params,
-    demo_params=lambda n: {"gamma": 0.9},
     exact_plans=False,
     tie_check=flexprefill_vs_tie_check,
-    notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
-          "estimated mass",
-    sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
-))
+)
 
 
 # Query heads of the drawn layouts: at least the most any conformance shape has.
@@ -902,33 +756,8 @@ def _shareprefill_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
     return params
 
 
-_SHARE_STATE_KEYS = ("layout", "tau", "delta", "gamma", "block_m", "block_n", "init_columns",
-                     "local_diagonals")
-
-
-def _shareprefill_state(params: Mapping[str, Any]) -> reference.SharePrefillState:
-    """The per-prefill state from SharePrefill's parameters (the layer comes from the model)."""
-    unknown = sorted(set(params) - set(_SHARE_STATE_KEYS))
-    if unknown:
-        raise ValueError(f"shareprefill in a model takes {_SHARE_STATE_KEYS}; got also {unknown} "
-                         "(the layer index comes from the model)")
-    return reference.SharePrefillState(**params)
-
-
-register(MethodSpec(
-    name="shareprefill",
-    reference_plan=reference.shareprefill_plan,
-    fast_plan=fast.shareprefill_plan,
-    reference_run=reference.shareprefill,
-    fast_run=fast.shareprefill,
+CHECKS["shareprefill"] = Checks(
     params=_shareprefill_params,
-    demo_params=lambda n: {},
     exact_plans=False,
     tie_check=shareprefill_tie_check,
-    new_state=_shareprefill_state,
-    reference_layer=reference.shareprefill_layer,
-    fast_layer=fast.shareprefill_layer,
-    notes="SharePrefill (one layer, fresh state: first head per cluster dense, others Alg. 5); "
-          "layers share pivots through SharePrefillState",
-    sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
-))
+)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from sparseprefill import distributed as D  # noqa: E402
 from sparseprefill._viz import plan_image  # noqa: E402
-from sparseprefill.conformance.registry import METHODS  # noqa: E402
+from sparseprefill.methods import METHODS  # noqa: E402
 
 WORLD = 4
 RANK = 1

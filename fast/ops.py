@@ -14,8 +14,8 @@ Importing this module registers, in the `sparseprefill` namespace:
   block/column kernel on a plan passed as its four tensors and its ints (an op takes
   tensors and scalars, not a dataclass). `sparse_attention(q, k, v, plan)` below
   unpacks a `BlockColumnPlan`.
-* `<method>(q, k, v, **params) -> out` for every method of
-  `conformance.registry.METHODS`: estimate, plan and kernel in one op. Its output is
+* `<method>(q, k, v, **params) -> out` for every registered method
+  (`sparseprefill.methods`): estimate, plan and kernel in one op. Its output is
   `[B, Hq, N, D]` in q's dtype whatever the data, so the compiled graph has a fixed
   output shape even where the plan's width depends on the data (a vertical-slash
   plan is as wide as its fullest query block): the data-dependent shapes stay inside
@@ -26,25 +26,27 @@ Importing this module registers, in the `sparseprefill` namespace:
   method whose default op reads a plan width back from the device: the width is the
   parameter bound, no host synchronisation, so a CUDA graph can be captured around it.
 
-`SYNC` says, per method, which host synchronisations the default op makes and
-whether it (or its `_static` op) can be captured in a CUDA graph; ops with a host
+Each method's descriptor (`Method.sync`, `sync_status(name)`) says which host
+synchronisations the default op makes and whether it (or its `_static` op) can be
+captured in a CUDA graph; ops with a host
 synchronisation carry `torch.Tag.cudagraph_unsafe`, so inductor's
 `mode="reduce-overhead"` does not put them in a graph. docs/serving.md has the table.
 
 Method parameters map to op arguments by their annotations: `int` -> `SymInt`,
 `float`, `bool`, `str` (a union with `str`, such as SampleAttention's `settings`,
 passes only its `str` form, a path), each optionally `None`. A parameter of another
-type needs an `Adapter` (MInference's `config` travels as its JSON text: in compiled
+type needs an `Adapter` in its descriptor (`Method.adapters`; MInference's `config`
+travels as its JSON text: in compiled
 code pass `config.to_json()`, a constant, or `ops.call` encodes it outside the graph
 at the cost of a graph break).
 
-Adding a method: `register(MethodSpec(...))` in the registry gives it an op here at
-import; add its line to `SYNC` (tests/test_compile.py fails until it has one).
+Adding a method: its descriptor (`sparseprefill.methods.register(Method(...))`) gives
+it an op here, at import or, for a method registered later, on first use; its
+`sync` says what the op reads back (unknown, hence not capture-safe, until it does).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 import math
@@ -56,139 +58,15 @@ from typing import Any, Literal, Union, overload
 
 import torch
 
-from ..conformance.registry import METHODS
 from ..reference._checks import HALF_DTYPES
-from ..reference.minference import MInferenceConfig
 from ..reference.plan import BlockColumnPlan
+from ..methods import UNKNOWN_SYNC, Adapter, SyncStatus
+from ..methods import methods as registered_methods
 from .capture import static_widths
 from .kernels import block_column_attention
 
 NAMESPACE = "sparseprefill"
 
-
-@dataclass(frozen=True)
-class SyncStatus:
-    """What one method's op reads back from the device, and whether it can be captured.
-
-    Attributes:
-        syncs: the host synchronisations of the default op, one line each; empty:
-            none (the op is capture-safe as it is).
-        static_bound: the width the `<method>_static` op uses instead of the read
-            (None: no `_static` op; either none is needed or none exists).
-        capture_safe: True when the `_static` op (or, without one, the default op)
-            makes no host synchronisation and no host-to-device copy, so CUDA-graph
-            capture works; False leaves the ops tagged `cudagraph_unsafe`.
-        note: what stops capture, or what the static bound costs.
-    """
-
-    syncs: tuple[str, ...] = ()
-    static_bound: str | None = None
-    capture_safe: bool = True
-    note: str = ""
-
-
-# One line per registered method (tests/test_compile.py checks that every method has one).
-SYNC: dict[str, SyncStatus] = {
-    "dense": SyncStatus(),
-    "streaming": SyncStatus(note="width from host arithmetic on the sizes"),
-    "a_shape": SyncStatus(note="as streaming"),
-    "block_sparse": SyncStatus(note="top-k width min(top_k, Qb) from the parameters"),
-    "vertical_slash": SyncStatus(
-        syncs=("counting pass: the widest block list of each head (block_count.amax().tolist())",),
-        static_bound="min(Kb, slash_size * ((block_m - 1) // block_n + 2)) key blocks per query block",
-        note="static plan: 4 * B * Hq * Qb * bound bytes (heads planned in groups above 1 GB)"),
-    "anchor_attention": SyncStatus(
-        syncs=("stripe identification: the longest stripe list (tile_count.sum(2).max().item())",
-               "stripe pass: promoting whole stripe blocks to blocks (BlockColumnPlan.with_full_blocks: "
-               "bool(promote.any()), mask_to_list width, new column width)"),
-        static_bound="the last group's search region (about N keys per group); no block promotion",
-        note="static stripe lists: 4 * B * Hq * G * N bytes (heads in groups above 256 MB); the stripes "
-             "stay column gathers (the whole method on an H200 at 128K: 1185 ms so, 610 ms promoted)"),
-    "sample_attention": SyncStatus(
-        syncs=("merge index: the most kept column + slash blocks ((...).max().item())",),
-        static_bound="Kb key blocks per query block (every block)",
-        capture_safe=False,
-        note="stage 1 copies its sampled-row tile table to the device (torch.tensor(tiles).to(q.device) "
-             "in fast/kernels/sampled_scores.py), which capture refuses; the _static op still saves the "
-             "width read. A table built on the device from the chunk bounds would make it capture-safe"),
-    "minference": SyncStatus(
-        syncs=("vertical-slash heads: as vertical_slash",),
-        static_bound="vertical-slash heads: as vertical_slash_static",
-        capture_safe=False,
-        note="a layer mixing patterns merges its head plans with torch.tensor(list, device=...) "
-             "(reference.minference.merge_head_plans): a host-to-device copy that capture refuses; "
-             "a layer of one pattern is capture-safe through <pattern>_static"),
-    "flexprefill_vs": SyncStatus(
-        syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item())",
-               "counting pass: as vertical_slash"),
-        static_bound="N lines per head, then min(Kb, N * ...) = Kb key blocks per query block",
-        note="static lines are padded to N (the counting pass walks all N offsets per query block); "
-             "columns stay shared when per-block lists exceed 512 MB"),
-    "shareprefill": SyncStatus(
-        syncs=("decision: the per-head walk of Alg. 3/4 on the host reads the [B, Hq] distances "
-               "(reference choose_patterns, float(d_sparse[row, h]))",
-               "plan: whether any head is vertical-slash (bool(is_vs.any()))",
-               "plan: the shared and dense heads (nonzero().tolist(), int(pattern), int(cluster))",
-               "pivots: int(decision.cluster[h]) per dense head",
-               "attention: the dense (row, head) pairs (nonzero().tolist())",
-               "vertical-slash heads: line lists and counting pass, as flexprefill_vs"),
-        capture_safe=False,
-        note="the pattern of each head is decided on the host from the data (and copied back with "
-             "torch.tensor(..., device=...)); the dense heads' passes depend on it"),
-    "xattention": SyncStatus(
-        syncs=("tiles to plan: the most kept tiles of a row (reference.plan.mask_to_list, .max().item())",),
-        static_bound="T = ceil(N / block) key blocks per query block"),
-    "dpxa": SyncStatus(
-        syncs=("tiles to plan: as xattention",),
-        static_bound="as xattention"),
-    "delta_kv": SyncStatus(
-        syncs=("packing: the packed buffer's size (offsets[-1].item())",
-               "packing: repeat_interleave of segment ids (output size read back)",
-               "phase 2: the block-list width (count2.max().item())",
-               "phase 1: whether any query block reads packed keys (bool(...any()))",
-               "phase 1: the ragged launcher's offset range check (int(kv_offsets.min()), .max())"),
-        capture_safe=False,
-        note="the packed keys' count is data-dependent; a static variant would size the buffer "
-             "for no compression (B * Hkv * N keys)"),
-    "delta_xattention": SyncStatus(
-        syncs=("exact tiles to plan: as xattention",
-               "packing: each group's packed buffer size (offsets[-1].item()) and repeat_interleave of segment "
-               "ids; merging groups (int(p.offsets[-1]))",
-               "packed plan: the widest packed region (int(ends[..., -1].max())), the list width (mask_to_list)",
-               "packed launch: whether any tile is packed (bool(...any()))",
-               "packed launch: the ragged launcher's offset range check, as delta_kv"),
-        capture_safe=False,
-        note="the packed keys' count is data-dependent, as delta_kv"),
-}
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """How a parameter of a non-scalar type travels through an op argument.
-
-    Attributes:
-        schema: the op argument's type (`str`, `SymInt`, ...).
-        encode: Python value -> op value (run by `call` before the op).
-        decode: op value -> Python value (run inside the op).
-    """
-
-    schema: str
-    encode: Callable[[Any], Any]
-    decode: Callable[[Any], Any]
-
-
-@functools.lru_cache(maxsize=64)
-def _config_from_json(text: str) -> MInferenceConfig:
-    return MInferenceConfig.from_json(text)
-
-
-def _config_to_json(config: object) -> object:
-    return config.to_json() if isinstance(config, MInferenceConfig) else config
-
-
-ADAPTERS: dict[tuple[str, str], Adapter] = {
-    ("minference", "config"): Adapter("str", _config_to_json, _config_from_json),
-}
 
 _SCALARS: dict[object, str] = {int: "SymInt", float: "float", bool: "bool", str: "str"}
 
@@ -242,8 +120,9 @@ def method_schema(name: str, fn: Callable[..., torch.Tensor]) -> tuple[str, tupl
 
     Raises:
         TypeError: a parameter whose type no op argument carries and that has no
-            `ADAPTERS` entry.
+            adapter in its descriptor (`Method.adapters`).
     """
+    adapters = _adapters(name)
     hints = typing.get_type_hints(fn)
     parts: list[str] = []
     params: list[_Param] = []
@@ -251,11 +130,11 @@ def method_schema(name: str, fn: Callable[..., torch.Tensor]) -> tuple[str, tupl
     for p in inspect.signature(fn).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
             raise TypeError(f"{name}: parameter {p.name!r} of kind {p.kind} has no op form")
-        adapter = ADAPTERS.get((name, p.name))
+        adapter = adapters.get(p.name)
         typed = (adapter.schema, False) if adapter is not None else _schema_type(hints.get(p.name))
         if typed is None:
             raise TypeError(f"{name}: parameter {p.name!r} ({hints.get(p.name)}) has no op type; "
-                            "add an Adapter to sparseprefill.fast.ops.ADAPTERS")
+                            "give the method's descriptor an Adapter for it (Method.adapters)")
         keyword_only = p.kind is p.KEYWORD_ONLY
         if keyword_only and not star:
             parts.append("*")
@@ -300,8 +179,8 @@ def register_method_op(name: str, fn: Callable[..., torch.Tensor], status: SyncS
     Args:
         name: the op name (a registered method's name).
         fn: the method's fast output function.
-        status: its `SyncStatus`; None: `SYNC[name]`, or an unknown status (tagged
-            `cudagraph_unsafe`, no `_static` op) when it has no entry.
+        status: its `SyncStatus`; None: the registered method's `Method.sync`
+            (`UNKNOWN_SYNC`, tagged `cudagraph_unsafe`, for a name not registered).
 
     Raises:
         ValueError: an op of this name is already registered.
@@ -310,7 +189,7 @@ def register_method_op(name: str, fn: Callable[..., torch.Tensor], status: SyncS
     if name in _OPS:
         raise ValueError(f"op {NAMESPACE}::{name} is already registered")
     if status is None:
-        status = SYNC.get(name, SyncStatus(syncs=("unknown: no SYNC entry",), capture_safe=False))
+        status = sync_status(name)
     schema, params = method_schema(name, fn)
 
     def call_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -442,19 +321,40 @@ def sparse_attention(
     return result
 
 
+def _adapters(name: str) -> Mapping[str, Adapter]:
+    method = registered_methods().get(name)
+    return {} if method is None else method.adapters
+
+
+def sync_status(name: str) -> SyncStatus:
+    """What method `name`'s op reads back and whether it can be captured (`Method.sync`);
+    `UNKNOWN_SYNC` for a name that is not registered."""
+    method = registered_methods().get(name)
+    return UNKNOWN_SYNC if method is None else method.sync
+
+
+def register_methods() -> None:
+    """Register the op of every registered method that has none yet (a method registered
+    after this module was imported gets its op on first use)."""
+    for name, method in registered_methods().items():
+        if name not in _OPS:
+            register_method_op(name, method.run_fn("fast"))
+
+
 def method_op(name: str, *, static: bool = False) -> Any:
     """The op of a registered method: `torch.ops.sparseprefill.<name>` (or `<name>_static`).
 
     Raises:
         ValueError: no such op (an unknown method, or `static` for a method without
-            a static bound: its default op already makes no width read, see `SYNC`).
+            a static bound: its default op already makes no width read, see `Method.sync`).
     """
+    register_methods()
     op_name = f"{name}_static" if static else name
     if op_name not in _OPS:
         if static and name in _OPS:
-            status = SYNC.get(name)
-            why = "its default op reads no width" if status and not status.syncs else "no static bound exists"
-            raise ValueError(f"{name} has no _static op: {why} (see sparseprefill.fast.ops.SYNC)")
+            status = sync_status(name)
+            why = "its default op reads no width" if not status.syncs else "no static bound exists"
+            raise ValueError(f"{name} has no _static op: {why} (see its descriptor's Method.sync)")
         raise ValueError(f"no op {NAMESPACE}::{op_name}; registered: {', '.join(sorted(_OPS))}")
     return getattr(torch.ops.sparseprefill, op_name)
 
@@ -464,19 +364,19 @@ def capture_op(name: str) -> Any:
     one, else `<name>` itself.
 
     Raises:
-        ValueError: the method cannot be captured (see `SYNC[name].note`).
+        ValueError: the method cannot be captured (see its `Method.sync.note`).
     """
-    status = SYNC.get(name)
-    if status is None or not status.capture_safe:
-        raise ValueError(f"{name} is not capture-safe: {status.note if status else 'no SYNC entry'}")
+    status = sync_status(name)
+    if not status.capture_safe:
+        raise ValueError(f"{name} is not capture-safe: {status.note or status.syncs}")
     return method_op(name, static=status.static_bound is not None)
 
 
 def op_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """A method's keyword parameters as its op takes them (`ADAPTERS` encoded)."""
+    """A method's keyword parameters as its op takes them (`Method.adapters` encoded)."""
     out = dict(params)
-    for (method, param), adapter in ADAPTERS.items():
-        if method == name and param in out:
+    for param, adapter in _adapters(name).items():
+        if param in out:
             out[param] = adapter.encode(out[param])
     return out
 
@@ -492,14 +392,12 @@ def call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, static
     return result
 
 
-for _name, _spec in METHODS.items():
-    register_method_op(_name, _spec.fast_run)
+register_methods()
 
 __all__ = [
-    "ADAPTERS",
     "Adapter",
     "NAMESPACE",
-    "SYNC",
+    "register_methods",
     "SyncStatus",
     "call",
     "capture_op",
@@ -508,4 +406,5 @@ __all__ = [
     "op_params",
     "register_method_op",
     "sparse_attention",
+    "sync_status",
 ]

@@ -38,32 +38,49 @@ def mean_pooling(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return sums / sizes.to(torch.float64)[:, None]
 
 
-def block_scores(q_pooled: torch.Tensor, k_pooled: torch.Tensor) -> torch.Tensor:
+def block_scores(q_pooled: torch.Tensor, k_pooled: torch.Tensor,
+                 q_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Alg. 3 line 4 before the softmax: float64 `[B, Hq, Qb, Kb]`, non-causal blocks -inf.
 
     Args:
-        q_pooled: `[B, Hq, Qb, D]`; k_pooled: `[B, Hkv, Kb, D]` with `Qb == Kb`.
+        q_pooled: `[B, Hq, Qb, D]`; k_pooled: `[B, Hkv, Kb, D]`.
+        q_blocks: int64 `[Qb]`, the global index of each pooled query block (a
+            context-parallel rank scores only the blocks it holds); None: `arange(Kb)`,
+            every query block (then `Qb == Kb`).
     """
-    b, hq, nb, d = q_pooled.shape
-    hkv = k_pooled.shape[1]
+    b, hq, qb, d = q_pooled.shape
+    hkv, kb = k_pooled.shape[1], k_pooled.shape[2]
     g = hq // hkv
-    scores = torch.matmul(q_pooled.reshape(b, hkv, g, nb, d), k_pooled.unsqueeze(2).transpose(-1, -2))
-    causal = torch.ones(nb, nb, dtype=torch.bool, device=scores.device).tril_()
-    return scores.masked_fill(~causal, -math.inf).reshape(b, hq, nb, nb)
+    scores = torch.matmul(q_pooled.reshape(b, hkv, g, qb, d), k_pooled.unsqueeze(2).transpose(-1, -2))
+    causal = _causal_blocks(q_blocks, qb, kb, scores.device)
+    return scores.masked_fill(~causal, -math.inf).reshape(b, hq, qb, kb)
 
 
-def argtopk_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+def _causal_blocks(q_blocks: torch.Tensor | None, qb: int, kb: int, device: torch.device) -> torch.Tensor:
+    """bool `[Qb, Kb]`: key block at or before each query block."""
+    rows = torch.arange(qb, device=device) if q_blocks is None else q_blocks.to(device)
+    return torch.arange(kb, device=device)[None, :] <= rows[:, None]
+
+
+def argtopk_blocks(scores: torch.Tensor, top_k: int, q_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Alg. 3 line 6, `argtopk(A_hat, k_b)` with the diagonal forced: bool `[B, H, Qb, Kb]`.
 
     Each query block keeps its diagonal block and the `top_k - 1` best other causal
     key blocks; a stable descending sort makes the lower index win ties.
+
+    Args:
+        scores: `[B, H, Qb, Kb]` from `block_scores`.
+        top_k: blocks kept per query block, the diagonal included.
+        q_blocks: as in `block_scores` (None: every query block, `Qb == Kb`).
     """
-    nb = scores.shape[-1]
-    causal = torch.ones(nb, nb, dtype=torch.bool, device=scores.device).tril_()
+    qb, kb = scores.shape[-2], scores.shape[-1]
+    causal = _causal_blocks(q_blocks, qb, kb, scores.device)
     # NaN scores (NaN in q or k) rank below every number but above non-causal blocks.
     ranked = torch.where(causal, rank_nan_last(scores), -math.inf)
-    ranked.diagonal(dim1=-2, dim2=-1).fill_(math.inf)
-    count = min(top_k, nb)
+    rows = torch.arange(qb, device=scores.device)
+    diag = rows if q_blocks is None else q_blocks.to(scores.device)
+    ranked[..., rows, diag] = math.inf
+    count = min(top_k, kb)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :count]
     keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
     # Non-causal blocks fill the budget of early query blocks; they are not kept.

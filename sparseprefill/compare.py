@@ -1,7 +1,7 @@
 """`sparseprefill compare`: every registered method on the same attention, against the oracle.
 
 For every registered method (or `--methods`) its main knob is swept over a documented
-grid (`MethodSpec.sweep`, see docs/compare.md) and every point is measured the same
+grid (`Method.sweep`, see docs/compare.md) and every point is measured the same
 way:
 
 * density: score entries the method computes over the causal area (the executed
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .conformance.registry import METHODS, MethodSpec
+from .methods import METHODS, Method
 from .oracle import oracle_density
 
 DEFAULT_SHARES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
@@ -57,15 +57,13 @@ class Point:
     gpu: dict[str, float] = field(default_factory=dict)
 
 
-def sweep(spec: MethodSpec, seqlen: int) -> list[dict[str, Any]]:
-    """The method's knob grid at length N (`MethodSpec.sweep`, else its demo parameters)."""
-    if spec.sweep is not None:
-        return [dict(p) for p in spec.sweep(seqlen)]
-    return [dict(spec.demo_params(seqlen))]
+def sweep(spec: Method, seqlen: int) -> list[dict[str, Any]]:
+    """The method's knob grid at length N (`Method.sweep`, else its defaults)."""
+    return spec.sweep_params(seqlen)
 
 
 def measure(
-    spec: MethodSpec,
+    spec: Method,
     params: Mapping[str, Any],
     q: torch.Tensor,
     k: torch.Tensor,
@@ -171,14 +169,14 @@ def compare_synthetic(
         for params in sweep(spec, seqlen):
             point = measure(spec, params, q, k, v, exact, backend="fast", scale=None, source="synthetic")
             call = spec.call_params(params, q)
-            e2e = bench._bench_ms(lambda: spec.fast_run(q, k, v, **call))
+            e2e = bench.bench_ms(lambda: spec.run_fn("fast")(q, k, v, **call))
             gpu = {"e2e_ms": e2e, "cudnn_ms": base.ms, "speedup_vs_cudnn": base.ms / e2e,
                    "floor_ms": point.density * base.ms}
             if spec.plan_based:
                 plan_fn = spec.plan_fn("fast")
                 plan = plan_fn(q, k, **call)
-                gpu["estimate_plan_ms"] = bench._bench_ms(lambda: plan_fn(q, k, **call))
-                gpu["kernel_ms"] = bench._bench_ms(lambda: fast.sparse_attention(q, k, v, plan))
+                gpu["estimate_plan_ms"] = bench.bench_ms(lambda: plan_fn(q, k, **call))
+                gpu["kernel_ms"] = bench.bench_ms(lambda: fast.sparse_attention(q, k, v, plan))
                 del plan
             point.gpu = gpu
             points.append(point)

@@ -234,12 +234,16 @@ def _explain_difference(spec: Any, q: torch.Tensor, k: torch.Tensor, params: dic
     """(note, is a failure) for a fast plan that differs from the reference plan.
 
     Methods with `exact_plans` must match; others may differ only where a top-k met
-    an exactly tied score, which their registered `tie_check` verifies.
+    an exactly tied score, which their conformance `tie_check` verifies (the checks
+    live in `sparseprefill.conformance`, imported only here).
     """
-    if spec.exact_plans or spec.tie_check is None:
+    from .conformance.registry import checks_for
+
+    checks = checks_for(spec.name)
+    if checks.exact_plans or checks.tie_check is None:
         return "plans differ", True
     try:
-        spec.tie_check(q, k, params, ref_plan, plan)
+        checks.tie_check(q, k, params, ref_plan, plan)
     except AssertionError as exc:
         return f"plans differ beyond ties: {exc}", True
     return "plans differ at exact ties only", False
@@ -285,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     # TRITON_INTERPRET on a CPU.
     from . import fast, reference
     from ._viz import attention_image, plan_image, save_mask_figure
-    from .conformance.registry import METHODS
+    from .methods import METHODS
 
     shape = default_shape(device, args.seqlen)
     names = list(METHODS) if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -329,8 +333,8 @@ def run(args: argparse.Namespace) -> int:
             try:
                 ref_view = spec.method_view("reference", q, k, v, params)
                 ref_plan = ref_view.plan if spec.plan_based else None
-                ref_out, ms = _timed(lambda: spec.reference_run(q, k, v, **params), device, 1)
-                ref64 = spec.reference_run(q64, k64, v64, **params)
+                ref_out, ms = _timed(lambda: spec.run_fn("reference")(q, k, v, **params), device, 1)
+                ref64 = spec.run_fn("reference")(q64, k64, v64, **params)
                 rec = ref_view.recall
                 rows.append(Row(
                     name, "reference", n, float(ref_view.density.mean()),
@@ -345,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             view = spec.method_view("fast", q, k, v, params, with_recall=False)
             plan = view.plan
-            out, ms = _timed(lambda: spec.fast_run(q, k, v, **params), device, repeats)
+            out, ms = _timed(lambda: spec.run_fn("fast")(q, k, v, **params), device, repeats)
             rec = None
             if spec.plan_based and plan is not None:
                 rec = reference.recall(q, k, plan) if with_reference else fast.recall(q, k, plan)

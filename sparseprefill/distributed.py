@@ -2,7 +2,7 @@
 
 Both modes use only `torch.distributed` collectives (NCCL on GPUs, gloo on CPUs),
 never a transport of their own, and any method of the registry
-(`conformance.registry.METHODS`) through its `run_fn` / `plan_fn` and
+(`sparseprefill.methods`) through its `run_fn` / `plan_fn` and
 `call_params`.
 
 Head-parallel (`head_parallel_attention`): each rank holds a slice of the query
@@ -19,7 +19,7 @@ chunks `r` and `2 * world - 1 - r`, so the causal work of every rank is the same
 Per rank:
 
 1. estimate where the inputs live (`context_parallel_plan`): each method says what
-   its estimate reads (`ESTIMATES`); shape-only plans move nothing; vertical-slash
+   its estimate reads (`Method.distributed`); shape-only plans move nothing; vertical-slash
    and its FlexPrefill-style variant broadcast the last queries and reduce their
    line scores, SampleAttention broadcasts its sampled rows and reduces block
    scores, block-sparse all-gathers the pooled keys; any other plan-based method
@@ -52,13 +52,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .conformance.registry import METHODS, MethodSpec
-from .reference._checks import check_block_size, check_positive_int
+from .methods import DistributedEstimate, Method
+from .methods import get as get_method
+from .reference._checks import check_positive_int
 from .reference.attention import AttentionState
-from .reference.block_sparse import mean_pooling
 from .reference.minference import MInferenceConfig
 from .reference.plan import BlockColumnPlan, cdiv, rank_nan_last
-from .reference.vertical_slash import check_vertical_slash_params, kept_lines
 
 IMPLS = ("reference", "fast")
 # Float64 logits of the distributed last-q estimate are made this many bytes at a time.
@@ -113,7 +112,7 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-class _Comm:
+class Comm:
     """The collectives this module uses, each adding what it sends to a `Traffic` field."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -289,15 +288,13 @@ def ring_bytes(layout: ZigZagLayout, *, batch: int, kv_heads: int, head_dim: int
 # -- methods ----------------------------------------------------------------------
 
 
-def method_spec(name: str) -> MethodSpec:
+def method_spec(name: str) -> Method:
     """The registered method `name`.
 
     Raises:
         ValueError: no such method (the message lists the registered ones).
     """
-    if not isinstance(name, str) or name not in METHODS:
-        raise ValueError(f"method must be one of {sorted(METHODS)}, got {name!r}")
-    return METHODS[name]
+    return get_method(name)
 
 
 def _check_impl(impl: str) -> Any:
@@ -370,8 +367,8 @@ def shard_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world: int
     return q[:, qs], k[:, ks], v[:, ks]
 
 
-def _head_call(spec: MethodSpec, params: Mapping[str, Any] | None, q: torch.Tensor,
-               comm: _Comm) -> dict[str, Any]:
+def _head_call(spec: Method, params: Mapping[str, Any] | None, q: torch.Tensor,
+               comm: Comm) -> dict[str, Any]:
     """`call_params` for the local heads as the global call would set them."""
     b, hq, n, d = q.shape
     standin = _standin(b, hq * comm.world, n, d, q)
@@ -407,7 +404,7 @@ def head_parallel_plan(
     """
     spec = method_spec(method)
     _check_impl(impl)
-    comm = _Comm(group)
+    comm = Comm(group)
     return spec.plan_fn(impl)(q, k, **_head_call(spec, params, q, comm))
 
 
@@ -447,7 +444,7 @@ def head_parallel_attention(
     """
     spec = method_spec(method)
     _check_impl(impl)
-    comm = _Comm(group)
+    comm = Comm(group)
     call = _head_call(spec, params, q, comm)
     out: torch.Tensor = spec.run_fn(impl)(q, k, v, **call, scale=scale)
     if gather_output and comm.world > 1:
@@ -693,7 +690,7 @@ def fetch_bytes(rank_plans: Sequence[RankPlan], layout: ZigZagLayout, *, kv_head
 
 
 @dataclass
-class _Shard:
+class Shard:
     """One rank's inputs and the global sizes."""
 
     q: torch.Tensor
@@ -715,36 +712,10 @@ class _Shard:
                 _standin(self.batch, self.kv_heads, n, self.head_dim, self.k))
 
 
-EstimateFn = Callable[[_Shard, dict[str, Any], str, "float | None", _Comm], BlockColumnPlan]
+EstimateFn = Callable[[Shard, dict[str, Any], str, "float | None", Comm], BlockColumnPlan]
 
 
-@dataclass(frozen=True)
-class DistributedEstimate:
-    """How one method estimates its plan when the sequence is split over ranks.
-
-    Attributes:
-        kind: "shape" (the plan depends on the sizes only), or "native" (a
-            distributed estimate that moves only what `needs` says).
-        needs: what the estimate reads and what it moves, in a sentence (docs).
-        build: `(shard, params, impl, scale, comm) -> plan`: a global plan whose rows
-            of this rank's query blocks are the method's (other rows may be anything).
-    """
-
-    kind: str
-    needs: str
-    build: EstimateFn
-
-
-def _shape_only(spec_name: str) -> EstimateFn:
-    def build(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
-              comm: _Comm) -> BlockColumnPlan:
-        q, k = shard.standins()
-        plan: BlockColumnPlan = method_spec(spec_name).plan_fn(impl)(q, k, **params)
-        return plan
-    return build
-
-
-def _gather_rows(shard: _Shard, rows: torch.Tensor, comm: _Comm) -> torch.Tensor:
+def gather_rows(shard: Shard, rows: torch.Tensor, comm: Comm) -> torch.Tensor:
     """The q rows `rows` (int64, ascending, global) on every rank: `[B, Hq, R, D]`.
 
     Broadcast from their holder when one rank holds them all, else an all-reduce of
@@ -769,7 +740,7 @@ def _gather_rows(shard: _Shard, rows: torch.Tensor, comm: _Comm) -> torch.Tensor
     return out
 
 
-def _global_softmax(shard: _Shard, q_rows: torch.Tensor, row_ids: torch.Tensor, *, scale: float, comm: _Comm,
+def global_softmax(shard: Shard, q_rows: torch.Tensor, row_ids: torch.Tensor, *, scale: float, comm: Comm,
                     consume: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """`softmax(Q_rows K^T)` over every rank's keys, handed to `consume` a local key chunk at a time.
 
@@ -807,11 +778,11 @@ def _global_softmax(shard: _Shard, q_rows: torch.Tensor, row_ids: torch.Tensor, 
         consume((torch.exp(s - shift) / total.unsqueeze(-1)).reshape(b, hq, rows, -1), cols)
 
 
-def distributed_last_q_scores(shard: _Shard, q_last: torch.Tensor, *, scale: float,
-                              comm: _Comm) -> tuple[torch.Tensor, torch.Tensor]:
+def distributed_last_q_scores(shard: Shard, q_last: torch.Tensor, *, scale: float,
+                              comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
     """MInference Alg. 2 lines 2-6 with the keys split over ranks, up to the local scores.
 
-    `A_hat = softmax(Q_last K^T)` over all keys (`_global_softmax`).
+    `A_hat = softmax(Q_last K^T)` over all keys (`global_softmax`).
 
     Returns:
         (vertical float64 `[B, Hq, n_local]`: the mass of each local key column,
@@ -835,23 +806,23 @@ def distributed_last_q_scores(shard: _Shard, q_last: torch.Tensor, *, scale: flo
         offset = (row_ids[:, None] - cols[None, :]).clamp(min=0).expand(b, hq, rows, -1)
         slash.scatter_add_(2, offset.reshape(b, hq, -1), a_hat.reshape(b, hq, -1))
 
-    _global_softmax(shard, q_last, row_ids, scale=scale, comm=comm, consume=consume)
+    global_softmax(shard, q_last, row_ids, scale=scale, comm=comm, consume=consume)
     return vertical, slash
 
 
-def _offset_bounds(n: int, world: int) -> list[int]:
+def offset_bounds(n: int, world: int) -> list[int]:
     """Rank `s` completes the slash sums of the offsets `[bounds[s], bounds[s + 1])`."""
     return [s * n // world for s in range(world + 1)]
 
 
-def _reduce_scatter(partial: torch.Tensor, comm: _Comm) -> torch.Tensor:
-    """Sum `partial: [B, H, N]` over ranks, keeping this rank's offsets (`_offset_bounds`).
+def reduce_scatter(partial: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum `partial: [B, H, N]` over ranks, keeping this rank's offsets (`offset_bounds`).
 
     An all-to-all of the slices and a sum in rank order: a reduce-scatter, which
     gloo lacks; `(W - 1) / W` of the vector leaves each rank.
     """
     b, h, n = partial.shape
-    bounds = _offset_bounds(n, comm.world)
+    bounds = offset_bounds(n, comm.world)
     mine = bounds[comm.rank + 1] - bounds[comm.rank]
     send = [partial[..., bounds[s]:bounds[s + 1]].contiguous() for s in range(comm.world)]
     got, _ = comm.all_to_all(send, [b * h * mine] * comm.world, "estimate")
@@ -862,7 +833,7 @@ def _reduce_scatter(partial: torch.Tensor, comm: _Comm) -> torch.Tensor:
 
 
 def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int], *, count: int,
-                        forced: int, comm: _Comm) -> torch.Tensor:
+                        forced: int, comm: Comm) -> torch.Tensor:
     """`reference.vertical_slash.argtopk` of scores partitioned over ranks.
 
     Args:
@@ -890,189 +861,15 @@ def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequen
     return torch.sort(torch.gather(all_id, -1, top), dim=-1).values.to(torch.int32)
 
 
-def _vertical_slash_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
-                             comm: _Comm) -> BlockColumnPlan:
-    from .reference.vertical_slash import vertical_slash_index as reference_index
-
-    p = {"last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 30, "local_diagonals": 100, **params}
-    unknown = set(p) - {"vertical_size", "slash_size", "last_q", "block_m", "block_n", "init_columns",
-                        "local_diagonals"}
-    if unknown:
-        raise TypeError(f"vertical_slash got unexpected parameters {sorted(unknown)}")
-    check_vertical_slash_params(**p)
-    layout = shard.layout
-    layout.check_blocks(p["block_m"], p["block_n"])
-    n = layout.seqlen
-    rows = min(p["last_q"], n)
-    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
-    # Alg. 2 line 2: the last queries live on the ranks holding the sequence's end.
-    q_last = _gather_rows(shard, torch.arange(n - rows, n, device=shard.q.device), comm)
-    vertical, slash_part = distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
-    # Alg. 2 lines 4 and 6: argtopk with the forced lines, ties to the lower index.
-    verticals = distributed_argtopk(
-        vertical, shard.tokens, [layout.local_length(r) for r in range(comm.world)],
-        count=kept_lines(p["vertical_size"], p["init_columns"], n), forced=p["init_columns"], comm=comm)
-    bounds = _offset_bounds(n, comm.world)
-    slashes = distributed_argtopk(
-        _reduce_scatter(slash_part, comm), torch.arange(bounds[comm.rank], bounds[comm.rank + 1],
-                                                        device=slash_part.device),
-        [bounds[r + 1] - bounds[r] for r in range(comm.world)],
-        count=kept_lines(p["slash_size"], p["local_diagonals"], n), forced=p["local_diagonals"], comm=comm)
-    if impl == "fast":
-        from .fast.kernels.vertical_slash_index import vertical_slash_index as fast_index
-        from .fast.vertical_slash import with_own_columns
-
-        return with_own_columns(fast_index(verticals, slashes, seqlen=n, block_m=p["block_m"],
-                                           block_n=p["block_n"]))
-    plan: BlockColumnPlan = reference_index(verticals, slashes, seqlen=n, block_m=p["block_m"],
-                                            block_n=p["block_n"])
-    return plan
-
-
-def _flexprefill_vs_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
-                             comm: _Comm) -> BlockColumnPlan:
-    from .reference._checks import check_count
-    from .reference.flexprefill_vs import GAMMA, check_flexprefill_vs_params, cover_threshold, first_lines
-
-    p = {"gamma": GAMMA, "last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 1, "local_diagonals": 1,
-         **params}
-    unknown = set(p) - {"gamma", "last_q", "block_m", "block_n", "init_columns", "local_diagonals"}
-    if unknown:
-        raise TypeError(f"flexprefill_vs got unexpected parameters {sorted(unknown)}")
-    check_flexprefill_vs_params(**p)
-    layout = shard.layout
-    layout.check_blocks(p["block_m"], p["block_n"])
-    n = layout.seqlen
-    last_q = check_count("last_q", p["last_q"], cap=n)
-    init_columns = check_count("init_columns", p["init_columns"], cap=n, minimum=0)
-    local_diagonals = check_count("local_diagonals", p["local_diagonals"], cap=n, minimum=0)
-    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
-    device = shard.q.device
-    # Alg. 5 line 1: the last queries' softmax over every rank's keys (as vertical-slash).
-    q_last = _gather_rows(shard, torch.arange(n - last_q, n, device=device), comm)
-    vertical_local, slash = distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
-    # Alg. 5 lines 2-8 need every line's share on every rank: gather the columns, sum the slashes.
-    lengths = [layout.local_length(r) for r in range(comm.world)]
-    vertical = layout.unshard(comm.all_gather(vertical_local, lengths, 2, "estimate"))
-    comm.all_reduce(slash, "estimate")
-    total = vertical.sum(dim=-1, keepdim=True)
-    verticals = cover_threshold(vertical / total, p["gamma"], first_lines(init_columns, n, device))
-    slashes = cover_threshold(slash / total, p["gamma"], first_lines(local_diagonals, n, device))
-    if impl == "fast":
-        from .fast.flexprefill_vs import lines_index as fast_lines_index
-
-        return fast_lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
-    from .reference.flexprefill_vs import lines_index
-
-    plan: BlockColumnPlan = lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
-    return plan
-
-
-def _block_sparse_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
-                           comm: _Comm) -> BlockColumnPlan:
-    p = {"block_size": 64, **params}
-    unknown = set(p) - {"top_k", "block_size"}
-    if unknown:
-        raise TypeError(f"block_sparse got unexpected parameters {sorted(unknown)}")
-    if "top_k" not in p:
-        raise TypeError("block_sparse needs top_k")
-    top_k = check_positive_int("top_k", p["top_k"])
-    bs = check_block_size("block_size", p["block_size"])
-    layout = shard.layout
-    layout.check_blocks(bs, bs)
-    n, nb = layout.seqlen, cdiv(layout.seqlen, bs)
-    device = shard.q.device
-    b, hq, hkv, d = shard.batch, shard.q_heads, shard.kv_heads, shard.head_dim
-
-    def pooled(x: torch.Tensor) -> torch.Tensor:
-        # Alg. 3 lines 2-3 per chunk: chunks start on block boundaries, so pooling a
-        # chunk pools exactly the global blocks it holds (the last one partial).
-        parts, offset = [x.new_zeros(b, x.shape[1], 0, d, dtype=torch.float64)], 0
-        for s, e in layout.rank_chunks(shard.rank):
-            if e > s:
-                parts.append(mean_pooling(x[:, :, offset:offset + e - s], bs))
-            offset += e - s
-        return torch.cat(parts, dim=2)
-
-    ids = [_block_ids(layout, r, bs, device) for r in range(comm.world)]
-    gathered = comm.all_gather(pooled(shard.k), [int(i.numel()) for i in ids], 2, "estimate")
-    k_all = torch.zeros(b, hkv, nb, d, dtype=torch.float64, device=device)
-    for r, part in enumerate(gathered):
-        k_all[:, :, ids[r]] = part
-    q_pool, q_ids = pooled(shard.q), ids[shard.rank]
-    blocks = torch.zeros(b, hq, nb, nb, dtype=torch.bool, device=device)
-    if q_ids.numel():
-        g = hq // hkv
-        # Alg. 3 line 4: pooled scores of the local query blocks against every key block.
-        scores = torch.matmul(q_pool.reshape(b, hkv, g, -1, d), k_all.unsqueeze(2).transpose(-1, -2))
-        scores = scores.reshape(b, hq, -1, nb)
-        causal = torch.arange(nb, device=device)[None, :] <= q_ids[:, None]
-        # Alg. 3 line 6: argtopk with the diagonal forced, ties to the lower index.
-        ranked = torch.where(causal, rank_nan_last(scores), -math.inf)
-        ranked[..., torch.arange(q_ids.numel(), device=device), q_ids] = math.inf
-        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :min(top_k, nb)]
-        keep = torch.zeros_like(ranked, dtype=torch.bool).scatter_(-1, order, True) & causal
-        blocks[:, :, q_ids] = keep
-    return BlockColumnPlan.from_masks(blocks, None, seqlen=n, block_m=bs, block_n=bs)
-
-
-def _sample_attention_estimate(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
-                               comm: _Comm) -> BlockColumnPlan:
-    from .reference.sample_attention import arg_topk, find_k, merge_index, resolve_params, sampled_rows
-
-    p = dict(params)
-    unknown = set(p) - {"alpha_c", "alpha_s", "chunk_n", "block_size", "settings"}
-    if unknown:
-        raise TypeError(f"sample_attention got unexpected parameters {sorted(unknown)}")
-    layout = shard.layout
-    n = layout.seqlen
-    bs = check_block_size("block_size", p.get("block_size", 128))
-    a_c, a_s, c_n = resolve_params(n, alpha_c=p.get("alpha_c"), alpha_s=p.get("alpha_s"),
-                                   chunk_n=p.get("chunk_n"), block_size=bs, settings=p.get("settings"))
-    layout.check_blocks(bs, bs)
-    device = shard.q.device
-    b, hq, kb = shard.batch, shard.q_heads, cdiv(n, bs)
-    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
-    # Alg. 1 line 2: the sampled rows, wherever they live.
-    rows = torch.cat([torch.arange(a, z, device=device) for a, z in sampled_rows(n, c_n, bs)])
-    q_rows = _gather_rows(shard, rows, comm)
-    # Alg. 1 lines 3-4: the sampled softmax over every rank's keys, reduced per block cell.
-    scores = torch.zeros(2, b, hq, kb + 1, dtype=torch.float64, device=device)
-    diag_of = (rows // bs)[:, None]
-
-    def consume(a_hat: torch.Tensor, cols: torch.Tensor) -> None:
-        blocks = cols // bs
-        cells = torch.zeros(b, hq, rows.numel(), kb, dtype=torch.float64, device=device)
-        cells.index_add_(3, blocks, a_hat)
-        scores[0, ..., :kb] += cells.sum(dim=2)
-        diag = diag_of - torch.arange(kb, device=device)[None, :]
-        diag = torch.where(diag >= 0, diag, kb).expand(b, hq, -1, kb).reshape(b, hq, -1)
-        scores[1].scatter_add_(2, diag, cells.reshape(b, hq, -1))
-
-    _global_softmax(shard, q_rows, rows, scale=sm_scale, comm=comm, consume=consume)
-    # Column scores are complete on the block's holder, slash scores partial: one all-reduce.
-    comm.all_reduce(scores, "estimate")
-    column, slash = scores[0, ..., :kb], scores[1, ..., :kb]
-    # Alg. 1 lines 6-9 on every rank (the scores are [B, Hq, Kb]: tiny).
-    columns = arg_topk(column, find_k(column, a_c))
-    slashes = arg_topk(slash, find_k(slash, a_s))
-    if impl == "fast":
-        from .fast.kernels.sample_index import sample_attention_index
-
-        return sample_attention_index(columns, slashes, seqlen=n, block_size=bs)
-    plan: BlockColumnPlan = merge_index(columns, slashes, seqlen=n, block_size=bs)
-    return plan
-
-
-def _block_ids(layout: ZigZagLayout, rank: int, block: int, device: torch.device) -> torch.Tensor:
+def block_ids(layout: ZigZagLayout, rank: int, block: int, device: torch.device) -> torch.Tensor:
     """int64: the global indices of the `block`-sized blocks `rank` holds, in local order."""
     ids = [torch.arange(s // block, cdiv(e, block), device=device) for s, e in layout.rank_chunks(rank) if e > s]
     return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=device)
 
 
 def _gather_estimate(spec_name: str) -> EstimateFn:
-    def build(shard: _Shard, params: dict[str, Any], impl: str, scale: float | None,
-              comm: _Comm) -> BlockColumnPlan:
+    def build(shard: Shard, params: dict[str, Any], impl: str, scale: float | None,
+              comm: Comm) -> BlockColumnPlan:
         lengths = [shard.layout.local_length(r) for r in range(comm.world)]
         q = shard.layout.unshard(comm.all_gather(shard.q, lengths, 2, "estimate"))
         k = shard.layout.unshard(comm.all_gather(shard.k, lengths, 2, "estimate"))
@@ -1083,35 +880,6 @@ def _gather_estimate(spec_name: str) -> EstimateFn:
     return build
 
 
-ESTIMATES: dict[str, DistributedEstimate] = {
-    "dense": DistributedEstimate("shape", "nothing: the causal triangle depends on N alone", _shape_only("dense")),
-    "streaming": DistributedEstimate("shape", "nothing: sink and window depend on N alone", _shape_only("streaming")),
-    "a_shape": DistributedEstimate("shape", "nothing: sink and window depend on N alone", _shape_only("a_shape")),
-    "vertical_slash": DistributedEstimate(
-        "native",
-        "the last `last_q` queries (broadcast from the rank holding the sequence's end); "
-        "per-row softmax max and sum (two all-reduces of `[B, Hq, last_q]`); each rank's "
-        "slash partial sums reduce-scattered (`(W-1)/W` of a float64 `[B, Hq, N]` per rank); "
-        "the best `vertical_size` / `slash_size` candidates of every rank all-gathered",
-        _vertical_slash_estimate),
-    "block_sparse": DistributedEstimate(
-        "native",
-        "the mean-pooled keys of every rank (all-gather of `[B, Hkv, N / block_size, D]` float64)",
-        _block_sparse_estimate),
-    "flexprefill_vs": DistributedEstimate(
-        "native",
-        "as vertical-slash up to the scores; then, since the cumulative threshold needs every "
-        "line's share, the column shares are all-gathered and the slash sums all-reduced "
-        "(float64 `[B, Hq, N]` each)",
-        _flexprefill_vs_estimate),
-    "sample_attention": DistributedEstimate(
-        "native",
-        "the sampled query rows (`chunk_n` chunks' last `block_size` rows; broadcast or all-reduced "
-        "from their holders); per-row softmax max and sum (two all-reduces of `[B, Hq, R]`); one "
-        "all-reduce of the float64 column and block-diagonal scores `[2, B, Hq, N / block_size]`",
-        _sample_attention_estimate),
-}
-
 GATHER_NEEDS = ("all of q and k (all-gather): the estimate reads queries against keys across the "
                 "whole sequence, so every rank rebuilds them and runs the one-process estimator")
 
@@ -1120,16 +888,17 @@ def estimate_kind(method: str, estimate: str = "auto") -> str:
     """"shape", "native" or "gather": how `context_parallel_plan` estimates `method`."""
     if estimate not in ("auto", "gather"):
         raise ValueError(f"estimate must be 'auto' or 'gather', got {estimate!r}")
-    if estimate == "gather" or method not in ESTIMATES:
+    native = method_spec(method).distributed
+    if estimate == "gather" or native is None:
         return "gather"
-    return ESTIMATES[method].kind
+    return native.kind
 
 
 # -- context-parallel: plan, fetch, attention ----------------------------------------
 
 
 def _check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, layout: ZigZagLayout,
-                     comm: _Comm) -> tuple[int, int, int, int]:
+                     comm: Comm) -> tuple[int, int, int, int]:
     if not isinstance(layout, ZigZagLayout):
         raise TypeError(f"layout must be a ZigZagLayout, got {type(layout).__name__}")
     if layout.world != comm.world:
@@ -1178,7 +947,7 @@ def context_parallel_plan(
         layout: the split (its `world` must be the group's size).
         impl: "reference" or "fast" (which package builds the plan where it matters).
         scale: the estimate's softmax scale where the method has one (vertical-slash).
-        estimate: "auto" (the method's `ESTIMATES` entry, else gather) or "gather"
+        estimate: "auto" (the method's `Method.distributed`, else gather) or "gather"
             (all-gather q and k and run the one-process estimator).
         group: the process group (default: the world).
         traffic: a `Traffic` to add the estimate's bytes to, or None.
@@ -1197,11 +966,12 @@ def context_parallel_plan(
                          f"(run it head-parallel instead)")
     _check_impl(impl)
     kind = estimate_kind(method, estimate)
-    comm = _Comm(group)
+    comm = Comm(group)
     b, hq, hkv, d = _check_cp_inputs(q, k, None, layout, comm)
-    shard = _Shard(q=q, k=k, layout=layout, rank=comm.rank, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d)
+    shard = Shard(q=q, k=k, layout=layout, rank=comm.rank, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d)
     call = spec.call_params(dict(params or {}), shard.standins()[0])
-    build = _gather_estimate(method) if kind == "gather" else ESTIMATES[method].build
+    native = spec.distributed
+    build = _gather_estimate(method) if kind == "gather" or native is None else native.build
     plan = build(shard, call, impl, scale, comm)
     if traffic is not None:
         traffic.estimate += comm.traffic.estimate
@@ -1225,7 +995,7 @@ class KVFetch:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, remote: BlockColumnPlan, layout: ZigZagLayout,
                  group: dist.ProcessGroup | None = None, traffic: Traffic | None = None) -> None:
-        comm = _Comm(group)
+        comm = Comm(group)
         self.comm, self.layout, self.traffic = comm, layout, traffic
         device = k.device
         b, hkv, _, d = k.shape
@@ -1379,7 +1149,7 @@ def context_parallel_attention(
     Raises:
         TypeError, ValueError: as `context_parallel_plan`, and v not matching k.
     """
-    comm = _Comm(group)
+    comm = Comm(group)
     _check_cp_inputs(q, k, v, layout, comm)
     traffic = Traffic()
     rp = context_parallel_plan(q, k, method=method, params=params, layout=layout, impl=impl, scale=scale,
@@ -1408,7 +1178,6 @@ def context_parallel_attention(
 
 
 __all__ = [
-    "ESTIMATES",
     "GATHER_NEEDS",
     "ContextParallelOutput",
     "DistributedEstimate",

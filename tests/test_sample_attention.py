@@ -388,7 +388,8 @@ def test_bench_suite_rows_are_well_formed() -> None:
     tiny workload (one untimed call per stage) to check the rows it writes."""
     import time
 
-    from sparseprefill.bench import format_stages, format_table, run_sample_attention_suite
+    from sparseprefill.bench import format_table
+    from sparseprefill.methods.sample_attention import format_stages, run_sample_attention_suite
 
     def once(fn: Any) -> float:
         t0 = time.perf_counter()

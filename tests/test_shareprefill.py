@@ -415,7 +415,8 @@ def test_shareprefill_tie_check() -> None:
 def test_bench_suite_rows_on_cpu() -> None:
     import time
 
-    from sparseprefill.bench import format_table, run_shareprefill_suite
+    from sparseprefill.bench import format_table
+    from sparseprefill.methods.shareprefill import run_shareprefill_suite
 
     def timer(fn: Any) -> float:
         start = time.perf_counter()

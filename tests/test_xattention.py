@@ -434,10 +434,12 @@ def test_tile_bench_suite_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         fn()
         return 1.0
 
-    monkeypatch.setattr(bench, "_bench_ms", once)
+    monkeypatch.setattr(bench, "bench_ms", once)
     cases = (("xattention s8 0.9", "xattention", {"stride": 8, "threshold": 0.9}),
              ("dpxa cos0.75 0.9", "dpxa", {"cos_threshold": 0.75, "threshold": 0.9}))
-    rows = bench.run_tile_suite([96], batch=1, q_heads=2, kv_heads=1, head_dim=32, dtype=torch.float16,
+    from sparseprefill.methods.xattention import run_tile_suite
+
+    rows = run_tile_suite([96], batch=1, q_heads=2, kv_heads=1, head_dim=32, dtype=torch.float16,
                                 block=32, cases=cases, device="cpu", log=lambda s: None)
     assert [r.method for r in rows] == ["dense", "xattention s8 0.9", "dpxa cos0.75 0.9"]
     for row in rows[1:]:

@@ -45,7 +45,7 @@ sliding-window layer whose window is shorter than the prompt, non-causal attenti
 (cross-attention, encoders; raised on every call, short ones included), attention
 dropout, logit soft-capping, position biases and learned sinks.
 
-Methods with state across layers (SharePrefill; `MethodSpec.new_state`): one state
+Methods with state across layers (SharePrefill; `Method.new_state`): one state
 per forward pass, made at the first sparse layer call and replaced when a layer index
 comes again (the next forward) or the batch size, length or device change; each
 layer runs the method's `*_layer` function with the model's `layer_idx`, so layer
@@ -88,7 +88,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .. import fast, reference
-from ..conformance.registry import METHODS
+from ..methods import METHODS
 from ..reference._checks import HALF_DTYPES, check_positive_int
 from ..reference.plan import BlockColumnPlan
 from ..reference.plan import stack_plans as stack_sequences
@@ -109,7 +109,7 @@ class Choice:
     """One head's method: a registered method name and its parameters.
 
     Attributes:
-        method: a name in `sparseprefill.conformance.registry.METHODS`.
+        method: a name in `sparseprefill.methods`.
         params: keyword parameters of the method's estimator; None means the
             registry's `demo_params(N)` for the prompt length N of the call.
     """
@@ -143,7 +143,7 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
             if spec_.plan_based:
                 inspect.signature(spec_.plan_fn("reference")).bind(None, None, **params)
             else:
-                inspect.signature(spec_.reference_run).bind(None, None, None, **params)
+                inspect.signature(spec_.run_fn("reference")).bind(None, None, None, **params)
         except TypeError as exc:
             raise TypeError(f"{where}: bad parameters for {method!r}: {exc}") from None
         new_state = METHODS[method].new_state
@@ -778,7 +778,7 @@ def register_attention(
     or in `model.set_attn_implementation`; `patch` does both steps.
 
     Args:
-        method: default method, a name in `sparseprefill.conformance.registry.METHODS`.
+        method: default method, a name in `sparseprefill.methods`.
         config: which method and parameters each layer and head uses:
             * None: `method` with its registry `demo_params(N)` in every layer;
             * a dict of parameters (optionally with a "method" key): every layer;

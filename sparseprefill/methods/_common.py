@@ -1,0 +1,44 @@
+"""Defaults that several methods of one paper share (kept here so each is written once)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def sink_window(n: int) -> dict[str, int]:
+    """StreamingLLM / A-shape sink and window at prompt length N: 1024 and N / 8 at long N,
+    scaled down below so a short prompt still skips something."""
+    return {"sink": min(1024, max(64, n // 32)), "window": max(128, n // 8)}
+
+
+def vertical_slash_defaults(n: int) -> dict[str, Any]:
+    """MInference's LLaMA-3 setting from 32K on; scaled down below so it stays sparse."""
+    if n >= 32768:
+        return {"vertical_size": 1000, "slash_size": 6096}
+    return {"vertical_size": max(30, n // 32), "slash_size": max(100, n // 8)}
+
+
+def block_sparse_top_k(n: int) -> int:
+    """MInference's block-sparse budget: 100 blocks from 32K on, N / 512 below."""
+    return 100 if n >= 32768 else max(2, n // 512)
+
+
+def tile_block(n: int) -> int:
+    """XAttention-family tile size: 128 (the papers') once a sequence has a few dozen tiles;
+    64 below so the demo's short workload still has tiles to skip."""
+    return 128 if n >= 4096 else 64
+
+
+# The greedy threshold grid of XAttention and DPXA (`sparseprefill compare`).
+TILE_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.98)
+
+
+def shape_only_estimate(name: str) -> Any:
+    """A `DistributedEstimate.build` for a plan that depends on N alone: every rank runs the
+    method's own estimator on stand-in tensors of the global shape (no traffic)."""
+    def build(shard: Any, params: dict[str, Any], impl: str, scale: float | None, comm: Any) -> Any:
+        from . import get
+
+        q, k = shard.standins()
+        return get(name).plan_fn(impl)(q, k, **params)
+    return build

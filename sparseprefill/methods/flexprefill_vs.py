@@ -1,0 +1,81 @@
+"""FlexPrefill-style vertical-slash (SharePrefill Alg. 5) as a method descriptor, with its
+distributed estimate."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import fast, reference
+from ..reference.plan import BlockColumnPlan
+from ._core import DistributedEstimate, Method, SyncStatus, register
+
+
+def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: float | None,
+                             comm: Any) -> BlockColumnPlan:
+    from .. import distributed as D
+    from ..reference._checks import check_count
+    from ..reference.flexprefill_vs import GAMMA, check_flexprefill_vs_params, cover_threshold, first_lines
+
+    p = {"gamma": GAMMA, "last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 1, "local_diagonals": 1,
+         **params}
+    unknown = set(p) - {"gamma", "last_q", "block_m", "block_n", "init_columns", "local_diagonals"}
+    if unknown:
+        raise TypeError(f"flexprefill_vs got unexpected parameters {sorted(unknown)}")
+    check_flexprefill_vs_params(**p)
+    layout = shard.layout
+    layout.check_blocks(p["block_m"], p["block_n"])
+    n = layout.seqlen
+    last_q = check_count("last_q", p["last_q"], cap=n)
+    init_columns = check_count("init_columns", p["init_columns"], cap=n, minimum=0)
+    local_diagonals = check_count("local_diagonals", p["local_diagonals"], cap=n, minimum=0)
+    sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
+    device = shard.q.device
+    # Alg. 5 line 1: the last queries' softmax over every rank's keys (as vertical-slash).
+    q_last = D.gather_rows(shard, torch.arange(n - last_q, n, device=device), comm)
+    vertical_local, slash = D.distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
+    # Alg. 5 lines 2-8 need every line's share on every rank: gather the columns, sum the slashes.
+    lengths = [layout.local_length(r) for r in range(comm.world)]
+    vertical = layout.unshard(comm.all_gather(vertical_local, lengths, 2, "estimate"))
+    comm.all_reduce(slash, "estimate")
+    total = vertical.sum(dim=-1, keepdim=True)
+    verticals = cover_threshold(vertical / total, p["gamma"], first_lines(init_columns, n, device))
+    slashes = cover_threshold(slash / total, p["gamma"], first_lines(local_diagonals, n, device))
+    if impl == "fast":
+        from ..fast.flexprefill_vs import lines_index as fast_lines_index
+
+        return fast_lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
+    from ..reference.flexprefill_vs import lines_index
+
+    plan: BlockColumnPlan = lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
+    return plan
+
+
+
+
+METHOD = register(Method(
+    name="flexprefill_vs",
+    notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
+          "estimated mass",
+    reference_plan=reference.flexprefill_vs_plan,
+    fast_plan=fast.flexprefill_vs_plan,
+    reference_run=reference.flexprefill_vs,
+    fast_run=fast.flexprefill_vs,
+    defaults=lambda n: {"gamma": 0.9},
+    sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
+    chunked="the chunk's last `last_q` queries (capped at the chunk's length), as vertical-slash",
+    sync=SyncStatus(
+        syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item())",
+               "counting pass: as vertical_slash"),
+        static_bound="N lines per head, then min(Kb, N * ...) = Kb key blocks per query block",
+        note="static lines are padded to N (the counting pass walks all N offsets per query block); "
+             "columns stay shared when per-block lists exceed 512 MB"),
+    distributed=DistributedEstimate(
+        "native",
+        "as vertical-slash up to the scores; then, since the cumulative threshold needs every "
+        "line's share, the column shares are all-gathered and the slash sums all-reduced "
+        "(float64 `[B, Hq, N]` each)",
+        distributed_estimate),
+))
