@@ -144,6 +144,7 @@ def run_suite(
     import torch.nn.functional as F
 
     from . import fast
+    from .methods import DENSE
 
     dev = torch.device("cuda")
     rows: list[Row] = []
@@ -186,7 +187,7 @@ def run_suite(
         log(f"N={n}: cuDNN {cudnn_ms:.2f} ms")
 
         cases: list[tuple[str, Callable[[], BlockColumnPlan]]] = [
-            ("dense", lambda: fast.dense_plan(q, k)),
+            (DENSE, lambda: fast.dense_plan(q, k)),
             ("streaming 1K+8K", lambda: fast.streaming_plan(q, k, sink=1024, window=8192)),
             ("random blocks 5%", lambda: random_block_plan(
                 batch, q_heads, n, density=0.05, block_m=128, block_n=128, device=dev, seed=1)),
@@ -201,7 +202,7 @@ def run_suite(
             flops = 4 * head_dim * pairs
             out = fast.sparse_attention(q, k, v, plan)
             err = None
-            if name == "dense":
+            if name == DENSE:
                 err = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
             ms = bench_ms(lambda: fast.sparse_attention(q, k, v, plan))
             rec_mean = rec_min = None

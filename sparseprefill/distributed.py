@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .methods import DistributedEstimate, Method
-from .methods import get as get_method
+from .methods import methods as registered_methods
 from .reference._checks import check_positive_int
 from .reference.attention import AttentionState
 from .reference.minference import MInferenceConfig
@@ -294,7 +294,9 @@ def method_spec(name: str) -> Method:
     Raises:
         ValueError: no such method (the message lists the registered ones).
     """
-    return get_method(name)
+    if not isinstance(name, str) or name not in registered_methods():
+        raise ValueError(f"method must be one of {sorted(registered_methods())}, got {name!r}")
+    return registered_methods()[name]
 
 
 def _check_impl(impl: str) -> Any:

@@ -38,25 +38,24 @@ import torch
 import torch.distributed as dist
 
 from . import distributed as D
+from .methods import DENSE
 
-DEFAULT_METHODS = "dense,streaming,vertical_slash"
+# Default `--dist-methods`: every method whose descriptor has a distributed estimate of
+# its own (`Method.distributed`); the others gather all of q and k.
+def default_methods() -> str:
+    from .methods import methods
+
+    return ",".join(name for name, m in methods().items() if m.distributed is not None)
+
+
 DEFAULT_SEQLENS = "262144,524288,1048576"
 
 
 def bench_params(method: str, seqlen: int) -> dict[str, Any]:
-    """The parameters a method runs with here: its `demo_params`, except vertical-slash.
-
-    Random q and k have flat slash scores, so vertical-slash would keep scattered
-    diagonals, unlike real long-context heads, whose slashes sit near the diagonal
-    (and whose plans stay narrow: 97 key blocks per query block at MInference's
-    budgets, docs/minference.md). Its budgets here are MInference's (1000 verticals,
-    6096 slashes) with the 6096 nearest diagonals forced: the lines of the one-GPU
-    MInference bench (`minference_anchor_lines`), reached through the full estimate.
-    """
-    params = D.method_spec(method).demo_params(seqlen)
-    if method == "vertical_slash":
-        params = {**params, "vertical_size": 1000, "slash_size": 6096, "local_diagonals": 6096}
-    return params
+    """The parameters a method runs with here, on random q and k: its descriptor's
+    `params_on_random` (the defaults, except where they would not behave as on real
+    heads: vertical-slash keeps MInference's budgets with the nearest diagonals forced)."""
+    return D.method_spec(method).params_on_random(seqlen)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="head- and context-parallel prefill over torch.distributed; launch with torchrun "
                              f"(default N {DEFAULT_SEQLENS}; see docs/distributed.md)")
-    parser.add_argument("--dist-methods", default=DEFAULT_METHODS,
-                        help=f"--distributed: registered methods (default {DEFAULT_METHODS})")
+    parser.add_argument("--dist-methods", default=None,
+                        help="--distributed: registered methods (default: those with a distributed "
+                             "estimate of their own)")
     parser.add_argument("--dist-modes", default="head,context",
                         help="--distributed: head, context or both (default head,context)")
     parser.add_argument("--impl", choices=D.IMPLS, default=None,
@@ -144,7 +144,7 @@ def run_rows(
     rows: list[dict[str, Any]] = []
     for n in seqlens:
         for method in methods:
-            if method == "dense" and n > dense_max:
+            if method == DENSE and n > dense_max:
                 continue
             spec = D.method_spec(method)
             gen = torch.Generator(device=device).manual_seed(n)
@@ -228,7 +228,7 @@ def run_distributed(args: argparse.Namespace) -> int:
     impl = args.impl or ("fast" if device.type == "cuda" else "reference")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     seqlens = [int(s) for s in str(args.seqlens or DEFAULT_SEQLENS).split(",") if s]
-    methods = [m for m in str(args.dist_methods).split(",") if m]
+    methods = [m for m in str(args.dist_methods or default_methods()).split(",") if m]
     modes = [m for m in str(args.dist_modes).split(",") if m]
     for m in methods:
         D.method_spec(m)

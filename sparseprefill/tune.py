@@ -243,7 +243,10 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `sparseprefill tune`."""
-    parser.add_argument("--method", choices=["sample_attention"], default="sample_attention",
+    from .methods.sample_attention import METHOD
+
+    tuned = METHOD.name  # the tuner is SampleAttention's offline search (its Table 6)
+    parser.add_argument("--method", choices=[tuned], default=tuned,
                         help="method to tune (SampleAttention's alpha_c, alpha_s, chunk_n)")
     parser.add_argument("--qkv", type=Path, nargs="+", required=True,
                         help="capture files from `sparseprefill eval capture` (any lengths)")

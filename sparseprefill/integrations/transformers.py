@@ -88,7 +88,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .. import fast, reference
-from ..methods import METHODS
+from ..methods import DENSE, METHODS
 from ..reference._checks import HALF_DTYPES, check_positive_int
 from ..reference.plan import BlockColumnPlan
 from ..reference.plan import stack_plans as stack_sequences
@@ -129,7 +129,7 @@ def _check_method(name: object) -> str:
 def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
     """Resolve one head's spec; None is full causal attention (the `dense` plan)."""
     if spec is None:
-        return Choice("dense", None)
+        return Choice(DENSE, None)
     if isinstance(spec, str):
         return Choice(_check_method(spec), None)
     if isinstance(spec, Mapping):
@@ -716,7 +716,7 @@ def build_plan(
 ) -> BlockColumnPlan:
     """One plan for all heads: one estimator call if every head shares a method, else per head.
 
-    Heads whose choice is full attention (`Choice("dense", None)`) take the block
+    Heads whose choice is full attention (`Choice(DENSE, None)`) take the block
     sizes of the layer's other heads.
 
     Args:
@@ -748,7 +748,7 @@ def build_plan(
     plans: list[BlockColumnPlan | None] = [None] * hq
     sizes: dict[str, int] | None = None
     for h, choice in enumerate(choices):
-        if choice == Choice("dense", None):
+        if choice == Choice(DENSE, None):
             continue
         kv = h // group
         plan = plan_fn(choice)(q[:, h : h + 1], k[:, kv : kv + 1], **_resolve_params(choice, q[:, h : h + 1]))
@@ -757,8 +757,8 @@ def build_plan(
     for h, choice in enumerate(choices):
         if plans[h] is None:
             kv = h // group
-            params = sizes if sizes is not None else _resolve_params(Choice("dense", None), q)
-            plans[h] = plan_fn(Choice("dense", None))(q[:, h : h + 1], k[:, kv : kv + 1], **params)
+            params = sizes if sizes is not None else _resolve_params(Choice(DENSE, None), q)
+            plans[h] = plan_fn(Choice(DENSE, None))(q[:, h : h + 1], k[:, kv : kv + 1], **params)
     return stack_plans([p for p in plans if p is not None])
 
 

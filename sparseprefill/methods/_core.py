@@ -181,6 +181,8 @@ class Method:
             layer with it. `patch` uses them when set.
         bench: its own benchmark suite; None: the generic one (plan / kernel / end to
             end beside cuDNN).
+        random_params: the parameters on random, unstructured inputs (the distributed
+            bench), where the defaults would not behave as on real heads; None: `defaults`.
     """
 
     name: str
@@ -202,6 +204,7 @@ class Method:
     reference_layer: Callable[..., torch.Tensor] | None = None
     fast_layer: Callable[..., torch.Tensor] | None = None
     bench: BenchSuite | None = None
+    random_params: Callable[[int], Params] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -249,6 +252,10 @@ class Method:
     def demo_params(self, seqlen: int) -> Params:
         """The default parameters at prompt length `seqlen` (a new dict)."""
         return dict(self.defaults(seqlen))
+
+    def params_on_random(self, seqlen: int) -> Params:
+        """The parameters on random inputs at `seqlen` (`random_params`, else the defaults)."""
+        return dict(self.random_params(seqlen)) if self.random_params is not None else self.demo_params(seqlen)
 
     def sweep_params(self, seqlen: int) -> list[Params]:
         """The knob grid at `seqlen` (`sweep`, else the defaults alone)."""
