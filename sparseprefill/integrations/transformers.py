@@ -142,10 +142,9 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
         try:
             if spec_.plan_based:
                 inspect.signature(spec_.plan_fn("reference")).bind(None, None, **params)
-            else:
-                inspect.signature(spec_.run_fn("reference")).bind(None, None, None, **params)
-        except TypeError as exc:
-            raise TypeError(f"{where}: bad parameters for {method!r}: {exc}") from None
+            spec_.check_params(params)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}: bad parameters for {method!r}: {exc}") from None
         new_state = METHODS[method].new_state
         if new_state is not None:
             try:

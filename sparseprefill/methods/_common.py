@@ -42,3 +42,15 @@ def shape_only_estimate(name: str) -> Any:
         q, k = shard.standins()
         return get(name).plan_fn(impl)(q, k, **params)
     return build
+
+
+def keyword_check(fn: Any) -> Any:
+    """A `Method.check` calling `fn(**params)` with the parameters `fn` names (a method's
+    own `check_<name>_params`, which takes every one of them by keyword)."""
+    import inspect
+
+    names = [p for p in inspect.signature(fn).parameters if p != "prefix"]
+
+    def check(params: Any) -> None:
+        fn(**{name: params[name] for name in names if name in params})
+    return check

@@ -159,8 +159,10 @@ class Method:
             without a config).
         sweep: `N -> [params, ...]`, the grid of the main knob that `sparseprefill
             compare` measures (docs/compare.md); None: `[defaults(N)]`.
-        check: `(params) -> None`, the method's own parameter check beyond names
-            (raises ValueError/TypeError naming the parameter); run by `check_params`.
+        check: `(params) -> None`, the method's own check of parameter values, given
+            every parameter of its run function (defaults filled in); raises
+            ValueError/TypeError naming the parameter. Run by `check_params` (`patch`
+            calls it when a model is patched, before any prompt).
         prepare: `(params, q) -> call parameters` for a method whose parameters depend
             on the input's shape (MInference's per-head config needs Hq).
         view: `(impl_name, q, k, v, params) -> MethodView` for reports; None: the plan's
@@ -273,20 +275,28 @@ class Method:
         return tuple(p for p in sig.parameters if p not in ("q", "k", "v"))
 
     def check_params(self, params: Mapping[str, Any]) -> None:
-        """Check a parameter dict before any work: known names, then `check`.
+        """Check a parameter dict before any work: names the run function takes, then
+        the values (`check`, with the defaults of the parameters not given).
+
+        A method with `prepare` takes other parameters than its functions' (MInference's
+        patterns): its names are checked when `prepare` runs.
 
         Raises:
-            TypeError: `params` is not a mapping of names.
-            ValueError: a name the method does not take, or a value `check` refuses.
+            TypeError: `params` is not a mapping of names, or a name the method does not take.
+            ValueError: a value `check` refuses.
         """
         if not isinstance(params, Mapping) or not all(isinstance(key, str) for key in params):
             raise TypeError(f"{self.name}: params must be a mapping of parameter names, got {params!r}")
-        known = self.parameters()
-        unknown = sorted(set(params) - set(known))
-        if unknown and self.prepare is None:
-            raise ValueError(f"{self.name}: unknown parameters {unknown}; it takes {list(known)}")
+        if self.prepare is not None:
+            return
+        sig = inspect.signature(self.run_fn("reference"))
+        try:
+            bound = sig.bind(None, None, None, **params)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}; it takes {list(self.parameters())}") from None
+        bound.apply_defaults()
         if self.check is not None:
-            self.check(params)
+            self.check({key: val for key, val in bound.arguments.items() if key not in ("q", "k", "v")})
 
     def method_view(self, impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     params: Mapping[str, Any], *, scale: float | None = None,

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from .. import bench, fast, reference
+from ._common import keyword_check
+from ..reference.anchor_attention import check_anchor_params
 from ._core import BenchArgument, BenchSuite, Method, SyncStatus, register
 
 
@@ -164,6 +166,7 @@ def _suite(seqlens: list[int], *, flex: bool = True, **kwargs: Any) -> list[benc
 
 
 METHOD = register(Method(
+    check=keyword_check(check_anchor_params),
     name="anchor_attention",
     notes="AnchorAttention: initial block + group window as anchor, difference-aware stripes "
           "per group of step query blocks, stripe pass resuming the anchor state",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from .. import fast, reference
-from ._common import TILE_SWEEP, tile_block
+from ._common import TILE_SWEEP, keyword_check, tile_block
+from ..reference.dpxa import check_dpxa_params
 from ._core import Method, SyncStatus, register
 from .xattention import tile_suite
 
 METHOD = register(Method(
+    check=keyword_check(check_dpxa_params),
     name="dpxa",
     notes="DPXA: delta anchors of Q and K per tile, anchor-pair tile scores, XAttention's greedy "
           "selection (thesis sec. 4.3)",

@@ -10,6 +10,8 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
+from ._common import keyword_check
+from ..reference.flexprefill_vs import check_flexprefill_vs_params
 from ._core import DistributedEstimate, Method, SyncStatus, register
 
 
@@ -56,6 +58,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
 
 
 METHOD = register(Method(
+    check=keyword_check(check_flexprefill_vs_params),
     name="flexprefill_vs",
     notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
           "estimated mass",

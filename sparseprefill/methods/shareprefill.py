@@ -10,6 +10,8 @@ import torch
 
 from .. import bench, fast, reference
 from ..reference.plan import BlockColumnPlan
+from ._common import keyword_check
+from ..reference.shareprefill import check_share_params
 from ._core import BenchArgument, BenchSuite, Method, SyncStatus, register
 
 # The parameters of one prefill's state (the layer index comes from the model).
@@ -167,6 +169,7 @@ def _suite(seqlens: list[int], *, flex: bool = True, **kwargs: Any) -> list[benc
 
 
 METHOD = register(Method(
+    check=keyword_check(check_share_params),
     name="shareprefill",
     notes="SharePrefill (one layer, fresh state: first head per cluster dense, others Alg. 5); "
           "layers share pivots through SharePrefillState",

@@ -9,7 +9,8 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from ._common import vertical_slash_defaults
+from ..reference.vertical_slash import check_vertical_slash_params
+from ._common import keyword_check, vertical_slash_defaults
 from ._core import DistributedEstimate, Method, SyncStatus, register
 
 
@@ -19,7 +20,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     keys, vertical and slash scores reduced where they are complete, the method's own
     index builder on the global lines."""
     from .. import distributed as D
-    from ..reference.vertical_slash import check_vertical_slash_params, kept_lines
+    from ..reference.vertical_slash import kept_lines
     from ..reference.vertical_slash import vertical_slash_index as reference_index
 
     p = {"last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 30, "local_diagonals": 100, **params}
@@ -58,6 +59,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
 
 
 METHOD = register(Method(
+    check=keyword_check(check_vertical_slash_params),
     name="vertical_slash",
     notes="MInference vertical-slash: last_q estimate, top-k columns and diagonals, Alg. 4 index",
     reference_plan=reference.vertical_slash_plan,
