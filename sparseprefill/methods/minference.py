@@ -80,9 +80,6 @@ def run_minference_suite(
     index / kernel, plus ANCHORS.md's fixed MInference plan (index + kernel), against
     cuDNN SDPA and FlexAttention given the same plan, in the same run.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-
     from .. import fast
     from ..demo import Shape, synthetic_qkv
     from ..fast.kernels import block_column_attention
@@ -102,22 +99,9 @@ def run_minference_suite(
     for n in seqlens:
         q, k, v = synthetic_qkv(Shape(batch, q_heads, kv_heads, n, head_dim, dtype), device=dev)
         causal_pairs = batch * q_heads * n * (n + 1) / 2
-        g = q_heads // kv_heads
-        cudnn_ms = float("nan")
-        try:
-            ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-
-            def cudnn() -> Any:
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
-
-            cudnn_ms = bench.bench_ms(cudnn)
-            del ke, ve
-        except (RuntimeError, torch.OutOfMemoryError) as exc:
-            log(f"cuDNN failed at N={n}: {exc}")
-        rows.append(bench.Row("dense", "cuDNN SDPA", n, 1.0, 1.0, 1.0, cudnn_ms, None,
-                        4 * head_dim * causal_pairs / cudnn_ms / 1e9, 1.0))
-        torch.cuda.empty_cache()
+        base = bench.cudnn_row(q, k, v, log=log)
+        cudnn_ms = base.ms
+        rows.append(base)
 
         def add(name: str, impl: str, plan: BlockColumnPlan, ms: float, est_ms: float | None,
                 extra: dict[str, Any]) -> None:
