@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .. import bench, fast, reference
-from ._core import BenchArgument, BenchSuite, Method, SyncStatus, register
+from ._core import Ablation, BenchArgument, BenchSuite, Method, SyncStatus, register
 
 
 def defaults(n: int) -> dict[str, Any]:
@@ -173,6 +173,9 @@ METHOD = register(Method(
     fast_run=fast.anchor_attention,
     defaults=defaults,
     sweep=lambda n: [{**defaults(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
+    ablations=(Ablation("theta x step", lambda n: [{"theta": t, "step": s, "block_m": 128, "block_n": 128}
+                                                   for t in (6.0, 9.0, 12.0, 15.0) for s in (1, 4, 16)],
+                        about="the paper's theta against the group size step (docs/anchor_attention.md)"),),
     chunked="each query block's anchor and its group's stripes: the chunk's own rows (chunks start on a "
             "group of `step` query blocks)",
     sync=SyncStatus(
