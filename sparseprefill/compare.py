@@ -27,6 +27,8 @@ read from the descriptors (`sparseprefill.methods`):
 * `--yardstick METHOD[:LABEL]`: beside every other point, METHOD's recall and output
   error at the same density, interpolated between the two of its points (of grid LABEL)
   whose densities bracket it (e.g. `vertical_slash:x4`, vertical-slash at equal density);
+* `--block-oracle B ...`: beside every point, the best plan of whole `B x B` cells at
+  its recall (what block granularity alone costs, `oracle.block_oracle_density`);
 * `--calibrate R ...`: per-head calibration of every grid: per (batch, head) the least
   dense point of the grid whose recall on that head reaches R, then the mean density,
   recall and the oracle's density at R (calibrated on the evaluated data itself: an
@@ -54,7 +56,7 @@ import torch
 
 from .methods import METHODS, Method, MethodView
 from .methods._core import PlanFn
-from .oracle import oracle_density
+from .oracle import block_oracle_density, oracle_density
 
 DEFAULT_SHARES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 
@@ -79,6 +81,7 @@ class Point:
     extras: dict[str, float] = field(default_factory=dict)
     oracle_density_at_recall: float | None = None
     yardsticks: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    block_oracle: dict[str, float] = field(default_factory=dict)
 
     @property
     def series(self) -> str:
@@ -247,6 +250,7 @@ def compare_capture(
     calibrate: Sequence[float] = (),
     calibrated: list[Calibrated] | None = None,
     output_error: bool = True,
+    block_oracles: Sequence[int] = (),
 ) -> list[Point]:
     """Every method's sweep (and with `ablations` its ablation grids) and the oracle on each
     captured layer (see `sparseprefill eval capture`); `layers` picks captured layers.
@@ -256,6 +260,8 @@ def compare_capture(
     the per-head calibration of every grid is appended to `calibrated` (module doc).
     The recall of plan-based points comes from one pass per layer (`plan_recalls`);
     `output_error=False` skips every method's output (no error column, much faster).
+    For each size in `block_oracles`, every point also gets the density of the best plan
+    of whole `block x block` cells at its recall (`oracle.block_oracle_density`).
     """
     from . import reference
 
@@ -292,11 +298,12 @@ def compare_capture(
                         copies.append((done[key], len(mine), label))
                         point = done[key]
                     else:
+                        waiting = len(pending)
                         point = measure(spec, params, q, k, v, exact, backend=backend, scale=scale,
                                         source=source, label=label, plan_fn=plan_fn, pending=pending)
                         done[key] = point
                         log(f"{source} {point.series} {params}: density {point.density:.4f} recall "
-                            f"{_fmt(point.recall_mean) if point.recall_per_head else 'deferred'} error "
+                            f"{'deferred' if len(pending) > waiting else _fmt(point.recall_mean)} error "
                             f"{_fmt(point.output_error, '.3e')} ({point.seconds:.1f} s)")
                     mine.append(point)
         started = time.perf_counter()
@@ -308,6 +315,13 @@ def compare_capture(
                               scale=scale)
         for p in mine:
             p.oracle_density_at_recall = None if p.recall_mean is None else oracle[_share(p.recall_mean)]
+        recalls = sorted({_share(p.recall_mean) for p in mine if p.recall_mean is not None})
+        for size in block_oracles if recalls else ():
+            best = block_oracle_density(q, k, recalls, block=size, scale=scale).mean(dim=(0, 1)).tolist()
+            by_share = dict(zip(recalls, best))
+            for p in mine:
+                if p.recall_mean is not None:
+                    p.block_oracle[str(size)] = by_share[_share(p.recall_mean)]
         for method, grid_label in wanted:
             add_yardstick(mine, method, grid_label)
         if calibrated is not None:
@@ -318,8 +332,9 @@ def compare_capture(
 
 
 def _share(recall: float) -> float:
-    """The oracle share standing for a recall (rounded so that equal recalls share one run)."""
-    return min(1.0, max(0.0, round(recall, 6)))
+    """The oracle share standing for a recall: the recall itself, clipped to [0, 1] (not
+    rounded: near 1, a share rounded up by 5e-7 can cost many keys)."""
+    return min(1.0, max(0.0, recall))
 
 
 def exact_oracle(q: torch.Tensor, k: torch.Tensor, recalls: Sequence[float], *,
@@ -518,10 +533,12 @@ def format_table(points: Sequence[Point]) -> str:
     (exact where measured, else interpolated between the oracle's shares), then the
     method's extras and every yardstick's recall / error at the same density."""
     names = list(dict.fromkeys(name for p in points for name in p.yardsticks))
+    sizes = list(dict.fromkeys(size for p in points for size in p.block_oracle))
     lines = ["| source | method | params | density | recall mean | recall min | oracle density at that recall "
              "| x oracle | output error | e2e ms | vs cuDNN | extras |"
+             + "".join(f" best {b}-block plan at that recall |" for b in sizes)
              + "".join(f" {n} recall / error at that density |" for n in names),
-             "| --- " * (12 + len(names)) + "|"]
+             "| --- " * (12 + len(sizes) + len(names)) + "|"]
     for p in points:
         if p.method == "oracle":
             continue
@@ -537,7 +554,8 @@ def format_table(points: Sequence[Point]) -> str:
         lines.append(f"| {p.source} | {p.series} | {params} | {p.density:.3f} | {_fmt(p.recall_mean)} | "
                      f"{_fmt(p.recall_min)} | {_fmt(oracle, '.3f')} | {_fmt(ratio, '.2f')} | "
                      f"{_fmt(p.output_error, '.2e')} | {_fmt(p.gpu.get('e2e_ms'), '.2f')} | "
-                     f"{_fmt(p.gpu.get('speedup_vs_cudnn'), '.2f')} | {extras} |{marks}")
+                     f"{_fmt(p.gpu.get('speedup_vs_cudnn'), '.2f')} | {extras} |"
+                     + "".join(f" {_fmt(p.block_oracle.get(b), '.3f')} |" for b in sizes) + marks)
     return "\n".join(lines)
 
 
@@ -644,6 +662,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--yardstick", nargs="+", default=[], metavar="METHOD[:GRID]",
                         help="beside every point, this compared method's recall and error at the same "
                              "density (e.g. vertical_slash:x4, with --ablations)")
+    parser.add_argument("--block-oracle", type=int, nargs="+", default=[], metavar="BLOCK",
+                        help="beside every point, the best plan of whole BLOCK x BLOCK cells at its recall "
+                             "(capture only)")
     parser.add_argument("--no-output-error", action="store_true",
                         help="skip every method's output and its error (density and recall only; capture only)")
     parser.add_argument("--calibrate", type=float, nargs="+", default=[], metavar="RECALL",
@@ -674,9 +695,10 @@ def run(args: argparse.Namespace) -> int:
             print("sparseprefill compare --seqlen times methods against cuDNN and needs a CUDA GPU; "
                   "on CPU use --qkv", file=sys.stderr)
             return 2
-        if args.ablations or args.yardstick or args.calibrate or args.layers or args.no_output_error:
-            print("sparseprefill compare: --ablations, --yardstick, --calibrate, --layers and --no-output-error "
-                  "need a capture "
+        if (args.ablations or args.yardstick or args.calibrate or args.layers or args.no_output_error
+                or args.block_oracle):
+            print("sparseprefill compare: --ablations, --yardstick, --calibrate, --block-oracle, --layers and "
+                  "--no-output-error need a capture "
                   "(--qkv)", file=sys.stderr)
             return 2
         points = compare_synthetic(args.seqlen, names, device=args.device, log=log)
@@ -692,7 +714,7 @@ def run(args: argparse.Namespace) -> int:
                                      max_seqlen=args.max_seqlen, log=log, layers=args.layers,
                                      ablations=args.ablations, yardsticks=args.yardstick,
                                      calibrate=args.calibrate, calibrated=calibrated,
-                                     output_error=not args.no_output_error)
+                                     output_error=not args.no_output_error, block_oracles=args.block_oracle)
         except ValueError as exc:
             print(f"sparseprefill compare: {exc}", file=sys.stderr)
             return 2

@@ -119,7 +119,7 @@ def test_compare_ablations_yardstick_and_calibration(tiny_capture: Path) -> None
     want = reference.recall(q, k, plan, scale=0.25).double().mean(dim=-1).flatten().tolist()
     assert mine[1].recall_per_head == pytest.approx(want, abs=1e-6)
     # The oracle at each point's own recall is exact.
-    exact = oracle_density(q, k, [round(mine[1].recall_mean or 0.0, 6)], scale=0.25).mean()
+    exact = oracle_density(q, k, [min(1.0, mine[1].recall_mean or 0.0)], scale=0.25).mean()
     assert mine[1].oracle_density_at_recall == pytest.approx(float(exact))
     # The yardstick: vertical_slash [x4]'s recall interpolated at each point's density.
     curve = sorted((p.density, p.recall_mean) for p in points if p.method == "vertical_slash" and p.label == "x4")
@@ -196,3 +196,18 @@ def test_evidence_plans_of_the_tile_methods() -> None:
     assert kept[..., 0].all() and kept.diagonal(dim1=-2, dim2=-1).all()
     grid = dpxa.grid_anchor_plan(q, k, anchor_period=1, threshold=1.0, block=64)
     assert torch.equal(grid.block_mask(), full.block_mask())
+
+
+def test_block_oracle_of_one_token_blocks_is_the_row_oracle() -> None:
+    """Cells of one row and one key are the per-row oracle's choices, so both densities agree;
+    one block holding the whole sequence keeps everything at share 1."""
+    from sparseprefill.oracle import block_oracle_density
+
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 37, 8, generator=gen), torch.randn(2, 2, 37, 8, generator=gen)
+    shares = [0.0, 0.5, 0.9, 0.99]
+    torch.testing.assert_close(block_oracle_density(q, k, shares, block=1), oracle_density(q, k, shares))
+    whole = block_oracle_density(q, k, [1.0], block=64)
+    torch.testing.assert_close(whole, torch.ones_like(whole))
+    with pytest.raises(ValueError, match="block"):
+        block_oracle_density(q, k, [0.9], block=0)

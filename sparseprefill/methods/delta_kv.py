@@ -53,7 +53,7 @@ ABLATIONS = (
     Ablation("no exact diagonal", lambda n: [{"threshold": t, "metric": m, "exact_diagonal": False}
                                              for m, t in ABLATE],
              about="the critical diagonal packed too"),
-    Ablation("block 128", lambda n: [{"threshold": t, "metric": "cosine", "block_m": 128, "block_n": 128}
+    Ablation("block128", lambda n: [{"threshold": t, "metric": "cosine", "block_m": 128, "block_n": 128}
                                      for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
              about="DeltaXAttention's tiles (its yardstick, docs/delta_xattention.md)"),
 )

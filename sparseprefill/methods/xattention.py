@@ -97,7 +97,7 @@ ABLATIONS = (
     Ablation("naive s4", tile_grid(stride=4, scoring="naive")),
     Ablation("exact tile mass", lambda n: [{"threshold": t, "block": EVIDENCE_BLOCK} for t in TILE_EVIDENCE],
              reference_plan=exact_tile_mass_plan, about="the ideal scorer for the same greedy rule"),
-    *(Ablation(f"skip {t}{'' if first == 'kept' else ' first skippable'}", skip_grid(t, first),
+    *(Ablation(f"skip{t}{'' if first == 'kept' else '-literal'}", skip_grid(t, first),
                reference_plan=skip_plan, about="thesis 4.2.2: XAttention dropping its lightest tiles")
       for first in ("kept", "skippable") for t in (0.8, 0.9, 0.95)),
 )
