@@ -192,9 +192,10 @@ def _suite(seqlens: list[int], *, flex: bool = True, **kwargs: Any) -> list[benc
 def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any],
            view: MethodView) -> dict[str, float]:
     """The heads (over batch rows) whose stage 2 keeps no slash block on the diagonal."""
-    from ..reference.sample_attention import sample_attention_selection
+    from ..fast.sample_attention import sample_attention_selection as fast_selection
+    from ..reference.sample_attention import sample_attention_selection as reference_selection
 
-    _, slashes = sample_attention_selection(q, k, **params)
+    _, slashes = (fast_selection if impl_name == "fast" else reference_selection)(q, k, **params)
     return {"heads_without_selected_diagonal": float((~slashes[..., 0]).sum())}
 
 
