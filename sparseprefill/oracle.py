@@ -120,3 +120,75 @@ def oracle_density_at(
         TypeError, ValueError: as `oracle_density`.
     """
     return float(oracle_density(q, k, [share], scale=scale).mean())
+
+
+def block_oracle_density(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    shares: Sequence[float],
+    *,
+    block: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Density of the best plan of `block x block` cells at each share, per (batch, head).
+
+    Per query block of `block` rows, the fewest cells (by full-attention mass,
+    descending) whose mass reaches `share` times the block's row count: a plan of whole
+    cells at this block size needs at least this density for every query block to reach
+    mean recall `share` (the block-granular counterpart of `oracle_density`).
+
+    Args:
+        q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]` (math in float64).
+        shares: shares in `[0, 1]`.
+        block: rows and keys per cell.
+        scale: softmax scale, `1/sqrt(D)` if None.
+
+    Returns:
+        float64 `[B, Hq, len(shares)]`: causal pairs of the kept cells over `N (N + 1) / 2`.
+
+    Raises:
+        TypeError, ValueError: bad inputs, a share outside `[0, 1]` or `block < 1`.
+    """
+    check_qk(q, k)
+    targets = [check_fraction(f"shares[{i}]", s) for i, s in enumerate(shares)]
+    if not targets:
+        raise ValueError("shares must not be empty")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be an int >= 1, got {block!r}")
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    sm_scale = resolve_scale(scale, d)
+    nb = -(-n // block)
+    dev = q.device
+    key_block = torch.arange(n, device=dev) // block
+    qg = q.reshape(b, hkv, g, n, d).to(torch.float64)
+    kg = k.to(torch.float64).unsqueeze(2)
+    cells = torch.zeros(b, hq, nb, nb, dtype=torch.float64, device=dev)  # mass of each (query block, key block)
+    rows_per = block * max(1, _CHUNK_BYTES // max(1, b * hq * n * 8) // block)
+    for start in range(0, n, rows_per):
+        stop = min(n, start + rows_per)
+        pos = torch.arange(start, stop, device=dev)
+        causal = torch.arange(stop, device=dev)[None, :] <= pos[:, None]
+        scores = torch.matmul(qg[:, :, :, start:stop], kg[:, :, :, :stop].transpose(-1, -2)) * sm_scale
+        probs = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1).reshape(b, hq, stop - start, stop)
+        per_row = torch.zeros(b, hq, stop - start, nb, dtype=torch.float64, device=dev)
+        per_row.index_add_(-1, key_block[:stop], probs)
+        cells.index_add_(2, pos // block, per_row)
+    # Causal pairs of every cell: row r sees min(max(r - j * block + 1, 0), size_j) keys of block j.
+    starts = torch.arange(nb, device=dev) * block
+    sizes = (n - starts).clamp(max=block)
+    seen = (torch.arange(n, device=dev)[:, None] - starts[None, :] + 1).clamp(min=0)
+    seen = torch.minimum(seen, sizes[None, :]).to(torch.float64)  # [N, Kb]
+    cell_pairs = torch.zeros(nb, nb, dtype=torch.float64, device=dev).index_add_(0, key_block, seen)
+    order = torch.sort(cells, dim=-1, descending=True, stable=True)
+    cum = order.values.cumsum(dim=-1)
+    sorted_pairs = cell_pairs.expand(b, hq, nb, nb).gather(-1, order.indices)
+    rows = sizes.to(torch.float64)[None, None, :, None]
+    out = torch.empty(b, hq, len(targets), dtype=torch.float64, device=dev)
+    for i, s in enumerate(targets):
+        # Cells needed: 1 + the number of prefix sums still below the target (0 for s = 0).
+        need = ((cum < s * rows - _SUM_SLACK).sum(dim=-1, keepdim=True) + 1).clamp(max=nb) if s > 0 else 0
+        keep = torch.arange(nb, device=dev) < need
+        out[..., i] = (sorted_pairs * keep).sum(dim=(-2, -1)) / (n * (n + 1) / 2)
+    return out

@@ -12,6 +12,7 @@ Every tool (CLI, demo, bench, compare, eval, `patch`, `fast.ops`, `distributed`)
 from ._core import (
     METHODS,
     UNKNOWN_SYNC,
+    Ablation,
     Adapter,
     BenchArgument,
     BenchSuite,
@@ -35,6 +36,7 @@ __all__ = [
     "DENSE",
     "METHODS",
     "UNKNOWN_SYNC",
+    "Ablation",
     "Adapter",
     "BenchArgument",
     "BenchSuite",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 def sink_window(n: int) -> dict[str, int]:
@@ -31,6 +34,22 @@ def tile_block(n: int) -> int:
 
 # The greedy threshold grid of XAttention and DPXA (`sparseprefill compare`).
 TILE_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.98)
+# The wider grid of their ablations (`compare --ablations`, docs/xattention.md), at the
+# thesis's 128-token tiles whatever N.
+TILE_EVIDENCE = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98)
+EVIDENCE_BLOCK = 128
+
+
+def tile_grid(**params: Any) -> Callable[[int], list[dict[str, Any]]]:
+    """`N -> [params + threshold, block 128]` over `TILE_EVIDENCE` (an ablation's grid)."""
+    return lambda n: [{**params, "threshold": t, "block": EVIDENCE_BLOCK} for t in TILE_EVIDENCE]
+
+
+def tiles_computed(view: Any) -> float:
+    """The kept causal tiles over all causal tiles of a tile plan (the thesis's "sparsity")."""
+    keep: torch.Tensor = view.plan.block_mask()  # [B, Hq, T, T]
+    t = keep.shape[-1]
+    return float(keep.sum()) / (keep[..., 0, 0].numel() * t * (t + 1) / 2)
 
 
 def shape_only_estimate(name: str) -> Any:

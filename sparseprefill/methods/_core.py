@@ -143,6 +143,26 @@ class BenchSuite:
 
 
 @dataclass(frozen=True)
+class Ablation:
+    """A named grid of extra points for `sparseprefill compare --ablations`: a paper's ablation
+    or a wider grid of a knob, measured beside the sweep (the evidence of docs/<method>.md).
+
+    Attributes:
+        label: the grid's name in the table, JSON and plot (e.g. "naive s4"); unique per method.
+        grid: `N -> [params, ...]`, parameters of the method's own functions.
+        reference_plan: `(q, k, **params) -> BlockColumnPlan`, an estimator that replaces the
+            method's for this grid, for a variant no parameter selects (an ideal scorer, grid
+            anchors); the points then run `sparse_attention` of its plan. Reference backend only.
+        about: one line: what the grid shows.
+    """
+
+    label: str
+    grid: Callable[[int], list[Params]]
+    reference_plan: PlanFn | None = None
+    about: str = ""
+
+
+@dataclass(frozen=True)
 class Method:
     """Every fact about one sparse attention method, in one place.
 
@@ -185,6 +205,11 @@ class Method:
             end beside cuDNN).
         random_params: the parameters on random, unstructured inputs (the distributed
             bench), where the defaults would not behave as on real heads; None: `defaults`.
+        ablations: extra grids `sparseprefill compare --ablations` measures beside the sweep
+            (`Ablation`: a paper's ablation, a wider grid, a yardstick's budget grid).
+        extras: `(impl_name, q, k, v, params, view) -> {name: float}`, numbers `compare`
+            reports beside density and recall (a scoring ratio, a keep ratio, tiles computed),
+            given the call's `MethodView`; None: none.
     """
 
     name: str
@@ -207,6 +232,8 @@ class Method:
     fast_layer: Callable[..., torch.Tensor] | None = None
     bench: BenchSuite | None = None
     random_params: Callable[[int], Params] | None = None
+    ablations: tuple[Ablation, ...] = ()
+    extras: Callable[..., dict[str, float]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -223,6 +250,11 @@ class Method:
         layers = (self.new_state, self.reference_layer, self.fast_layer)
         if any(f is None for f in layers) and any(f is not None for f in layers):
             raise ValueError(f"{self.name}: give new_state, reference_layer and fast_layer together")
+        labels = [a.label for a in self.ablations]
+        if not all(isinstance(a, Ablation) for a in self.ablations) or len(set(labels)) != len(labels):
+            raise ValueError(f"{self.name}: ablations must be Ablation entries with unique labels, got {labels}")
+        if any(a.reference_plan is not None for a in self.ablations) and not self.plan_based:
+            raise ValueError(f"{self.name}: an ablation's own plan function needs a plan-based method")
         if self.reference_run is None:
             assert self.reference_plan is not None and self.fast_plan is not None
             object.__setattr__(self, "reference_run", _plan_runner(self.name, "reference", self.reference_plan))

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from .. import bench, fast, reference
-from ._common import keyword_check
 from ..reference.anchor_attention import check_anchor_params
-from ._core import BenchArgument, BenchSuite, Method, SyncStatus, register
+from ._common import keyword_check
+from ._core import Ablation, BenchArgument, BenchSuite, Method, MethodView, SyncStatus, register
 
 
 def defaults(n: int) -> dict[str, Any]:
@@ -165,6 +165,13 @@ def _suite(seqlens: list[int], *, flex: bool = True, **kwargs: Any) -> list[benc
     return run_anchor_suite(seqlens, **kwargs)
 
 
+def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any],
+           view: MethodView) -> dict[str, float]:
+    """`stripe_width`: the widest stripe list (the plan's column width, the static bound's rival)."""
+    assert view.plan is not None
+    return {"stripe_width": float(view.plan.column_index.shape[-1])}
+
+
 METHOD = register(Method(
     check=keyword_check(check_anchor_params),
     name="anchor_attention",
@@ -176,6 +183,10 @@ METHOD = register(Method(
     fast_run=fast.anchor_attention,
     defaults=defaults,
     sweep=lambda n: [{**defaults(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
+    ablations=(Ablation("theta x step", lambda n: [{"theta": t, "step": s, "block_m": 128, "block_n": 128}
+                                                   for t in (6.0, 9.0, 12.0, 15.0) for s in (1, 4, 16)],
+                        about="the paper's theta against the group size step (docs/anchor_attention.md)"),),
+    extras=extras,
     chunked="each query block's anchor and its group's stripes: the chunk's own rows (chunks start on a "
             "group of `step` query blocks)",
     sync=SyncStatus(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .. import bench, fast, reference
-from ._core import BenchSuite, Method, MethodView, SyncStatus, register
+from ._core import Ablation, BenchSuite, Method, MethodView, SyncStatus, register
 
 
 # The parameters of stage 1 (the keep mask).
@@ -30,6 +30,33 @@ def view(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _, exact = impl.delta_kv_plans(q, packed, block_m=block_m)
     return MethodView(density=impl.delta_kv_density(q, packed, block_m=block_m), recall=None, plan=exact,
                       notes=f"keep ratio {float(packed.keep_ratio().mean()):.3f}")
+
+
+def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any],
+           view: MethodView) -> dict[str, float]:
+    """The keep ratio (anchors over keys) and the exact mass: the full-attention mass on the
+    keys phase 2 computes exactly (per head the mean over rows; mean and min over heads)."""
+    impl: Any = fast if impl_name == "fast" else reference
+    assert view.plan is not None
+    exact = impl.recall(q, k, view.plan).double().mean(dim=-1)
+    return {"keep_ratio": float(packing(impl, k, v, params).keep_ratio().mean()),
+            "exact_mass_mean": float(exact.mean()), "exact_mass_min": float(exact.min())}
+
+
+# The thesis's two ablations (`compare --ablations`, docs/delta_kv.md) at these thresholds.
+ABLATE = (("euclidean", 10.0), ("euclidean", 12.0), ("cosine", 0.85), ("cosine", 0.75))
+ABLATIONS = (
+    Ablation("euclidean", lambda n: [{"threshold": t, "metric": "euclidean"} for t in (8.0, 10.0, 12.0, 14.0)],
+             about="the Euclidean metric"),
+    Ablation("uniform anchors", lambda n: [{"threshold": t, "metric": m, "count_weighted": False} for m, t in ABLATE],
+             about="anchors without the log-count bias"),
+    Ablation("no exact diagonal", lambda n: [{"threshold": t, "metric": m, "exact_diagonal": False}
+                                             for m, t in ABLATE],
+             about="the critical diagonal packed too"),
+    Ablation("block128", lambda n: [{"threshold": t, "metric": "cosine", "block_m": 128, "block_n": 128}
+                                     for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
+             about="DeltaXAttention's tiles (its yardstick, docs/delta_xattention.md)"),
+)
 
 
 DELTA_KV_THRESHOLDS = (0.9, 0.83, 0.78)
@@ -117,6 +144,8 @@ METHOD = register(Method(
     fast_run=fast.delta_kv,
     defaults=lambda n: {"threshold": 0.83, "metric": "cosine"},
     sweep=lambda n: [{"threshold": t, "metric": "cosine"} for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
+    ablations=ABLATIONS,
+    extras=extras,
     view=view,
     sync=SyncStatus(
         syncs=("packing: the packed buffer's size (offsets[-1].item())",

@@ -12,7 +12,7 @@ import torch
 from .. import bench, fast, reference
 from ..reference._checks import check_block_size
 from ..reference.plan import BlockColumnPlan, cdiv
-from ._core import BenchSuite, DistributedEstimate, Method, SyncStatus, register
+from ._core import Ablation, BenchSuite, DistributedEstimate, Method, MethodView, SyncStatus, register
 
 
 def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: float | None,
@@ -189,6 +189,25 @@ def _suite(seqlens: list[int], *, flex: bool = True, **kwargs: Any) -> list[benc
     return run_sample_attention_suite(seqlens, **kwargs)
 
 
+def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any],
+           view: MethodView) -> dict[str, float]:
+    """The heads (over batch rows) whose stage 2 keeps no slash block on the diagonal."""
+    from ..fast.sample_attention import sample_attention_selection as fast_selection
+    from ..reference.sample_attention import sample_attention_selection as reference_selection
+
+    _, slashes = (fast_selection if impl_name == "fast" else reference_selection)(q, k, **params)
+    return {"heads_without_selected_diagonal": float((~slashes[..., 0]).sum())}
+
+
+# `compare --ablations` (docs/sample_attention.md): alpha_c = alpha_s over this grid for each
+# chunk_n and block size (64-token blocks show what block granularity costs).
+def alpha_grid(chunk_n: int, block_size: int) -> Callable[[int], list[dict[str, Any]]]:
+    return lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": chunk_n, "block_size": block_size}
+                      for a in (0.8, 0.9, 0.95, 0.98)]
+
+
+ABLATIONS = tuple(Ablation(f"chunk_n {c}, block {b}", alpha_grid(c, b)) for b in (128, 64) for c in (1, 2, 4))
+
 METHOD = register(Method(
     name="sample_attention",
     notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
@@ -199,6 +218,8 @@ METHOD = register(Method(
     # Section 5.4's 32K setting; 64-token blocks below 4K so short prompts keep several blocks.
     defaults=lambda n: {"alpha_c": 0.95, "alpha_s": 0.95, "chunk_n": 1, "block_size": 128 if n >= 4096 else 64},
     sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
+    ablations=ABLATIONS,
+    extras=extras,
     sync=SyncStatus(
         syncs=("merge index: the most kept column + slash blocks ((...).max().item())",),
         static_bound="Kb key blocks per query block (every block)",

@@ -11,7 +11,7 @@ from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
 from ..reference.vertical_slash import check_vertical_slash_params
 from ._common import keyword_check, vertical_slash_defaults
-from ._core import DistributedEstimate, Method, SyncStatus, register
+from ._core import Ablation, DistributedEstimate, Method, SyncStatus, register
 
 
 def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: float | None,
@@ -58,6 +58,11 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     return plan
 
 
+# The yardstick grid (`compare --ablations --yardstick vertical_slash:x4`): budgets (x, 4x),
+# x geometric from 8 to about 2100, 64 x 64 blocks, fine enough to interpolate recall at
+# any other method's density.
+YARDSTICK = tuple(int(round(8 * 1.45 ** i)) for i in range(16))
+
 METHOD = register(Method(
     check=keyword_check(check_vertical_slash_params),
     name="vertical_slash",
@@ -69,6 +74,9 @@ METHOD = register(Method(
     defaults=vertical_slash_defaults,
     sweep=lambda n: [{"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f)}
                      for f in (256, 128, 64, 32, 16, 8)],
+    ablations=(Ablation("x4", lambda n: [{"vertical_size": x, "slash_size": 4 * x, "block_m": 64, "block_n": 64}
+                                         for x in YARDSTICK],
+                        about="the yardstick: budgets (x, 4x) on a geometric grid"),),
     chunked="the chunk's last `last_q` queries (capped at the chunk's length) against every key of the "
             "prefix and the chunk",
     sync=SyncStatus(
