@@ -13,12 +13,16 @@ One GPU run compares code versions: `run` is started once per installed version 
 in its own process, so two copies of the package never meet), with the same cached
 workload, and `merge` prints the table and writes one JSON:
 
-    python benches/discrete_keys.py run --label before --json /tmp/before.json
-    SPARSEPREFILL_COLUMNS=pack python benches/discrete_keys.py run --label pack --json /tmp/pack.json
-    python benches/discrete_keys.py merge /tmp/before.json /tmp/pack.json --json OUT.json
+    python benches/discrete_keys.py run --label before --json /tmp/before.json   # old checkout
+    python benches/discrete_keys.py run --label after --json /tmp/after.json     # this one
+    python benches/discrete_keys.py merge /tmp/before.json /tmp/after.json --json OUT.json
 
-`run` also keeps a few output rows of every plan (`--rows-dir`) so `merge` reports the
-largest relative difference between versions on identical plans. `profile` runs the
+(`benches/discrete_keys_gpu.sh compare ../before=before .=after` does this in one device
+call; the packed-column variant measured in docs/plan-and-kernels.md is commit 5404984,
+`SPARSEPREFILL_COLUMNS=pack`.)
+
+`run` also keeps a few output rows of every plan (`--rows-dir`) so `merge` reports each
+version's relative difference (Frobenius norm) from the first version's rows. `profile` runs the
 column-dominant plans once each between `cudaProfilerStart/Stop`, for
 `ncu --profile-from-start off`.
 """
@@ -231,7 +235,6 @@ def merge(args: argparse.Namespace) -> int:
     runs = [json.loads(Path(p).read_text()) for p in args.inputs]
     rows = [r for run_ in runs for r in run_["rows"]]
     labels = [run_["rows"][0]["label"] for run_ in runs if run_["rows"]]
-    diffs: dict[str, float] = {}
     if args.rows_dir:
         base = labels[0]
         for r in rows:
@@ -242,7 +245,7 @@ def merge(args: argparse.Namespace) -> int:
             if a.exists() and bpath.exists():
                 x, y = torch.load(a).float(), torch.load(bpath).float()
                 r["rel_diff_vs_" + base] = float((x - y).norm() / x.norm().clamp(min=1e-30))
-    out = {"meta": [run_["meta"] for run_ in runs], "rows": rows, "rel_diffs": diffs}
+    out = {"meta": [run_["meta"] for run_ in runs], "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     keys = sorted({(r["seqlen"], r["plan"]) for r in rows}, key=lambda x: (x[0], PLANS.index(x[1])

@@ -42,7 +42,6 @@ _BLOCK_K = 128
 _NUM_WARPS = 4
 
 
-
 @triton.jit
 def _anchor_stripes_kernel(
     QH, QL, AMEAN, K, TILE_COUNT, TILE_OFFSET, INDEX,

@@ -9,7 +9,11 @@ cross the diagonal or the end of the sequence: the kernel runs the block list in
 two loops, an unmasked one and a masked one, and masks only the latter and the
 columns. A column inside a listed block (allowed by the plan format, so column
 lists can be shared) is dropped by a binary search in the block list, so no key
-counts twice. Grouped-query attention maps query head `h` to KV head `h // G`; K
+counts twice. Column tiles are always masked, so the step that keeps NaN / inf values
+out of rows that skip their key would run on every one of them; the launcher passes a
+one-element flag (does V hold a non-finite value at all, `torch.aminmax`, no host
+sync) and the column loop is compiled twice, the checking copy taken only when the
+flag is set. Grouped-query attention maps query head `h` to KV head `h // G`; K
 and V are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
 
 Layout: kernel -> launcher (`block_column_attention`), which checks everything
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -152,23 +156,18 @@ def _listed_block(p_bindex, stride_bik, count, i_blk, SEARCH_STEPS: tl.constexpr
 def _column_tiles(
     acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
     p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-    m_row, m_d, o_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale, KP_DESC, VP_DESC, pack_row,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr,
-    GUARD: tl.constexpr, PREFETCH: tl.constexpr, SKIP_COVERED: tl.constexpr, WIN: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, NONFINITE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr,
+    SKIP_COVERED: tl.constexpr, WIN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    NONFINITE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """Fold the listed columns into `(acc, l_i, m_i)`, gathered `BLOCK_N` at a time.
 
     Every column tile is masked (column count, causality, covered columns), so with
     NONFINITE each tile would also pass its V tile through registers to test it for
     NaN / inf (`_softmax_step`); the caller compiles this loop twice and runs the
-    NONFINITE copy only when V holds a non-finite value at all. With `KP_DESC` (the
-    packed layout, `SPARSEPREFILL_COLUMNS=pack`) the K/V rows of this column list were
-    copied once per launch into contiguous rows from `pack_row` and arrive through TMA
-    like a listed block; the column indices then serve only causality, bias and mask.
+    NONFINITE copy only when V holds a non-finite value at all.
     """
-    PACKED: tl.constexpr = KP_DESC is not None
     # Sorted columns meet the sorted block list in order: `ptr` never passes the first
     # listed block a later column can fall in, so a window of WIN entries from `ptr`
     # settles a whole tile with one compare; only columns past a full window fall
@@ -192,22 +191,10 @@ def _column_tiles(
             i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
         if GUARD:
             i_col = tl.minimum(tl.maximum(i_col, 0), key_len - 1)
-        if PACKED:
-            if USE_TMA:
-                b_k = tl.trans(KP_DESC.load([pack_row + c0, 0]))
-                b_v = VP_DESC.load([pack_row + c0, 0])
-            else:
-                # The CPU interpreter's twin of the TMA loads: contiguous [rows, D] tensors.
-                o_row = (pack_row + o_c).to(tl.int64) * HEAD_DIM
-                b_k = tl.load(KP_DESC + o_row[None, :] + o_d[:, None], mask=m_c[None, :] & m_d[:, None],
-                              other=0.0)
-                b_v = tl.load(VP_DESC + o_row[:, None] + o_d[None, :], mask=m_c[:, None] & m_d[None, :],
-                              other=0.0)
-        else:
-            b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn,
-                          mask=m_c[None, :] & m_d[:, None], other=0.0)
-            b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
-                          mask=m_c[:, None] & m_d[None, :], other=0.0)
+        b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn,
+                      mask=m_c[None, :] & m_d[:, None], other=0.0)
+        b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
+                      mask=m_c[:, None] & m_d[None, :], other=0.0)
         if HAS_BIAS:
             b_bias = tl.load(x_base + i_col.to(tl.int64) * stride_xn, mask=m_c,
                              other=float("-inf")) * K_LOG2E
@@ -241,16 +228,16 @@ def _column_tiles(
 def _block_column_fwd(
     Q, K, V, O, LSE, MASK,
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX,
-    M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS, CU_SEQLENS, K_DESC, V_DESC, V_BAD, KP_DESC, VP_DESC,
+    M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS, CU_SEQLENS, K_DESC, V_DESC, V_BAD,
     qk_scale, sm_scale, seqlen, key_len, q_offset, head_dim, num_heads, group,
-    plan_block_m, plan_block_n, num_key_blocks, block_width, column_width, column_group, num_column_rows,
+    plan_block_m, plan_block_n, num_key_blocks, block_width, column_width, column_group,
     strides_q, strides_k, strides_v, strides_o, strides_lse, strides_mask,
     strides_bc, strides_bi, strides_cc, strides_ci, strides_sum, strides_bias,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
-    GUARD: tl.constexpr, NONFINITE: tl.constexpr, COLUMN_PREFETCH: tl.constexpr,
+    GUARD: tl.constexpr, NONFINITE: tl.constexpr,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -421,8 +408,6 @@ def _block_column_fwd(
             + i_crow.to(tl.int64) * stride_cim
         p_k_cols = k_base + o_d[:, None] * stride_kd
         p_v_cols = v_base + o_d[None, :] * stride_vd
-        # Packed rows: one list of `column_width` rows per (batch, head, column row).
-        pack_row = ((i_b * num_heads + i_h) * num_column_rows + i_crow) * column_width
         # A column tile is always masked; its non-finite step (which spilled registers
         # and cost 5x on the H100's anchor plan, docs/plan-and-kernels.md) runs only when
         # the launcher's one-element flag says V holds a NaN or an infinity at all.
@@ -431,22 +416,22 @@ def _block_column_fwd(
                 acc, l_i, m_i, poison = _column_tiles(
                     acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
                     p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-                    m_row, m_d, o_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale, KP_DESC, VP_DESC, pack_row,
-                    BLOCK_N, HEAD_DIM, USE_TMA, DOT_F32, GUARD, COLUMN_PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, True,
+                    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+                    BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, True,
                     HAS_BIAS, HAS_MASK)
             else:
                 acc, l_i, m_i, poison = _column_tiles(
                     acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
                     p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-                    m_row, m_d, o_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale, KP_DESC, VP_DESC, pack_row,
-                    BLOCK_N, HEAD_DIM, USE_TMA, DOT_F32, GUARD, COLUMN_PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
+                    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+                    BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
                     HAS_BIAS, HAS_MASK)
         else:
             acc, l_i, m_i, poison = _column_tiles(
                 acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
                 p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-                m_row, m_d, o_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale, KP_DESC, VP_DESC, pack_row,
-                BLOCK_N, HEAD_DIM, USE_TMA, DOT_F32, GUARD, COLUMN_PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
+                m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+                BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
                 HAS_BIAS, HAS_MASK)
 
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
@@ -525,19 +510,11 @@ def _smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, i
 
 
 _PREFETCH = os.environ.get("SPARSEPREFILL_PREFETCH", "1") == "1"
-# The column loop's own index prefetch (benchmark switch: `SPARSEPREFILL_COLUMN_PREFETCH=0`).
-_COLUMN_PREFETCH = os.environ.get("SPARSEPREFILL_COLUMN_PREFETCH", "1") == "1"
 # Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
 # clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
 # keeps NaN values out of rows that do not keep their key. Never turn them off in use.
 _GUARD = os.environ.get("SPARSEPREFILL_GUARD", "1") == "1"
 _NONFINITE = os.environ.get("SPARSEPREFILL_NONFINITE", "1") == "1"
-# Column layout (docs/plan-and-kernels.md, "Discrete keys"): "gather" (default) loads
-# the K/V rows of each column tile by index; "pack" copies every column list's rows
-# into contiguous K/V once per launch (head chunks of at most `_PACK_BYTES`) and loads
-# them through TMA like blocks.
-_COLUMNS = os.environ.get("SPARSEPREFILL_COLUMNS", "gather")
-_PACK_BYTES = int(os.environ.get("SPARSEPREFILL_PACK_BYTES", str(8 << 30)))
 
 
 @dataclass(frozen=True)
@@ -547,7 +524,8 @@ class _KernelCall:
     `q` is `[B, Hq, N, D]`; `k`, `v` are `[B, Hkv, N, D]`, or flat `[T, D]` with
     `kv_offsets` (ragged). A varlen batch arrives as batch-stride-0 views
     `[S, H, max_seqlen, D]` of the packed tensors, with `varlen = (cu_seqlens, out,
-    lse)` the packed outputs' views the kernel writes into.
+    lse)` the packed outputs' views the kernel writes into (and `v_nonfinite` taken
+    from the packed V).
     """
 
     q: torch.Tensor
@@ -563,6 +541,9 @@ class _KernelCall:
     key_bias: torch.Tensor | None = None
     kv_offsets: torch.Tensor | None = None
     varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    # The "V holds a NaN/inf" flag, when the caller has it cheaper than from `v` (a
+    # varlen view repeats the packed V once per sequence).
+    v_nonfinite: torch.Tensor | None = None
 
 
 def _front_door(
@@ -796,8 +777,9 @@ def varlen_block_column_attention(
         if lse is not None:
             lse = torch.empty(hq, total + pad, dtype=torch.float32, device=q.device)
     lse_view = None if lse is None else lse.as_strided((seqs, hq, max_seqlen), (0, lse.stride(0), 1))
+    flag = _nonfinite_flag(v) if plan.column_index.shape[3] > 0 and _NONFINITE else None
     _launch(_KernelCall(view(q), view(k), view(v), plan, sm_scale, max_seqlen, return_lse,
-                        varlen=(cu_seqlens, view(out), lse_view)))
+                        varlen=(cu_seqlens, view(out), lse_view), v_nonfinite=flag))
     out = out[:total]
     return out, (lse[:, :total] if lse is not None else None)
 
@@ -821,66 +803,13 @@ def _zero_strides(n: int) -> tuple[int, ...]:
     return (0,) * n
 
 
-def _pack_heads(call: _KernelCall) -> int:
-    """Query heads per launch of the packed column layout (0: the layout does not apply).
-
-    Packing needs the plain layout (no ragged or varlen K/V, no dense mask), and
-    its copies of K/V rows, `[B, Hq, R, W, D]` twice, must fit `_PACK_BYTES` for at least
-    one KV head's query heads; larger plans run in head chunks.
-    """
-    q, k, plan = call.q, call.k, call.plan
-    if (_COLUMNS != "pack" or plan.column_index.shape[3] == 0 or call.kv_offsets is not None
-            or call.varlen is not None or call.mask is not None
-            or q.shape[3] != max(16, triton.next_power_of_2(q.shape[3]))):
-        return 0
-    group = q.shape[1] // k.shape[1]
-    per_head = 2 * q.shape[0] * plan.column_index.shape[2] * plan.column_index.shape[3] * q.shape[3] \
-        * q.element_size()
-    return min(q.shape[1], (_PACK_BYTES // max(1, per_head)) // group * group)
-
-
-def _head_slice(call: _KernelCall, h0: int, h1: int) -> _KernelCall:
-    """The same call for query heads `[h0, h1)` (whole KV groups)."""
-    group = call.q.shape[1] // call.k.shape[1]
-    kv0, kv1 = h0 // group, h1 // group
-    plan = call.plan
-    sub_plan = replace(plan, block_count=plan.block_count[:, h0:h1], block_index=plan.block_index[:, h0:h1],
-                       column_count=plan.column_count[:, h0:h1], column_index=plan.column_index[:, h0:h1])
-    state = call.state
-    if state is not None:
-        state = AttentionState(state.m[:, h0:h1], state.l[:, h0:h1], state.acc[:, h0:h1])
-    return replace(call, q=call.q[:, h0:h1], k=call.k[:, kv0:kv1], v=call.v[:, kv0:kv1], plan=sub_plan,
-                   state=state,
-                   block_mean_out=None if call.block_mean_out is None else call.block_mean_out[:, h0:h1],
-                   key_bias=None if call.key_bias is None else call.key_bias[:, kv0:kv1])
-
-
-def _pack_columns(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V rows of every column list, contiguous: `[B * Hq * R * W, D]` each (row
-    `((b * Hq + h) * R + r) * W + j` holds key `column_index[b, h, r, j]` of KV head `h // G`)."""
-    q, k, v, plan = call.q, call.k, call.v, call.plan
-    b, hq = q.shape[0], q.shape[1]
-    idx = plan.column_index.clamp(0, call.key_len - 1).long()
-    i_b = torch.arange(b, device=q.device)[:, None, None, None]
-    i_h = (torch.arange(hq, device=q.device) // (hq // k.shape[1]))[None, :, None, None]
-    return k[i_b, i_h, idx].reshape(-1, q.shape[3]), v[i_b, i_h, idx].reshape(-1, q.shape[3])
-
-
 def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch `_block_column_fwd` for one checked call (the only launch site)."""
-    pack_heads = _pack_heads(call)
-    if 0 < pack_heads < call.q.shape[1]:
-        parts = [_launch(_head_slice(call, h0, min(h0 + pack_heads, call.q.shape[1])))
-                 for h0 in range(0, call.q.shape[1], pack_heads)]
-        lses = [p[1] for p in parts]
-        return (torch.cat([p[0] for p in parts], dim=1),
-                torch.cat([x for x in lses if x is not None], dim=1) if call.return_lse else None)
     q, k, v, plan = call.q, call.k, call.v, call.plan
     b, hq, n, d = q.shape
     ragged = call.kv_offsets is not None
     group = hq // (call.kv_offsets.shape[0] // b if call.kv_offsets is not None else k.shape[1])
     head_dim = max(16, triton.next_power_of_2(d))
-    packed = _pack_columns(call) if pack_heads else None
     lse: torch.Tensor | None
     if call.varlen is not None:
         cu_arg, out, lse = call.varlen
@@ -914,11 +843,13 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     kstrides = (0, 0, *k.stride()) if ragged else tuple(k.stride())
     vstrides = (0, 0, *v.stride()) if ragged else tuple(v.stride())
     has_columns = plan.column_index.shape[3] > 0
-    v_bad = _nonfinite_flag(v) if has_columns and _NONFINITE else None
+    v_bad = None
+    if has_columns and _NONFINITE:
+        v_bad = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
     use_tma = head_dim == d and not ragged and call.varlen is None and tma_ok(q, k, v)
     key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma,
            call.varlen is None, has_columns, call.return_lse, ragged, bias is not None,
-           work is not None, sums is not None, packed is not None)
+           work is not None, sums is not None)
     initial = _tile_config(plan.block_m, plan.block_n, d)
     config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
     # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
@@ -927,28 +858,21 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         block_m, block_n, num_warps, num_stages = config
         k_desc: object = None
         v_desc: object = None
-        kp_desc: object = None
-        vp_desc: object = None
         if use_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
             v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
-            if packed is not None:
-                kp_desc = TensorDescriptor.from_tensor(packed[0], [block_n, head_dim])
-                vp_desc = TensorDescriptor.from_tensor(packed[1], [block_n, head_dim])
-        elif packed is not None:
-            kp_desc, vp_desc = packed
         grid = (triton.cdiv(n, block_m), b * hq)
         try:
             _block_column_fwd[grid](
                 q, k, v, out, lse, mask_arg,
                 plan.block_count, plan.block_index, plan.column_count, plan.column_index,
                 *((work.m, work.l, work.acc) if work is not None else (None, None, None)),
-                sums, call.kv_offsets, bias, cu_arg, k_desc, v_desc, v_bad, kp_desc, vp_desc,
+                sums, call.kv_offsets, bias, cu_arg, k_desc, v_desc, v_bad,
                 call.sm_scale * LOG2E, call.sm_scale, n, call.key_len, plan.query_offset, d, hq, group,
                 plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
-                plan.column_index.shape[3], plan.column_group, plan.column_index.shape[2],
+                plan.column_index.shape[3], plan.column_group,
                 tuple(q.stride()), kstrides, vstrides, tuple(out.stride()[:3]),
                 tuple(lse.stride()[:2]) if lse is not None else _zero_strides(2), mstrides,
                 tuple(plan.block_count.stride()), tuple(plan.block_index.stride()),
@@ -960,7 +884,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                 SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
                 WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
                 SKIP_COVERED=has_columns and not plan.columns_disjoint,
-                GUARD=_GUARD, NONFINITE=_NONFINITE, COLUMN_PREFETCH=_PREFETCH and _COLUMN_PREFETCH,
+                GUARD=_GUARD, NONFINITE=_NONFINITE,
                 num_warps=num_warps, num_stages=num_stages,
             )
         except OutOfResources:

@@ -31,7 +31,6 @@ from .delta_pack import keep_mask
 from .xattention_score import check_fast_block
 
 
-
 @triton.jit
 def _anchor_tile_score_kernel(
     Q, K, Q_POS, Q_COUNT, K_POS, K_COUNT, ACC, MAX,

@@ -33,7 +33,6 @@ from ._common import LOG2E, check_kernel_device, dot as _dot_f32, interpreter_ac
 _SPLIT_KEYS = 4096
 
 
-
 @triton.jit
 def _load_rows(Q, i_b, i_h, o_l, m_l, seqlen, rows, o_d, m_d, stride_qb, stride_qh, stride_qn, stride_qd):
     """The query tile of local rows `o_l` (global rows `N - L + o_l`): `[BLOCK_L, HEAD_DIM]`."""

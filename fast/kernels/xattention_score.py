@@ -44,7 +44,6 @@ def check_fast_block(block: int) -> None:
         raise ValueError(f"block must be a multiple of 16 for the fast kernels, got {block}")
 
 
-
 @triton.jit
 def _group_bounds(o_g, seqlen, block, stride, groups_per_tile):
     """First token and end (exclusive) of global groups `o_g` (tile-major order)."""
