@@ -102,3 +102,55 @@ def test_fast_disjoint_columns_match_reference(seed: int) -> None:
                          column_index=shared_list.view(1, 1, 1, -1).expand(b, h, qb, -1),
                          _checked=False).validate()
         _exact_own_columns(shared)
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf")])
+@pytest.mark.parametrize("group", [1, 2])
+def test_nonfinite_values_through_column_tiles(value: float | None, group: int) -> None:
+    """The column loop's non-finite step runs only when V holds a NaN/inf: with one at a
+    key that is a column of some query blocks, exactly the rows that keep it read NaN
+    (shared and grouped column lists, GQA, batch 2); with none, the fast copy matches the
+    golden output."""
+    torch.manual_seed(11 + group)
+    b, hq, hkv, n, d, bm, bn = 2, 4, 2, 150, 32, 32, 16
+    qb, kb = -(-n // bm), -(-n // bn)
+    blocks = torch.rand(b, hq, qb, kb) < 0.3
+    cols = torch.rand(b, hq, qb, n) < 0.25
+    col = 40
+    cols[1, 2:, :, col] = True  # query heads 2, 3 read KV head 1's key 40 as a column
+    blocks[1, 2:, :, col // bn] = False
+    plan = reference.BlockColumnPlan.from_masks(blocks, cols, seqlen=n, block_m=bm, block_n=bn)
+    if group > 1:
+        # Grouped lists (invariant 6): each group's union of columns, sorted once; every
+        # query block reads its causal prefix (columns inside its blocks are skipped).
+        rows = -(-qb // group)
+        cm = plan.column_mask()
+        cm = torch.cat([cm, cm.new_zeros(b, hq, rows * group - qb, n)], 2).view(b, hq, rows, group, n).any(3)
+        width = int(cm.sum(-1).max())
+        index = torch.sort(torch.where(cm, torch.arange(n), n), dim=-1).values[..., :width]
+        last = ((torch.arange(qb) + 1) * bm - 1).clamp(max=n - 1)
+        count = (index[:, :, torch.arange(qb) // group] <= last[None, None, :, None]).sum(-1)
+        plan = reference.BlockColumnPlan(
+            seqlen=n, block_m=bm, block_n=bn, block_count=plan.block_count, block_index=plan.block_index,
+            column_count=count.to(torch.int32), column_index=index.clamp(max=n - 1).to(torch.int32),
+            column_group=group,
+        ).validate()
+    q = torch.randn(b, hq, n, d, dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, n, d, dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, n, d, dtype=torch.bfloat16)
+    if value is not None:
+        v[1, 1, col, 3] = value
+    out, lse = fast.sparse_attention(q, k, v, plan, return_lse=True)
+    mask = plan.to_dense_mask()
+    ref, ref_lse = reference.sparse_attention(q.double(), k.double(), v.double(), plan, return_lse=True)
+    nan_rows = ref.isnan().any(-1)
+    assert torch.equal(out.isnan().any(-1), nan_rows)
+    assert torch.equal(lse.isnan(), ref_lse.isnan())
+    if value is None:
+        golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
+        check_attention(out, lse, golden, baseline, context="finite values, fast column copy")
+    else:
+        kept = mask[1, 2:, :, col].any()
+        assert bool(kept) and int(nan_rows.sum()) > 0
+        assert not bool(nan_rows[0].any()) and not bool(nan_rows[1, :2].any())
+        assert bool(out[~nan_rows].isfinite().all())

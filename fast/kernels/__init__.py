@@ -1,13 +1,12 @@
 """Triton kernel families; one file each, ordered kernel -> launcher."""
 
-from .block_column import (
-    block_column_attention,
+from ._common import (
     check_forward_only,
     check_kernel_block_sizes,
     check_kernel_device,
     interpreter_active,
-    varlen_block_column_attention,
 )
+from .block_column import block_column_attention, varlen_block_column_attention
 
 __all__ = [
     "block_column_attention",

@@ -35,20 +35,11 @@ import triton.language as tl
 from ...reference._checks import HALF_DTYPES, check_positive_int, check_qk
 from ...reference.plan import cdiv
 from ..capture import static_widths_active
-from .block_column import check_kernel_device, interpreter_active
+from ._common import check_kernel_device, dot as _dot, interpreter_active
 
 # Keys per program and warps (a key tile is loaded once and reused for every group).
 _BLOCK_K = 128
 _NUM_WARPS = 4
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
-    # The CPU interpreter multiplies bfloat16 tiles wrongly; products of 16-bit floats
-    # are exact in fp32, so upcasting there changes nothing else.
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
 
 
 @triton.jit

@@ -9,7 +9,11 @@ cross the diagonal or the end of the sequence: the kernel runs the block list in
 two loops, an unmasked one and a masked one, and masks only the latter and the
 columns. A column inside a listed block (allowed by the plan format, so column
 lists can be shared) is dropped by a binary search in the block list, so no key
-counts twice. Grouped-query attention maps query head `h` to KV head `h // G`; K
+counts twice. Column tiles are always masked, so the step that keeps NaN / inf values
+out of rows that skip their key would run on every one of them; the launcher passes a
+one-element flag (does V hold a non-finite value at all, `torch.aminmax`, no host
+sync) and the column loop is compiled twice, the checking copy taken only when the
+flag is set. Grouped-query attention maps query head `h` to KV head `h // G`; K
 and V are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
 
 Layout: kernel -> launcher (`block_column_attention`), which checks everything
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,17 +40,19 @@ from ...reference.attention import (
     check_state,
 )
 from ...reference.plan import BlockColumnPlan, causal_pairs
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
-    # Triton's CPU interpreter multiplies bfloat16 tiles wrongly (seen with triton 3.9):
-    # there, upcast the operands first; the products of 16-bit floats are exact in fp32.
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
+from ._common import (
+    K_LN2,
+    K_LOG2E,
+    LOG2E,
+    check_forward_only,
+    check_head_dim,
+    check_kernel_block_sizes,
+    check_kernel_device,
+    dot_f32,
+    interpreter_active,
+    tma_ok,
+)
+from ._common import dot as _dot
 
 
 @triton.jit
@@ -146,33 +153,115 @@ def _listed_block(p_bindex, stride_bik, count, i_blk, SEARCH_STEPS: tl.constexpr
 
 
 @triton.jit
+def _column_tiles(
+    acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
+    p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
+    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr,
+    SKIP_COVERED: tl.constexpr, WIN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    NONFINITE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """Fold the listed columns into `(acc, l_i, m_i)`, gathered `BLOCK_N` at a time.
+
+    Every column tile is masked (column count, causality, covered columns), so with
+    NONFINITE each tile would also pass its V tile through registers to test it for
+    NaN / inf (`_softmax_step`); the caller compiles this loop twice and runs the
+    NONFINITE copy only when V holds a non-finite value at all.
+    """
+    # Sorted columns meet the sorted block list in order: `ptr` never passes the first
+    # listed block a later column can fall in, so a window of WIN entries from `ptr`
+    # settles a whole tile with one compare; only columns past a full window fall
+    # back to a binary search (a per-column search in every tile was 5x slower).
+    ptr = count * 0
+    o_w = tl.arange(0, WIN)
+    # The gathers below depend on the column indices: with disjoint columns, load the
+    # next tile's one step ahead (H200, 128K MInference plan: 33.2 -> 32.4 ms). With
+    # the column-in-block test it made the loop 1.75x slower (43.2 -> 75.7 ms), so
+    # that path loads them in place.
+    if PREFETCH and not SKIP_COVERED:
+        i_col_next = tl.load(p_cindex + o_n * stride_cik, mask=o_n < ccount, other=0)
+    for c0 in range(0, ccount, BLOCK_N):
+        o_c = c0 + o_n
+        m_c = o_c < ccount
+        if PREFETCH and not SKIP_COVERED:
+            i_col = i_col_next
+            o_next = o_c + BLOCK_N
+            i_col_next = tl.load(p_cindex + o_next * stride_cik, mask=o_next < ccount, other=0)
+        else:
+            i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
+        if GUARD:
+            i_col = tl.minimum(tl.maximum(i_col, 0), key_len - 1)
+        b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn,
+                      mask=m_c[None, :] & m_d[:, None], other=0.0)
+        b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
+                      mask=m_c[:, None] & m_d[None, :], other=0.0)
+        if HAS_BIAS:
+            b_bias = tl.load(x_base + i_col.to(tl.int64) * stride_xn, mask=m_c,
+                             other=float("-inf")) * K_LOG2E
+        m_new = m_c
+        if SKIP_COVERED:
+            # A column inside a listed block was already counted there (plan invariant 4).
+            i_blk = i_col // plan_block_n
+            m_w = ptr + o_w < count
+            b_win = tl.load(p_bindex + (ptr + o_w) * stride_bik, mask=m_w, other=-1)
+            covered = tl.sum((i_blk[:, None] == b_win[None, :]).to(tl.int32), 1) > 0
+            win_last = tl.max(tl.where(m_w, b_win, -1), 0)
+            unsure = m_c & (i_blk > win_last) & (ptr + WIN < count)
+            if tl.sum(unsure.to(tl.int32), 0) > 0:
+                covered = covered | (unsure & _listed_block(p_bindex, stride_bik, count, i_blk,
+                                                            SEARCH_STEPS))
+            last_blk = tl.max(tl.where(m_c, i_blk, 0), 0)
+            ptr = ptr + tl.sum((m_w & (b_win < last_blk)).to(tl.int32), 0)
+            m_new = m_c & ~covered
+        b_keep = m_new[None, :] & (i_col[None, :] <= o_m[:, None])
+        if HAS_MASK:
+            m_user = tl.load(p_mask + i_col.to(tl.int64)[None, :] * stride_mn,
+                             mask=m_row[:, None] & m_c[None, :], other=0)
+            b_keep = b_keep & (m_user != 0)
+        acc, l_i, m_i, poison, tile_sum = _softmax_step(
+            acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
+            True, DOT_F32, False, NONFINITE, HAS_BIAS)
+    return acc, l_i, m_i, poison
+
+
+@triton.jit
 def _block_column_fwd(
     Q, K, V, O, LSE, MASK,
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX,
-    M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS, CU_SEQLENS,
-    qk_scale, sm_scale, seqlen, key_len, q_offset, head_dim, num_heads, group, num_tiles, num_bh,
+    M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS, CU_SEQLENS, K_DESC, V_DESC, V_BAD,
+    qk_scale, sm_scale, seqlen, key_len, q_offset, head_dim, num_heads, group,
     plan_block_m, plan_block_n, num_key_blocks, block_width, column_width, column_group,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_on,
-    stride_lb, stride_lh,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_bcb, stride_bch, stride_bcm,
-    stride_bib, stride_bih, stride_bim, stride_bik,
-    stride_ccb, stride_cch, stride_ccm,
-    stride_cib, stride_cih, stride_cim, stride_cik,
-    stride_sb, stride_sh, stride_sm, stride_sn,
-    stride_xb, stride_xh, stride_xn,
-    K_DESC, V_DESC,
+    strides_q, strides_k, strides_v, strides_o, strides_lse, strides_mask,
+    strides_bc, strides_bi, strides_cc, strides_ci, strides_sum, strides_bias,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
-    HAS_MASK: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_TMA: tl.constexpr, PREFETCH: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    WIN: tl.constexpr, SKIP_COVERED: tl.constexpr, HAS_STATE: tl.constexpr,
-    BLOCK_MEAN: tl.constexpr, GUARD: tl.constexpr, NONFINITE: tl.constexpr,
-    HAS_KV_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VARLEN: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
+    GUARD: tl.constexpr, NONFINITE: tl.constexpr,
 ):
+    # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
+    # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
+    # K/V), KEY_BIAS (per-key bias), CU_SEQLENS (a packed varlen batch); the launcher
+    # passes None otherwise, which Triton compiles away like a constexpr flag.
+    RETURN_LSE: tl.constexpr = LSE is not None
+    HAS_MASK: tl.constexpr = MASK is not None
+    HAS_STATE: tl.constexpr = M_ST is not None
+    BLOCK_MEAN: tl.constexpr = BSUM is not None
+    HAS_KV_OFFSET: tl.constexpr = KV_OFFSET is not None
+    HAS_BIAS: tl.constexpr = KEY_BIAS is not None
+    HAS_VARLEN: tl.constexpr = CU_SEQLENS is not None
+    stride_qb, stride_qh, stride_qn, stride_qd = strides_q
+    stride_kb, stride_kh, stride_kn, stride_kd = strides_k
+    stride_vb, stride_vh, stride_vn, stride_vd = strides_v
+    stride_ob, stride_oh, stride_on = strides_o
+    stride_lb, stride_lh = strides_lse
+    stride_mb, stride_mh, stride_mm, stride_mn = strides_mask
+    stride_bcb, stride_bch, stride_bcm = strides_bc
+    stride_bib, stride_bih, stride_bim, stride_bik = strides_bi
+    stride_ccb, stride_cch, stride_ccm = strides_cc
+    stride_cib, stride_cih, stride_cim, stride_cik = strides_ci
+    stride_sb, stride_sh, stride_sm, stride_sn = strides_sum
+    stride_xb, stride_xh, stride_xn = strides_bias
     # Longest rows first: later query tiles list more blocks. (A tile-major 1-D grid for
     # varlen batches measured slower on the H200: 89.6 vs 83.3 ms on 4K + 16K + 60K.)
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -209,22 +298,27 @@ def _block_column_fwd(
         kv_row = tl.load(KV_OFFSET + i_b * (num_heads // group) + i_hkv)
         k_base = K + kv_row * stride_kn
         v_base = V + kv_row * stride_vn
-        x_base = KEY_BIAS + kv_row * stride_xn
+        x_row = kv_row * stride_xn
     else:
         k_base = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh + seq0 * stride_kn
         v_base = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh + seq0 * stride_vn
-        x_base = KEY_BIAS + i_b.to(tl.int64) * stride_xb + i_hkv.to(tl.int64) * stride_xh
+        x_row = i_b.to(tl.int64) * stride_xb + i_hkv.to(tl.int64) * stride_xh
+    x_base = KEY_BIAS
+    if HAS_BIAS:
+        x_base = KEY_BIAS + x_row
     # Key/value tile pointers at key 0; each step adds start_n * stride.
     p_k = k_base + o_d[:, None] * stride_kd + o_n[None, :] * stride_kn
     p_v = v_base + o_d[None, :] * stride_vd + o_n[:, None] * stride_vn
     b_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
-    p_mask = MASK + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh \
-        + o_l.to(tl.int64)[:, None] * stride_mm
+    p_mask = MASK
+    if HAS_MASK:
+        p_mask = MASK + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh \
+            + o_l.to(tl.int64)[:, None] * stride_mm
 
     # State rows: [B, Hq, N] for m and l, [B, Hq, N, D] for acc, all contiguous.
     o_st = i_bh.to(tl.int64) * seqlen + o_l
     if HAS_STATE:
-        m_i = tl.load(M_ST + o_st, mask=m_row, other=float("-inf")) * 1.4426950408889634
+        m_i = tl.load(M_ST + o_st, mask=m_row, other=float("-inf")) * K_LOG2E
         l_i = tl.load(L_ST + o_st, mask=m_row, other=0.0)
         acc = tl.load(ACC_ST + o_st[:, None] * head_dim + o_d[None, :],
                       mask=m_row[:, None] & m_d[None, :], other=0.0)
@@ -233,8 +327,9 @@ def _block_column_fwd(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     poison = tl.zeros([BLOCK_M], dtype=tl.int32)
-    p_bsum = BSUM + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh \
-        + i_qb.to(tl.int64) * stride_sm
+    if BLOCK_MEAN:
+        p_bsum = BSUM + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh \
+            + i_qb.to(tl.int64) * stride_sm
 
     p_bindex = BLOCK_INDEX + i_b.to(tl.int64) * stride_bib + i_h.to(tl.int64) * stride_bih \
         + i_qb.to(tl.int64) * stride_bim
@@ -267,7 +362,7 @@ def _block_column_fwd(
         b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, key_len,
                             stride_kn, stride_vn, m_d, False, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
         if HAS_BIAS:
-            b_bias = tl.load(x_base + (start_n + o_n).to(tl.int64) * stride_xn) * 1.4426950408889634
+            b_bias = tl.load(x_base + (start_n + o_n).to(tl.int64) * stride_xn) * K_LOG2E
         if HAS_MASK:
             o_key = start_n + o_n
             b_keep = tl.load(p_mask + o_key.to(tl.int64)[None, :] * stride_mn,
@@ -291,7 +386,7 @@ def _block_column_fwd(
         o_key = start_n + o_n
         if HAS_BIAS:
             b_bias = tl.load(x_base + o_key.to(tl.int64) * stride_xn, mask=o_key < key_len,
-                             other=float("-inf")) * 1.4426950408889634
+                             other=float("-inf")) * K_LOG2E
         b_keep = o_key[None, :] <= o_m[:, None]
         if HAS_MASK:
             m_user = tl.load(p_mask + o_key.to(tl.int64)[None, :] * stride_mn,
@@ -313,59 +408,31 @@ def _block_column_fwd(
             + i_crow.to(tl.int64) * stride_cim
         p_k_cols = k_base + o_d[:, None] * stride_kd
         p_v_cols = v_base + o_d[None, :] * stride_vd
-        # Sorted columns meet the sorted block list in order: `ptr` never passes the first
-        # listed block a later column can fall in, so a window of WIN entries from `ptr`
-        # settles a whole tile with one compare; only columns past a full window fall
-        # back to a binary search (a per-column search in every tile was 5x slower).
-        ptr = count * 0
-        o_w = tl.arange(0, WIN)
-        # The gathers below depend on the column indices: with disjoint columns, load the
-        # next tile's one step ahead (H200, 128K MInference plan: 33.2 -> 32.4 ms). With
-        # the column-in-block test it made the loop 1.75x slower (43.2 -> 75.7 ms), so
-        # that path loads them in place.
-        if PREFETCH and not SKIP_COVERED:
-            i_col_next = tl.load(p_cindex + o_n * stride_cik, mask=o_n < ccount, other=0)
-        for c0 in range(0, ccount, BLOCK_N):
-            o_c = c0 + o_n
-            m_c = o_c < ccount
-            if PREFETCH and not SKIP_COVERED:
-                i_col = i_col_next
-                o_next = o_c + BLOCK_N
-                i_col_next = tl.load(p_cindex + o_next * stride_cik, mask=o_next < ccount, other=0)
+        # A column tile is always masked; its non-finite step (which spilled registers
+        # and cost 5x on the H100's anchor plan, docs/plan-and-kernels.md) runs only when
+        # the launcher's one-element flag says V holds a NaN or an infinity at all.
+        if NONFINITE:
+            if tl.load(V_BAD) != 0:
+                acc, l_i, m_i, poison = _column_tiles(
+                    acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
+                    p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
+                    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+                    BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, True,
+                    HAS_BIAS, HAS_MASK)
             else:
-                i_col = tl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
-            if GUARD:
-                i_col = tl.minimum(tl.maximum(i_col, 0), key_len - 1)
-            b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn,
-                          mask=m_c[None, :] & m_d[:, None], other=0.0)
-            b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn,
-                          mask=m_c[:, None] & m_d[None, :], other=0.0)
-            if HAS_BIAS:
-                b_bias = tl.load(x_base + i_col.to(tl.int64) * stride_xn, mask=m_c,
-                                 other=float("-inf")) * 1.4426950408889634
-            m_new = m_c
-            if SKIP_COVERED:
-                # A column inside a listed block was already counted there (plan invariant 4).
-                i_blk = i_col // plan_block_n
-                m_w = ptr + o_w < count
-                b_win = tl.load(p_bindex + (ptr + o_w) * stride_bik, mask=m_w, other=-1)
-                covered = tl.sum((i_blk[:, None] == b_win[None, :]).to(tl.int32), 1) > 0
-                win_last = tl.max(tl.where(m_w, b_win, -1), 0)
-                unsure = m_c & (i_blk > win_last) & (ptr + WIN < count)
-                if tl.sum(unsure.to(tl.int32), 0) > 0:
-                    covered = covered | (unsure & _listed_block(p_bindex, stride_bik, count, i_blk,
-                                                                SEARCH_STEPS))
-                last_blk = tl.max(tl.where(m_c, i_blk, 0), 0)
-                ptr = ptr + tl.sum((m_w & (b_win < last_blk)).to(tl.int32), 0)
-                m_new = m_c & ~covered
-            b_keep = m_new[None, :] & (i_col[None, :] <= o_m[:, None])
-            if HAS_MASK:
-                m_user = tl.load(p_mask + i_col.to(tl.int64)[None, :] * stride_mn,
-                                 mask=m_row[:, None] & m_c[None, :], other=0)
-                b_keep = b_keep & (m_user != 0)
-            acc, l_i, m_i, poison, tile_sum = _softmax_step(
-                acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
-                True, DOT_F32, False, NONFINITE, HAS_BIAS)
+                acc, l_i, m_i, poison = _column_tiles(
+                    acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
+                    p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
+                    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+                    BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
+                    HAS_BIAS, HAS_MASK)
+        else:
+            acc, l_i, m_i, poison = _column_tiles(
+                acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
+                p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
+                m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+                BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
+                HAS_BIAS, HAS_MASK)
 
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
     # output (a convex combination of values), so any infinity is such a row too.
@@ -380,32 +447,14 @@ def _block_column_fwd(
         + o_l.to(tl.int64)[:, None] * stride_on + o_d[None, :]
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
     if RETURN_LSE:
-        lse = tl.where(l_zero, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        lse = tl.where(l_zero, float("-inf"), (m_i + tl.math.log2(l_safe)) * K_LN2)
         p_lse = LSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + seq0 + o_l
         tl.store(p_lse, lse, mask=m_row)
     if HAS_STATE:
-        tl.store(M_ST + o_st, m_i * 0.6931471805599453, mask=m_row)
+        tl.store(M_ST + o_st, m_i * K_LN2, mask=m_row)
         tl.store(L_ST + o_st, l_i, mask=m_row)
         tl.store(ACC_ST + o_st[:, None] * head_dim + o_d[None, :], acc,
                  mask=m_row[:, None] & m_d[None, :])
-
-
-def interpreter_active() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def check_kernel_device(q: torch.Tensor) -> None:
-    """Raise unless the kernels can run on q's device (CUDA, or CPU under the interpreter)."""
-    if q.device.type == "cuda":
-        return
-    if q.device.type == "cpu" and interpreter_active():
-        return
-    raise ValueError(
-        f"q is on {q.device}: sparseprefill.fast runs on CUDA tensors, or on CPU tensors "
-        "with TRITON_INTERPRET=1 set before triton is imported; use sparseprefill.reference "
-        "otherwise"
-    )
 
 
 def _tile_config(plan_block_m: int, plan_block_n: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -468,6 +517,61 @@ _GUARD = os.environ.get("SPARSEPREFILL_GUARD", "1") == "1"
 _NONFINITE = os.environ.get("SPARSEPREFILL_NONFINITE", "1") == "1"
 
 
+@dataclass(frozen=True)
+class _KernelCall:
+    """One launch of `_block_column_fwd` on inputs the front door has checked.
+
+    `q` is `[B, Hq, N, D]`; `k`, `v` are `[B, Hkv, N, D]`, or flat `[T, D]` with
+    `kv_offsets` (ragged). A varlen batch arrives as batch-stride-0 views
+    `[S, H, max_seqlen, D]` of the packed tensors, with `varlen = (cu_seqlens, out,
+    lse)` the packed outputs' views the kernel writes into (and `v_nonfinite` taken
+    from the packed V).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    plan: BlockColumnPlan
+    sm_scale: float
+    key_len: int
+    return_lse: bool
+    mask: torch.Tensor | None = None
+    state: AttentionState | None = None
+    block_mean_out: torch.Tensor | None = None
+    key_bias: torch.Tensor | None = None
+    kv_offsets: torch.Tensor | None = None
+    varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    # The "V holds a NaN/inf" flag, when the caller has it cheaper than from `v` (a
+    # varlen view repeats the packed V once per sequence).
+    v_nonfinite: torch.Tensor | None = None
+
+
+def _front_door(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, *, head_dim: int,
+    scale: float | None,
+) -> float:
+    """The checks every launcher shares, after its own layout checks; returns the scale.
+
+    Raises:
+        TypeError, ValueError: a device the kernels cannot run on, an input needing a
+            gradient, `D > 256`, a bad scale, a non-plan, or plan blocks not multiples of 16.
+    """
+    check_kernel_device(q)
+    check_forward_only(q, k, v)
+    check_head_dim(head_dim)
+    sm_scale = resolve_scale(scale, head_dim)
+    if not isinstance(plan, BlockColumnPlan):
+        raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
+    check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
+    return sm_scale
+
+
+def _check_tensors(**tensors: object) -> None:
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def block_column_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -507,17 +611,10 @@ def block_column_attention(
     """
     offset = plan.query_offset if isinstance(plan, BlockColumnPlan) else 0
     shape = check_qkv(q, k, v, dtypes=HALF_DTYPES, query_offset=offset)
-    check_kernel_device(q)
-    check_forward_only(q, k, v)
-    if shape.head_dim > 256:
-        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
-    sm_scale = resolve_scale(scale, shape.head_dim)
-    if validate_plan:
-        check_plan(plan, shape.batch, shape.q_heads, shape.seqlen, q.device)
-    elif not isinstance(plan, BlockColumnPlan):
-        raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
-    check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
     b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
+    sm_scale = _front_door(q, k, v, plan, head_dim=d, scale=scale)
+    if validate_plan:
+        check_plan(plan, b, hq, n, q.device)
     if mask is not None and offset:
         raise ValueError("mask cannot be combined with a plan whose query_offset is > 0")
     dense_mask = None if mask is None else check_mask(mask, b, hq, n, q.device)
@@ -529,8 +626,8 @@ def block_column_attention(
         check_block_mean_out(block_mean_out, b, hq, plan, q.device)
     if key_bias is not None:
         _check_bias(key_bias, (b, shape.kv_heads, n), q.device)
-    return _launch(q, k, v, plan, sm_scale=sm_scale, key_len=shape.key_len, mask=dense_mask, return_lse=return_lse,
-                   state=state, block_mean_out=block_mean_out, key_bias=key_bias, kv_offsets=None)
+    return _launch(_KernelCall(q, k, v, plan, sm_scale, shape.key_len, return_lse, mask=dense_mask,
+                               state=state, block_mean_out=block_mean_out, key_bias=key_bias))
 
 
 def ragged_block_column_attention(
@@ -569,19 +666,16 @@ def ragged_block_column_attention(
     Raises:
         TypeError, ValueError: shapes, dtypes, devices or offsets out of range.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_tensors(q=q, k=k, v=v)
     if q.dim() != 4 or q.dtype not in HALF_DTYPES:
         raise ValueError(f"q must be a float16/bfloat16 [B, Hq, N, D] tensor, got {q.dtype} {tuple(q.shape)}")
-    check_kernel_device(q)
-    check_forward_only(q, k, v)
     b, hq, n, d = q.shape
     if k.dim() != 2 or k.shape[1] != d or v.shape != k.shape or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"k and v must be [T, D={d}] tensors of q's dtype, got {tuple(k.shape)} "
                          f"{k.dtype} and {tuple(v.shape)} {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"k and v must be on q's device ({q.device})")
+    sm_scale = _front_door(q, k, v, plan, head_dim=d, scale=scale)
     if not isinstance(kv_offsets, torch.Tensor) or kv_offsets.dtype != torch.int64 or kv_offsets.dim() != 1:
         raise TypeError("kv_offsets must be an int64 [B * Hkv] tensor")
     hkv = kv_offsets.shape[0] // b if b else 0
@@ -592,22 +686,15 @@ def ragged_block_column_attention(
         raise ValueError(f"kv_offsets must be on q's device ({q.device})")
     if kv_offsets.numel() and (int(kv_offsets.min()) < 0 or int(kv_offsets.max()) > k.shape[0]):
         raise ValueError(f"kv_offsets must lie in [0, T={k.shape[0]}]")
-    if d > 256:
-        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {d}")
-    sm_scale = resolve_scale(scale, d)
-    if not isinstance(plan, BlockColumnPlan):
-        raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
     if plan.seqlen != n or tuple(plan.block_count.shape[:2]) != (b, hq) or plan.device != q.device:
         raise ValueError("plan must be for q (seqlen, B, Hq, device)")
-    check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
     if state is not None:
         check_state(state, b, hq, n, d, q.device, dtypes=(torch.float32,))
     if key_bias is not None:
         _check_bias(key_bias, (k.shape[0],), q.device)
     # Keys of a segment may run past N (padding); T bounds every read of a valid plan.
-    return _launch(q, k, v, plan, sm_scale=sm_scale, key_len=k.shape[0], mask=None,
-                   return_lse=return_lse, state=state, block_mean_out=None, key_bias=key_bias,
-                   kv_offsets=kv_offsets)
+    return _launch(_KernelCall(q, k, v, plan, sm_scale, k.shape[0], return_lse, state=state,
+                               key_bias=key_bias, kv_offsets=kv_offsets))
 
 
 def varlen_block_column_attention(
@@ -642,9 +729,7 @@ def varlen_block_column_attention(
         TypeError, ValueError: shapes, dtypes, devices, offsets or plan sizes that do
             not match (one host read of `cu_seqlens`), before any launch.
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_tensors(q=q, k=k, v=v, cu_seqlens=cu_seqlens)
     if q.dim() != 3 or q.dtype not in HALF_DTYPES:
         raise ValueError(f"q must be a float16/bfloat16 [T, Hq, D] tensor, got {q.dtype} {tuple(q.shape)}")
     total, hq, d = q.shape
@@ -659,7 +744,6 @@ def varlen_block_column_attention(
     if total == 0:
         raise ValueError("q must not be empty (T = 0)")
     check_kernel_device(q)
-    check_forward_only(q, k, v)
     if k.device != q.device or v.device != q.device or cu_seqlens.device != q.device:
         raise ValueError(f"k, v and cu_seqlens must be on q's device ({q.device})")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -673,14 +757,11 @@ def varlen_block_column_attention(
         raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T={total}, got {cu}")
     if max(lengths) > max_seqlen:
         raise ValueError(f"max_seqlen={max_seqlen} is below the longest sequence ({max(lengths)})")
-    if d > 256:
-        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {d}")
-    sm_scale = resolve_scale(scale, d)
     seqs = len(lengths)
     check_plan(plan, seqs, hq, max_seqlen, q.device)
     if plan.query_offset:
         raise ValueError("a varlen plan must have query_offset 0")
-    check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
+    sm_scale = _front_door(q, k, v, plan, head_dim=d, scale=scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(hq, total, dtype=torch.float32, device=q.device) if return_lse else None
 
@@ -696,9 +777,9 @@ def varlen_block_column_attention(
         if lse is not None:
             lse = torch.empty(hq, total + pad, dtype=torch.float32, device=q.device)
     lse_view = None if lse is None else lse.as_strided((seqs, hq, max_seqlen), (0, lse.stride(0), 1))
-    _launch(view(q), view(k), view(v), plan, sm_scale=sm_scale, key_len=max_seqlen, mask=None,
-            return_lse=return_lse, state=None, block_mean_out=None, key_bias=None, kv_offsets=None,
-            varlen=(cu_seqlens, view(out), lse_view))
+    flag = _nonfinite_flag(v) if plan.column_index.shape[3] > 0 and _NONFINITE else None
+    _launch(_KernelCall(view(q), view(k), view(v), plan, sm_scale, max_seqlen, return_lse,
+                        varlen=(cu_seqlens, view(out), lse_view), v_nonfinite=flag))
     out = out[:total]
     return out, (lse[:, :total] if lse is not None else None)
 
@@ -712,78 +793,71 @@ def _check_bias(bias: object, shape: tuple[int, ...], device: torch.device) -> N
         raise ValueError(f"key_bias must be on q's device ({device}), got {bias.device}")
 
 
-def _launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: BlockColumnPlan,
-    *,
-    sm_scale: float,
-    key_len: int,
-    mask: torch.Tensor | None,
-    return_lse: bool,
-    state: AttentionState | None,
-    block_mean_out: torch.Tensor | None,
-    key_bias: torch.Tensor | None,
-    kv_offsets: torch.Tensor | None,
-    varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch `_block_column_fwd` on checked inputs (shared by the public launchers).
+def _nonfinite_flag(v: torch.Tensor) -> torch.Tensor:
+    """int32 `[1]` on v's device: 1 if v holds a NaN or an infinity, else 0 (no host sync)."""
+    low, high = torch.aminmax(v)
+    return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.int32).reshape(1)
 
-    `varlen`: (cu_seqlens, out, lse) for a packed batch, q, k, v, out and lse given as
-    batch-stride-0 views `[S, H, max_seqlen, ...]` of the packed tensors.
-    """
+
+def _zero_strides(n: int) -> tuple[int, ...]:
+    return (0,) * n
+
+
+def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch `_block_column_fwd` for one checked call (the only launch site)."""
+    q, k, v, plan = call.q, call.k, call.v, call.plan
     b, hq, n, d = q.shape
-    ragged = kv_offsets is not None
-    group = hq // (kv_offsets.shape[0] // b if kv_offsets is not None else k.shape[1])
+    ragged = call.kv_offsets is not None
+    group = hq // (call.kv_offsets.shape[0] // b if call.kv_offsets is not None else k.shape[1])
     head_dim = max(16, triton.next_power_of_2(d))
-    if varlen is not None:
-        cu_arg, out, lse_view = varlen
-        lse = lse_view if lse_view is not None else out
+    lse: torch.Tensor | None
+    if call.varlen is not None:
+        cu_arg, out, lse = call.varlen
     else:
         cu_arg = None
         out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
-        lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if return_lse else out
-    mstrides: tuple[int, ...] = (0, 0, 0, 0)
-    if mask is None:
-        mask_arg = out
-    else:
+        lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if call.return_lse else None
+    mask_arg = None
+    mstrides = _zero_strides(4)
+    if call.mask is not None:
+        mask = call.mask
         mask_arg = mask.view(torch.uint8) if mask.is_contiguous() else mask.to(torch.uint8)
         mstrides = tuple(s if sz > 1 else 0 for s, sz in zip(mask_arg.stride(), mask_arg.shape))
     # The kernel reads and writes the state rows in place, contiguous.
+    state = call.state
     work = state
     if state is not None and not all(t.is_contiguous() for t in (state.m, state.l, state.acc)):
         work = AttentionState(state.m.contiguous(), state.l.contiguous(), state.acc.contiguous())
     sums = None
-    if block_mean_out is not None:
+    if call.block_mean_out is not None:
         sums = torch.zeros(b, hq, plan.num_query_blocks, plan.num_key_blocks, dtype=torch.float32,
                            device=q.device)
-    st_m, st_l, st_acc = (work.m, work.l, work.acc) if work is not None else (out, out, out)
-    bsum = sums if sums is not None else out
-    bstrides = sums.stride() if sums is not None else (0, 0, 0, 0)
-    bias_arg = key_bias if key_bias is not None else out
-    if key_bias is None:
-        xstrides: tuple[int, ...] = (0, 0, 0)
+    bias = call.key_bias
+    if bias is None:
+        xstrides = _zero_strides(3)
     elif ragged:
-        xstrides = (0, 0, key_bias.stride(0))
+        xstrides = (0, 0, bias.stride(0))
     else:
-        xstrides = tuple(key_bias.stride())
+        xstrides = tuple(bias.stride())
     # A flat [T, D] K / V: batch and head strides 0, each segment found by its offset.
     kstrides = (0, 0, *k.stride()) if ragged else tuple(k.stride())
     vstrides = (0, 0, *v.stride()) if ragged else tuple(v.stride())
-    offsets_arg = kv_offsets if kv_offsets is not None else out
     has_columns = plan.column_index.shape[3] > 0
-    use_tma = head_dim == d and not ragged and varlen is None and _tma_ok(q, k, v)
-    key = (q.device, q.dtype, d, plan.block_m, plan.block_n, mask is not None, use_tma, varlen is None,
-           has_columns, return_lse, ragged, key_bias is not None, work is not None, sums is not None)
+    v_bad = None
+    if has_columns and _NONFINITE:
+        v_bad = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
+    use_tma = head_dim == d and not ragged and call.varlen is None and tma_ok(q, k, v)
+    key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma,
+           call.varlen is None, has_columns, call.return_lse, ragged, bias is not None,
+           work is not None, sums is not None)
     initial = _tile_config(plan.block_m, plan.block_n, d)
     config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
     # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
     diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
     while True:
         block_m, block_n, num_warps, num_stages = config
-        k_desc: object = k
-        v_desc: object = v
+        k_desc: object = None
+        v_desc: object = None
         if use_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -794,30 +868,23 @@ def _launch(
             _block_column_fwd[grid](
                 q, k, v, out, lse, mask_arg,
                 plan.block_count, plan.block_index, plan.column_count, plan.column_index,
-                st_m, st_l, st_acc, bsum, offsets_arg, bias_arg, cu_arg if cu_arg is not None else out,
-                sm_scale * LOG2E, sm_scale, n, key_len, plan.query_offset, d, hq, group,
-                triton.cdiv(n, block_m), b * hq,
+                *((work.m, work.l, work.acc) if work is not None else (None, None, None)),
+                sums, call.kv_offsets, bias, cu_arg, k_desc, v_desc, v_bad,
+                call.sm_scale * LOG2E, call.sm_scale, n, call.key_len, plan.query_offset, d, hq, group,
                 plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
                 plan.column_index.shape[3], plan.column_group,
-                *q.stride(), *kstrides, *vstrides,
-                out.stride(0), out.stride(1), out.stride(2),
-                *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
-                *mstrides,
-                *plan.block_count.stride(), *plan.block_index.stride(),
-                *plan.column_count.stride(), *plan.column_index.stride(),
-                *bstrides, *xstrides,
-                k_desc, v_desc,
+                tuple(q.stride()), kstrides, vstrides, tuple(out.stride()[:3]),
+                tuple(lse.stride()[:2]) if lse is not None else _zero_strides(2), mstrides,
+                tuple(plan.block_count.stride()), tuple(plan.block_index.stride()),
+                tuple(plan.column_count.stride()), tuple(plan.column_index.stride()),
+                tuple(sums.stride()) if sums is not None else _zero_strides(4), xstrides,
                 BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n,
                 DIAG=diag, EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns,
-                HAS_MASK=mask is not None,
-                RETURN_LSE=return_lse, DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
-                USE_TMA=use_tma, PREFETCH=_PREFETCH,
+                DOT_F32=dot_f32(q.dtype), USE_TMA=use_tma, PREFETCH=_PREFETCH,
                 SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
                 WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
                 SKIP_COVERED=has_columns and not plan.columns_disjoint,
-                HAS_STATE=work is not None, BLOCK_MEAN=sums is not None,
                 GUARD=_GUARD, NONFINITE=_NONFINITE,
-                HAS_KV_OFFSET=ragged, HAS_BIAS=key_bias is not None, HAS_VARLEN=varlen is not None,
                 num_warps=num_warps, num_stages=num_stages,
             )
         except OutOfResources:
@@ -837,9 +904,9 @@ def _launch(
         assert work is not None
         for name in ("m", "l", "acc"):
             getattr(state, name).copy_(getattr(work, name))
-    if block_mean_out is not None and sums is not None:
-        block_mean_out.copy_(_block_means(plan, sums))
-    return out, (lse if return_lse else None)
+    if call.block_mean_out is not None and sums is not None:
+        call.block_mean_out.copy_(_block_means(plan, sums))
+    return out, lse
 
 
 def _block_means(plan: BlockColumnPlan, sums: torch.Tensor) -> torch.Tensor:
@@ -855,58 +922,12 @@ def _block_means(plan: BlockColumnPlan, sums: torch.Tensor) -> torch.Tensor:
     return torch.where(listed, sums / pairs.clamp(min=1), float("-inf"))
 
 
-def check_forward_only(*tensors: torch.Tensor) -> None:
-    """Raise unless no input needs a gradient: the fast kernels have no backward pass.
-
-    Raises:
-        ValueError: grad mode is on and an input requires grad.
-    """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise ValueError(
-            "sparseprefill.fast is forward-only (no backward kernels) and an input requires grad: "
-            "run it under torch.no_grad() / torch.inference_mode(), or pass detached tensors; "
-            "sparseprefill.reference supports autograd"
-        )
-
-
-def check_kernel_block_sizes(
-    block_m: int, block_n: int, *, prefix: str = "", names: tuple[str, str] | None = None
-) -> None:
-    """Raise ValueError unless both block sizes are multiples of 16 (the kernel's tiles).
-
-    Estimators call this before any estimate runs, so a bad size never costs a launch.
-
-    Args:
-        block_m, block_n: the plan's block sizes.
-        prefix: prepended to the default names `block_m`, `block_n` in messages.
-        names: the caller's own argument names for the two sizes (e.g. `block_size`).
-    """
-    label_m, label_n = names if names is not None else (f"{prefix}block_m", f"{prefix}block_n")
-    for name, size in ((label_m, block_m), (label_n, block_n)):
-        if size % 16 != 0:
-            raise ValueError(f"{name} must be a multiple of 16 for the fast kernels, got {size}")
-
-
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """True if Hopper tensor descriptors can load these tensors' tiles.
-
-    Needs a CUDA device of compute capability >= 9, a contiguous last dimension,
-    16-byte aligned base pointers and strides. `SPARSEPREFILL_TMA=0` turns it off
-    (to compare the two load paths); nothing turns it on where it cannot work.
-    """
-    if os.environ.get("SPARSEPREFILL_TMA", "1") == "0" or interpreter_active():
-        return False
-    t0 = tensors[0]
-    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
-            return False
-        if any((st * size) % 16 != 0 for st in t.stride()[:-1]):
-            return False
-    return True
+__all__ = [
+    "block_column_attention",
+    "check_forward_only",
+    "check_kernel_block_sizes",
+    "check_kernel_device",
+    "interpreter_active",
+    "ragged_block_column_attention",
+    "varlen_block_column_attention",
+]

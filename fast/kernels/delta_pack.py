@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ...reference.delta_kv import PackedKV
 from ...reference.plan import cdiv
-from .block_column import check_kernel_device, interpreter_active
+from ._common import check_kernel_device, interpreter_active
 
 
 @triton.jit

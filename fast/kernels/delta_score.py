@@ -26,17 +26,9 @@ import triton.language as tl
 from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
 from ...reference.dpxa import check_dpxa_params
 from ...reference.plan import cdiv
-from .block_column import check_forward_only, check_kernel_device, interpreter_active
+from ._common import LOG2E, check_forward_only, check_kernel_device, dot as _dot, interpreter_active
 from .delta_pack import keep_mask
-from .xattention_score import LOG2E, check_fast_block
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
-    # The CPU interpreter multiplies bfloat16 tiles wrongly; see xattention_score.
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
+from .xattention_score import check_fast_block
 
 
 @triton.jit

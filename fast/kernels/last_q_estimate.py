@@ -27,20 +27,10 @@ import triton
 import triton.language as tl
 
 from ...reference._checks import HALF_DTYPES, check_positive_int, check_qk, resolve_scale
-from .block_column import check_kernel_device, interpreter_active
+from ._common import LOG2E, check_kernel_device, dot as _dot_f32, interpreter_active
 
-LOG2E = 1.4426950408889634
 # Keys per split of the lse pass: enough splits to fill the GPU at long N.
 _SPLIT_KEYS = 4096
-
-
-@triton.jit
-def _dot_f32(a, b, DOT_F32: tl.constexpr):
-    # The CPU interpreter multiplies bfloat16 tiles wrongly; products of 16-bit floats
-    # are exact in fp32, so upcasting there changes nothing else.
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
 
 
 @triton.jit

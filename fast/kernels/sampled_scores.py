@@ -33,8 +33,7 @@ import triton.language as tl
 
 from ...reference._checks import HALF_DTYPES, check_positive_int, check_qk, resolve_scale
 from ...reference.plan import cdiv
-from .block_column import check_kernel_device, interpreter_active
-from .last_q_estimate import LOG2E, _dot_f32
+from ._common import LOG2E, check_kernel_device, dot as _dot_f32, interpreter_active
 
 # Keys per split: enough programs to fill the GPU when few rows are sampled.
 _SPLIT_KEYS = 4096

@@ -30,9 +30,8 @@ import triton.language as tl
 from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
 from ...reference.plan import cdiv
 from ...reference.xattention import check_xattention_params
-from .block_column import check_forward_only, check_kernel_device, interpreter_active
+from ._common import LOG2E, check_forward_only, check_kernel_device, dot as _dot, interpreter_active
 
-LOG2E = 1.4426950408889634
 # Largest per-launch [B, H, G, T] fp32 scratch of row-tile log-sum-exps.
 _SCRATCH_BYTES = 256 << 20
 # Key groups scored per step (a multiple of the padded groups per tile).
@@ -43,15 +42,6 @@ def check_fast_block(block: int) -> None:
     """Raise ValueError unless `block` (the plan's tiles) is a multiple of 16."""
     if block % 16 != 0:
         raise ValueError(f"block must be a multiple of 16 for the fast kernels, got {block}")
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
-    # The CPU interpreter multiplies bfloat16 tiles wrongly; products of 16-bit floats
-    # are exact in fp32, so upcasting there changes nothing else.
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
 
 
 @triton.jit
