@@ -65,8 +65,9 @@ def _plan_hash(plan: Any) -> str:
     for name in ("block_count", "block_index", "column_count", "column_index"):
         t = getattr(plan, name)
         count = plan.block_count if name.startswith("block") else plan.column_count
-        if name.endswith("index"):
-            # Entries past a row's count are padding: zero them, cut to the widest row.
+        if name.endswith("index") and t.shape[:3] == count.shape:
+            # Entries past a row's count are padding: zero them, cut to the widest row
+            # (grouped lists, one row per group of query blocks, are hashed as they are).
             width = int(count.max()) if count.numel() else 0
             t = t[..., :width]
             valid = torch.arange(width, device=t.device) < count.unsqueeze(-1)

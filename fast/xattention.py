@@ -92,6 +92,11 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
     """
     tau = check_threshold(threshold)
     check_weights(weights)
+    return _select_tiles(weights, tau)
+
+
+def _select_tiles(weights: torch.Tensor, tau: float) -> torch.Tensor:
+    """`select_tiles` on checked weights and threshold."""
     if _kernel_selects(weights):
         return select_tile_lists(weights, tau)[0]
     return _select_tiles_torch(weights, tau)
