@@ -180,7 +180,7 @@ def delta_kv_attention(
     shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
     check_kernel_device(q)
     check_forward_only(q, k, v)
-    resolve_scale(scale, shape.head_dim)
+    scale = resolve_scale(scale, shape.head_dim)
     check_packed(packed, k)
     check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
     bm = check_block_size("block_m", block_m)
@@ -231,7 +231,7 @@ def delta_kv(
     bn = check_block_size("block_n", block_n)
     check_kernel_block_sizes(bm, bn)
     check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
-    resolve_scale(scale, shape.head_dim)
+    scale = resolve_scale(scale, shape.head_dim)
     keep, chunk_counts = keep_mask(k, threshold=threshold, cosine=metric == "cosine", chunk=size)
     packed = pack(k, v, keep, chunk_counts, chunk=size, block=bn)
     return delta_kv_attention(q, k, v, packed, block_m=bm, count_weighted=count_weighted,

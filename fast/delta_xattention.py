@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_fraction, check_qk, check_qkv, resolve_scale
+from ..reference._checks import HALF_DTYPES, check_fraction, check_qkv, resolve_scale
 from ..reference.attention import AttentionState
 from ..reference.delta_kv import PackedKV, check_flags
 from ..reference.delta_xattention import (
@@ -49,8 +49,8 @@ from .dense import empty_columns
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
 from .kernels.block_column import ragged_block_column_attention
 from .kernels.delta_pack import keep_mask, pack
-from .kernels.xattention_score import check_fast_block
-from .xattention import select_tiles, tiles_to_plan, xattention_tile_weights
+from .kernels.xattention_score import _tile_weights, check_fast_block, check_xattention_inputs
+from .xattention import _select_tiles, tiles_to_plan
 
 __all__ = [
     "delta_tile_pack",
@@ -141,15 +141,13 @@ def delta_xattention_tiles(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    check_qk(q, k, dtypes=HALF_DTYPES)
-    stride, threshold, block, scoring = check_xattention_params(
-        stride=stride, threshold=threshold, block=block, scoring=scoring)
+    stride, threshold, block, scoring = check_xattention_inputs(q, k, stride=stride, threshold=threshold,
+                                                                block=block, scoring=scoring)
     top = check_exact_top(exact_top)
     unselected = check_unselected(unselected)
-    check_fast_block(block)
-    resolve_scale(scale, q.shape[-1])
-    weights = xattention_tile_weights(q, k, stride=stride, block=block, scoring=scoring, scale=scale)
-    selected = select_tiles(weights, threshold)
+    sm_scale = resolve_scale(scale, q.shape[-1])
+    weights = _tile_weights(q, k, stride=stride, block=block, scoring=scoring, sm_scale=sm_scale)
+    selected = _select_tiles(weights, threshold)
     return tile_modes(selected, exact_tiles(weights, selected, top), unselected)
 
 
@@ -287,7 +285,7 @@ def delta_xattention_attention(
     shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
     check_kernel_device(q)
     check_forward_only(q, k, v)
-    resolve_scale(scale, shape.head_dim)
+    scale = resolve_scale(scale, shape.head_dim)
     check_packing(packing, k)
     modes = check_modes(modes, tuple(q.shape), packing)
     check_flags(count_weighted=count_weighted)
@@ -339,7 +337,7 @@ def delta_xattention(
     check_fast_block(bs)
     check_kernel_block_sizes(bs, pb, names=("block", "packed_block"))
     check_flags(count_weighted=count_weighted)
-    resolve_scale(scale, shape.head_dim)
+    scale = resolve_scale(scale, shape.head_dim)
     modes = delta_xattention_tiles(q, k, stride=stride, threshold=threshold, exact_top=exact_top, block=block,
                                    scoring=scoring, unselected=unselected, scale=scale)
     packing = delta_tile_pack(k, v, delta_threshold=delta_threshold, metric=metric, block=block,

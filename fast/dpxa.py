@@ -1,8 +1,9 @@
 """DPXA on the GPU (see `reference.dpxa` for the spec).
 
 Delta anchors and anchor-pair tile scores: Triton (`fast.kernels.delta_score`);
-selection: `fast.xattention.select_tiles` (the same greedy rule as XAttention); plan:
-the kept tiles as key blocks, then the block kernel.
+selection and block lists: `fast.xattention.select_plan` (the same greedy rule and
+kernel as XAttention); then the block kernel. Checks run once, in the public
+functions.
 
 The anchors are bit-identical to the reference's (Delta-KV's shared stage 1); the tile
 scores are fp32, so a tile whose weight (nearly) ties another, or whose cumulative weight lands
@@ -14,15 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
-from ..reference.dpxa import check_dpxa_params
+from ..reference._checks import HALF_DTYPES, check_qkv, resolve_scale
 from ..reference.plan import BlockColumnPlan
-from .kernels import block_column_attention, check_forward_only, check_kernel_device
-from .kernels.delta_score import dpxa_scoring_ratio, dpxa_tile_weights
-from .kernels.xattention_score import check_fast_block
-from .xattention import select_tiles, tiles_to_plan
+from .kernels import block_column_attention, check_forward_only
+from .kernels.delta_score import _anchor_tile_weights, check_dpxa_inputs, dpxa_scoring_ratio, dpxa_tile_weights
+from .xattention import select_plan
 
 __all__ = ["dpxa", "dpxa_plan", "dpxa_scoring_ratio", "dpxa_tile_weights"]
+
+
+def _dpxa_plan(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, tau: float, block: int,
+               sm_scale: float) -> BlockColumnPlan:
+    weights = _anchor_tile_weights(q, k, cos_threshold=cos_threshold, block=block, sm_scale=sm_scale)
+    return select_plan(weights, tau, seqlen=q.shape[2], block=block)
 
 
 def dpxa_plan(
@@ -39,12 +44,10 @@ def dpxa_plan(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    cos_threshold, threshold, block = check_dpxa_params(cos_threshold=cos_threshold,
-                                                        threshold=threshold, block=block)
-    check_fast_block(block)
-    weights = dpxa_tile_weights(q, k, cos_threshold=cos_threshold, block=block, scale=scale)
-    return tiles_to_plan(select_tiles(weights, threshold), seqlen=shape.seqlen, block=block)
+    cos_threshold, tau, block = check_dpxa_inputs(q, k, cos_threshold=cos_threshold, threshold=threshold,
+                                                  block=block)
+    sm_scale = resolve_scale(scale, q.shape[3])
+    return _dpxa_plan(q, k, cos_threshold=cos_threshold, tau=tau, block=block, sm_scale=sm_scale)
 
 
 def dpxa(
@@ -60,7 +63,8 @@ def dpxa(
     """DPXA sparse attention (see `reference.dpxa`).
 
     Host synchronisation: one, the block-list width (as `xattention`; T in
-    `torch.ops.sparseprefill.dpxa_static`: capture-safe, docs/serving.md).
+    `torch.ops.sparseprefill.dpxa_static` and during CUDA-graph capture: no sync,
+    capture-safe, docs/serving.md).
 
     Returns:
         `[B, Hq, N, D]` in q's dtype.
@@ -68,12 +72,11 @@ def dpxa(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
-    check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
-    check_fast_block(block)
-    check_kernel_device(q)
-    check_forward_only(q, k, v)
-    resolve_scale(scale, shape.head_dim)
-    plan = dpxa_plan(q, k, cos_threshold=cos_threshold, threshold=threshold, block=block, scale=scale)
-    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
+    check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    cos_threshold, tau, block = check_dpxa_inputs(q, k, cos_threshold=cos_threshold, threshold=threshold,
+                                                  block=block)
+    check_forward_only(v)
+    sm_scale = resolve_scale(scale, q.shape[3])
+    plan = _dpxa_plan(q, k, cos_threshold=cos_threshold, tau=tau, block=block, sm_scale=sm_scale)
+    out, _ = block_column_attention(q, k, v, plan, scale=sm_scale, validate_plan=False)
     return out

@@ -69,8 +69,9 @@ def minference(
     """MInference attention of one layer: one merged plan, one kernel launch.
 
     Host synchronisation: one per vertical-slash pattern of the layer (its width;
-    the bound inside `fast.capture.static_widths()`). A layer mixing patterns copies
-    its head lists to the device while merging: not capture-safe (docs/serving.md).
+    the bound inside `fast.capture.static_widths()`). A layer mixing patterns merges
+    its head plans slice by slice on the device: with the static widths the op is
+    capture-safe (`torch.ops.sparseprefill.minference_static`, docs/serving.md).
 
     Returns:
         `[B, Hq, N, D]` in q's dtype.

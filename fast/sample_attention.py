@@ -1,5 +1,7 @@
 """SampleAttention on the GPU (see `reference.sample_attention` for the specification).
 
+Checks run once, in the public functions; the private steps trust them.
+
 Stage 1: `sampled_block_scores` (Triton; the `[R, N]` softmax of the sampled rows
 is never stored), block scores summed in float64. Stage 2: `find_k` and
 `arg_topk` of the reference on the block scores, on the device (`[B, Hq, Kb]`
@@ -31,7 +33,7 @@ from ..reference.sample_attention import (
 )
 from .kernels import block_column_attention, check_forward_only
 from .kernels.sample_index import sample_attention_index
-from .kernels.sampled_scores import sampled_block_scores
+from .kernels.sampled_scores import _sampled_block_scores, check_score_inputs
 
 
 def check_kernel_block_size(block_size: object) -> int:
@@ -41,6 +43,46 @@ def check_kernel_block_size(block_size: object) -> int:
     if bs % 16:
         raise ValueError(f"block_size must be a multiple of 16 for the fast kernels, got {bs}")
     return bs
+
+
+def _check_sample(
+    q: torch.Tensor, k: torch.Tensor, *, alpha_c: float | None, alpha_s: float | None, chunk_n: int | None,
+    block_size: int, settings: SampleAttentionSettings | str | os.PathLike[str] | None, scale: float | None,
+) -> tuple[float, float, int, int, float]:
+    """Every check of the fast SampleAttention, once (the settings file is read once).
+
+    Returns:
+        (alpha_c, alpha_s, chunk_n, block_size, softmax scale).
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters, before any launch.
+    """
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    a_c, a_s, c_n = resolve_params(shape.seqlen, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
+                                   block_size=block_size, settings=settings)
+    bs = check_kernel_block_size(block_size)
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    check_score_inputs(q)
+    return a_c, a_s, c_n, bs, sm_scale
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, *, chunk_n: int, block_size: int,
+            sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    spans = sampled_rows(q.shape[2], chunk_n, block_size)
+    return _sampled_block_scores(q, k, spans=spans, block_size=block_size, sm_scale=sm_scale)
+
+
+def _selection(q: torch.Tensor, k: torch.Tensor, *, alpha_c: float, alpha_s: float, chunk_n: int,
+               block_size: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    column, slash = _scores(q, k, chunk_n=chunk_n, block_size=block_size, sm_scale=sm_scale)
+    return arg_topk(column, find_k(column, alpha_c)), arg_topk(slash, find_k(slash, alpha_s))
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, *, alpha_c: float, alpha_s: float, chunk_n: int,
+          block_size: int, sm_scale: float) -> BlockColumnPlan:
+    columns, slashes = _selection(q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
+                                  block_size=block_size, sm_scale=sm_scale)
+    return sample_attention_index(columns, slashes, seqlen=q.shape[2], block_size=block_size)
 
 
 def sample_attention_scores(
@@ -57,11 +99,11 @@ def sample_attention_scores(
         TypeError, ValueError: bad inputs.
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    check_positive_int("chunk_n", chunk_n)
-    check_kernel_block_size(block_size)
-    resolve_scale(scale, shape.head_dim)
-    spans = sampled_rows(shape.seqlen, chunk_n, block_size)
-    return sampled_block_scores(q, k, spans=spans, block_size=block_size, scale=scale)
+    c_n = check_positive_int("chunk_n", chunk_n)
+    bs = check_kernel_block_size(block_size)
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    check_score_inputs(q)
+    return _scores(q, k, chunk_n=c_n, block_size=bs, sm_scale=sm_scale)
 
 
 def sample_attention_selection(
@@ -80,11 +122,9 @@ def sample_attention_selection(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    a_c, a_s, c_n = resolve_params(shape.seqlen, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
-                                   block_size=block_size, settings=settings)
-    column, slash = sample_attention_scores(q, k, chunk_n=c_n, block_size=block_size, scale=scale)
-    return arg_topk(column, find_k(column, a_c)), arg_topk(slash, find_k(slash, a_s))
+    a_c, a_s, c_n, bs, sm_scale = _check_sample(q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
+                                                block_size=block_size, settings=settings, scale=scale)
+    return _selection(q, k, alpha_c=a_c, alpha_s=a_s, chunk_n=c_n, block_size=bs, sm_scale=sm_scale)
 
 
 def sample_attention_plan(
@@ -119,16 +159,9 @@ def sample_attention_plan(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    resolve_params(shape.seqlen, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
-                   block_size=block_size, settings=settings)
-    check_kernel_block_size(block_size)
-    resolve_scale(scale, shape.head_dim)
-    columns, slashes = sample_attention_selection(
-        q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n, block_size=block_size,
-        settings=settings, scale=scale,
-    )
-    return sample_attention_index(columns, slashes, seqlen=shape.seqlen, block_size=block_size)
+    a_c, a_s, c_n, bs, sm_scale = _check_sample(q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
+                                                block_size=block_size, settings=settings, scale=scale)
+    return _plan(q, k, alpha_c=a_c, alpha_s=a_s, chunk_n=c_n, block_size=bs, sm_scale=sm_scale)
 
 
 def sample_attention(
@@ -146,9 +179,9 @@ def sample_attention(
     """SampleAttention sparse attention (see `reference.sample_attention`).
 
     Host synchronisation: one, the plan width from the kept counts (`Kb` inside
-    `fast.capture.static_widths()`, `torch.ops.sparseprefill.sample_attention_static`).
-    Not capture-safe either way: stage 1 copies its row-tile table to the device
-    (docs/serving.md).
+    `fast.capture.static_widths()`, `torch.ops.sparseprefill.sample_attention_static`,
+    and during CUDA-graph capture: no sync; stage 1 builds its row-tile table on the
+    device, so the static op is capture-safe, docs/serving.md).
 
     Args:
         q, k, alpha_c, alpha_s, chunk_n, block_size, settings, scale: as in
@@ -162,7 +195,8 @@ def sample_attention(
     """
     check_qkv(q, k, v, dtypes=HALF_DTYPES)
     check_forward_only(q, k, v)
-    plan = sample_attention_plan(q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
-                                 block_size=block_size, settings=settings, scale=scale)
-    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
+    a_c, a_s, c_n, bs, sm_scale = _check_sample(q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
+                                                block_size=block_size, settings=settings, scale=scale)
+    plan = _plan(q, k, alpha_c=a_c, alpha_s=a_s, chunk_n=c_n, block_size=bs, sm_scale=sm_scale)
+    out, _ = block_column_attention(q, k, v, plan, scale=sm_scale, validate_plan=False)
     return out

@@ -1,10 +1,13 @@
 """XAttention on the GPU (see `reference.xattention` for the spec).
 
 Tile weights: two Triton kernels (`fast.kernels.xattention_score`) that never store
-the stride-level `[G, G]` scores. Selection: `select_tiles`, torch sort and cumsum on
-the `[B, Hq, T, T]` tile weights (small: `T = N / block`), a few heads at a time.
-Plan: the kept tiles as key blocks (one host synchronisation for the list width),
-then the block kernel.
+the stride-level `[G, G]` scores. Selection and block lists: one kernel
+(`fast.kernels.tile_select`, shared with DPXA and DeltaXAttention) on the
+`[B, Hq, T, T]` tile weights; one host synchronisation cuts the lists to the widest
+row (none inside `static_widths()`). Then the block kernel.
+
+Checks run once, in the public functions; `_xattention_plan` and the kernels'
+launchers trust them.
 
 The fp32 weights differ from the reference's float64 ones in the last bits, so a tile
 whose weight ties (or nearly ties) another, or whose cumulative weight lands on the
@@ -18,35 +21,33 @@ import math
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
+from ..reference._checks import HALF_DTYPES, check_qkv, resolve_scale
 from ..reference.plan import BlockColumnPlan, mask_to_list, rank_nan_last
-from ..reference.xattention import check_threshold, check_weights, check_xattention_params
+from ..reference.xattention import check_threshold, check_weights
 from .capture import static_widths_active
 from .dense import empty_columns
-from .kernels import block_column_attention, check_forward_only, check_kernel_device
-from .kernels.xattention_score import check_fast_block, xattention_tile_weights
+from .kernels import block_column_attention, check_forward_only
+from .kernels.tile_select import MAX_KERNEL_TILES, select_tile_lists
+from .kernels.xattention_score import _tile_weights, check_xattention_inputs, xattention_tile_weights
 
 __all__ = ["select_tiles", "xattention", "xattention_plan", "xattention_tile_weights"]
 
-# Elements of [rows, T] tile weights selected at once (sort indices and cumsums in float64).
+# Elements of [rows, T] tile weights selected at once by the torch path (sort indices
+# and cumsums in float64).
 _SELECT_ELEMENTS = 1 << 24
 
 
-def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Greedy threshold selection (see `reference.xattention.select_tiles`).
+def _kernel_selects(weights: torch.Tensor) -> bool:
+    """Whether the selection kernel takes these weights: on a GPU, rows of at most
+    `MAX_KERNEL_TILES` tiles. CPU tensors take the torch path, under the interpreter
+    too (its bitonic sort costs ~0.4 s a launch there; tests/test_xattention.py checks
+    the kernel against the torch path directly, and GPU conformance runs it)."""
+    return weights.is_cuda and weights.shape[-1] <= MAX_KERNEL_TILES
 
-    Args:
-        weights: float `[B, H, T, T]`, rows summing to 1 over the causal tiles `j <= i`.
-        threshold: in `(0, 1]`.
 
-    Returns:
-        bool `[B, H, T, T]`.
-
-    Raises:
-        TypeError, ValueError: a bad threshold or weights not `[B, H, T, T]`.
-    """
-    tau = check_threshold(threshold)
-    check_weights(weights)
+def _select_tiles_torch(weights: torch.Tensor, tau: float) -> torch.Tensor:
+    """The greedy selection in torch sort and cumsum ops, a few rows at a time (rows longer
+    than the kernel's, and CPU tensors outside the interpreter)."""
     b, h, tiles, _ = weights.shape
     idx = torch.arange(tiles, device=weights.device)
     causal = idx[None, :] <= idx[:, None]
@@ -73,6 +74,43 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
     return keep
 
 
+def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Greedy threshold selection (see `reference.xattention.select_tiles`).
+
+    One kernel launch (`fast.kernels.tile_select`) on a GPU; torch sort and cumsum ops
+    for rows longer than `MAX_KERNEL_TILES` tiles.
+
+    Args:
+        weights: float `[B, H, T, T]`, rows summing to 1 over the causal tiles `j <= i`.
+        threshold: in `(0, 1]`.
+
+    Returns:
+        bool `[B, H, T, T]`.
+
+    Raises:
+        TypeError, ValueError: a bad threshold or weights not `[B, H, T, T]`.
+    """
+    tau = check_threshold(threshold)
+    check_weights(weights)
+    return _select_tiles(weights, tau)
+
+
+def _select_tiles(weights: torch.Tensor, tau: float) -> torch.Tensor:
+    """`select_tiles` on checked weights and threshold."""
+    if _kernel_selects(weights):
+        return select_tile_lists(weights, tau)[0]
+    return _select_tiles_torch(weights, tau)
+
+
+def _plan(count: torch.Tensor, index: torch.Tensor, *, seqlen: int, block: int) -> BlockColumnPlan:
+    b, h, tiles = count.shape
+    col_count, col_index = empty_columns(b, h, tiles, count.device)
+    return BlockColumnPlan(
+        seqlen=seqlen, block_m=block, block_n=block, block_count=count, block_index=index,
+        column_count=col_count, column_index=col_index,
+    ).mark_valid()
+
+
 def tiles_to_plan(keep: torch.Tensor, *, seqlen: int, block: int) -> BlockColumnPlan:
     """The kept causal tiles `[B, H, T, T]` as a plan of `block x block` key blocks (valid by construction).
 
@@ -80,7 +118,7 @@ def tiles_to_plan(keep: torch.Tensor, *, seqlen: int, block: int) -> BlockColumn
     synchronisation), or `T` inside `fast.capture.static_widths()` and during CUDA-graph
     capture (no read).
     """
-    b, h, tiles, _ = keep.shape
+    tiles = keep.shape[2]
     if static_widths_active(keep):
         # `mask_to_list` at the full width T: a stable sort puts the kept tiles first, in order.
         count = keep.sum(dim=-1)
@@ -89,11 +127,28 @@ def tiles_to_plan(keep: torch.Tensor, *, seqlen: int, block: int) -> BlockColumn
         count, index = count.to(torch.int32), index.to(torch.int32)
     else:
         count, index = mask_to_list(keep)
-    col_count, col_index = empty_columns(b, h, tiles, keep.device)
-    return BlockColumnPlan(
-        seqlen=seqlen, block_m=block, block_n=block, block_count=count, block_index=index,
-        column_count=col_count, column_index=col_index,
-    ).mark_valid()
+    return _plan(count, index, seqlen=seqlen, block=block)
+
+
+def select_plan(weights: torch.Tensor, tau: float, *, seqlen: int, block: int) -> BlockColumnPlan:
+    """`tiles_to_plan(select_tiles(weights, tau))` on checked weights and threshold.
+
+    On a GPU one kernel selects and writes the block lists at width `T`; they are cut
+    to the widest row (one host synchronisation) outside `static_widths()` and capture.
+    """
+    if not _kernel_selects(weights):
+        return tiles_to_plan(_select_tiles_torch(weights, tau), seqlen=seqlen, block=block)
+    _, count, index = select_tile_lists(weights, tau)
+    if not static_widths_active(weights):
+        width = int(count.max().item()) if count.numel() else 0
+        index = index[..., :width].contiguous()
+    return _plan(count, index, seqlen=seqlen, block=block)
+
+
+def _xattention_plan(q: torch.Tensor, k: torch.Tensor, *, stride: int, tau: float, block: int, scoring: str,
+                     sm_scale: float) -> BlockColumnPlan:
+    weights = _tile_weights(q, k, stride=stride, block=block, scoring=scoring, sm_scale=sm_scale)
+    return select_plan(weights, tau, seqlen=q.shape[2], block=block)
 
 
 def xattention_plan(
@@ -111,12 +166,10 @@ def xattention_plan(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    stride, threshold, block, scoring = check_xattention_params(
-        stride=stride, threshold=threshold, block=block, scoring=scoring)
-    check_fast_block(block)
-    weights = xattention_tile_weights(q, k, stride=stride, block=block, scoring=scoring, scale=scale)
-    return tiles_to_plan(select_tiles(weights, threshold), seqlen=shape.seqlen, block=block)
+    stride, tau, block, scoring = check_xattention_inputs(q, k, stride=stride, threshold=threshold,
+                                                          block=block, scoring=scoring)
+    sm_scale = resolve_scale(scale, q.shape[3])
+    return _xattention_plan(q, k, stride=stride, tau=tau, block=block, scoring=scoring, sm_scale=sm_scale)
 
 
 def xattention(
@@ -142,13 +195,11 @@ def xattention(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    shape = check_qkv(q, k, v, dtypes=HALF_DTYPES)
-    check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
-    check_fast_block(block)
-    check_kernel_device(q)
-    check_forward_only(q, k, v)
-    resolve_scale(scale, shape.head_dim)
-    plan = xattention_plan(q, k, stride=stride, threshold=threshold, block=block, scoring=scoring,
-                           scale=scale)
-    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
+    check_qkv(q, k, v, dtypes=HALF_DTYPES)
+    stride, tau, block, scoring = check_xattention_inputs(q, k, stride=stride, threshold=threshold,
+                                                          block=block, scoring=scoring)
+    check_forward_only(v)
+    sm_scale = resolve_scale(scale, q.shape[3])
+    plan = _xattention_plan(q, k, stride=stride, tau=tau, block=block, scoring=scoring, sm_scale=sm_scale)
+    out, _ = block_column_attention(q, k, v, plan, scale=sm_scale, validate_plan=False)
     return out

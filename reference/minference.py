@@ -291,6 +291,17 @@ def _plan_kwargs(head: HeadPattern, scale: float | None) -> dict[str, Any]:
     return kwargs
 
 
+def _owner_runs(owner: Sequence[int]) -> list[tuple[int, int, int]]:
+    """`(h0, h1, plan)` for each maximal run of consecutive heads owned by one plan."""
+    runs: list[tuple[int, int, int]] = []
+    for h, i in enumerate(owner):
+        if runs and runs[-1][2] == i and runs[-1][1] == h:
+            runs[-1] = (runs[-1][0], h + 1, i)
+        else:
+            runs.append((h, h + 1, i))
+    return runs
+
+
 def merge_head_plans(plans: Sequence[BlockColumnPlan], owner: Sequence[int]) -> BlockColumnPlan:
     """One plan whose head `h` is head `h` of `plans[owner[h]]`.
 
@@ -322,13 +333,12 @@ def merge_head_plans(plans: Sequence[BlockColumnPlan], owner: Sequence[int]) -> 
         rows = 1 if shared else qb
         count = torch.empty(b, h, qb, dtype=torch.int32, device=first.device)
         index = torch.zeros(b, h, rows, width, dtype=torch.int32, device=first.device)
-        for i, p in enumerate(plans):
-            heads = torch.tensor([j for j in range(h) if owner[j] == i], dtype=torch.int64, device=first.device)
-            if heads.numel() == 0:
-                continue
+        # Runs of consecutive heads of one plan, copied slice by slice: no index tensor is
+        # copied to the device, so the merge is capture-safe (docs/serving.md).
+        for h0, h1, i in _owner_runs(owner):
             src = indices[i]
-            count[:, heads] = getattr(p, f"{kind}_count")[:, heads]
-            index[:, heads, :, : src.shape[3]] = src[:, heads, :rows]
+            count[:, h0:h1] = getattr(plans[i], f"{kind}_count")[:, h0:h1]
+            index[:, h0:h1, :, : src.shape[3]] = src[:, h0:h1, :rows]
         out[f"{kind}_count"], out[f"{kind}_index"] = count, index.expand(b, h, qb, width)
     owned = set(owner)
     used = [p for i, p in enumerate(plans) if i in owned]

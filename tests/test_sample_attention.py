@@ -30,7 +30,7 @@ from sparseprefill.conformance.ties import (  # noqa: E402
     sample_tolerance,
 )
 from sparseprefill.fast.kernels.sample_index import sample_attention_index  # noqa: E402
-from sparseprefill.fast.kernels.sampled_scores import row_tiles  # noqa: E402
+from sparseprefill.fast.kernels.sampled_scores import row_tile_table, row_tiles  # noqa: E402
 from sparseprefill.reference.plan import BlockColumnPlan  # noqa: E402
 from sparseprefill.reference.sample_attention import (  # noqa: E402
     LengthRange,
@@ -81,6 +81,17 @@ def test_sampled_rows_by_hand() -> None:
 def test_row_tiles_stay_inside_query_blocks() -> None:
     tiles = row_tiles([(50, 200), (300, 310)], 64, 32)
     assert tiles == [(50, 64), (64, 96), (96, 128), (128, 160), (160, 192), (192, 200), (300, 310)]
+
+
+@pytest.mark.parametrize("n, chunk_n, block, block_l", [(1000, 3, 128, 64), (4097, 5, 48, 64), (300, 4, 128, 64),
+                                                        (777, 7, 16, 32), (200, 1, 80, 64)])
+def test_device_tile_table_is_row_tiles(n: int, chunk_n: int, block: int, block_l: int) -> None:
+    """The capture-safe table built on the device holds exactly `row_tiles`' tiles."""
+    spans = sampled_rows(n, chunk_n, block)
+    table, count = row_tile_table(spans, block, torch.device("cpu"), block_l)
+    want = row_tiles(spans, block, block_l)
+    assert count == len(want)
+    assert table.dtype == torch.int32 and table.tolist() == [list(t) for t in want]
 
 
 def test_block_reduction_by_hand() -> None:
@@ -333,7 +344,7 @@ def test_bad_parameters_raise_before_any_work(impl: str, monkeypatch: pytest.Mon
     def no_launch(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a kernel was launched")
 
-    monkeypatch.setattr(fast_sa, "sampled_block_scores", no_launch)
+    monkeypatch.setattr(fast_sa, "_sampled_block_scores", no_launch)
     monkeypatch.setattr(fast_sa, "block_column_attention", no_launch)
     q, k, v = _inputs(1, 2, 1, 64, 32)
     bad: list[tuple[dict[str, Any], type[Exception], str]] = [

@@ -28,7 +28,10 @@ from sparseprefill.conformance.ties import (  # noqa: E402
     tile_weight_tolerance,
     xattention_tie_check,
 )
-from sparseprefill.fast.kernels.delta_score import delta_anchor_lists  # noqa: E402
+from sparseprefill.fast.kernels.delta_score import delta_anchor_lists, delta_anchor_packed  # noqa: E402
+from sparseprefill.fast.kernels.tile_select import select_tile_lists  # noqa: E402
+from sparseprefill.fast.xattention import _select_tiles_torch  # noqa: E402
+from sparseprefill.reference.plan import mask_to_list  # noqa: E402
 from sparseprefill.reference.dpxa import anchor_tile_scores, dpxa_anchors  # noqa: E402
 from sparseprefill.reference.xattention import stride_groups, stride_scores  # noqa: E402
 
@@ -212,6 +215,9 @@ DPXA_CASES = [
     (1, 2, 1, 111, 128, 48, -1.0),
     (1, 1, 1, 129, 64, 128, 0.9),
     (2, 2, 1, 100, 32, 32, 1.0),
+    # Every key an anchor, tiles of 48 against steps of 128 packed anchors: tile sums carried
+    # across steps (the interpreter's BLOCK_K).
+    (1, 2, 1, 300, 32, 48, 1.0),
 ]
 # The interpreter runs the delta scan one position at a time: long tiles cost the most.
 DPXA_THRESHOLDS = {16: (1e-6, 0.9), 32: (0.9,), 48: (0.5,), 128: (0.9,)}
@@ -233,6 +239,41 @@ def test_fast_dpxa_matches_reference(case: tuple[Any, ...]) -> None:
     for threshold in DPXA_THRESHOLDS[block]:
         params = {"cos_threshold": cos, "block": block, "threshold": threshold}
         props.check_method_plan(METHODS["dpxa"], q, k, params, context=str(params))
+
+
+def test_packed_anchors_are_positions_in_order() -> None:
+    q, _, _ = _qk(2, 2, 1, 45, 32, smooth=True)
+    keep, pos, start = delta_anchor_packed(q, cos_threshold=0.6, block=16)
+    flags = keep.reshape(4, 45)
+    for r in range(4):
+        want = flags[r].nonzero().flatten().tolist()
+        assert pos[r, : len(want)].tolist() == want
+        per_tile = [int(flags[r, t * 16:(t + 1) * 16].sum()) for t in range(3)]
+        assert start[r].tolist() == [0, per_tile[0], per_tile[0] + per_tile[1], sum(per_tile)]
+
+
+def test_selection_kernel_matches_the_torch_path() -> None:
+    """`fast.kernels.tile_select` (the GPU path of `select_tiles`) against the torch path:
+    ties by position, NaN rows and weights, thresholds at the extremes; and its lists
+    are `mask_to_list` of its mask at width T."""
+    gen = torch.Generator().manual_seed(5)
+    tiles = 9
+    w = torch.rand(2, 2, tiles, tiles, generator=gen)
+    w[0, 0] = (w[0, 0] * 4).round() / 4  # ties
+    w[0, 1, 6, 2] = math.nan  # one NaN weight
+    w[1, 0, 4] = math.nan  # a NaN row
+    idx = torch.arange(tiles)
+    w = torch.where(idx[None, :] <= idx[:, None], w, 0.0)
+    w = w / w.sum(-1, keepdim=True)
+    w[0, 1, 6, 2] = math.nan
+    for threshold in (1e-9, 0.5, 0.9, 1.0):
+        want = _select_tiles_torch(w, threshold)
+        keep, count, index = select_tile_lists(w, threshold)
+        assert torch.equal(keep, want), threshold
+        want_count, want_index = mask_to_list(want)
+        assert torch.equal(count, want_count)
+        width = want_index.shape[-1]
+        assert torch.equal(index[..., :width], want_index) and not bool(index[..., width:].any())
 
 
 def test_anchor_lists_are_packed_positions() -> None:

@@ -146,10 +146,13 @@ def _pack_kernel(
 def threshold_args(threshold: float, device: torch.device) -> torch.Tensor:
     """float64 `[threshold**2, threshold]` as the kernel reads them (Python's float64 square).
 
-    Filled on the device (no host-to-device copy, which CUDA-graph capture refuses).
+    Filled on the device by two fill kernels whose value travels as a kernel argument:
+    no host-to-device copy and no synchronisation, so CUDA-graph capture accepts it
+    (`out[0] = x` copies a host scalar, which the capture refuses).
     """
-    out = torch.full((2,), threshold, dtype=torch.float64, device=device)
-    out[0] = threshold * threshold
+    out = torch.empty(2, dtype=torch.float64, device=device)
+    out[:1].fill_(threshold * threshold)
+    out[1:].fill_(threshold)
     return out
 
 

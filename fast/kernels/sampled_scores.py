@@ -147,6 +147,34 @@ def row_tiles(spans: list[tuple[int, int]], block_size: int, block_l: int = _BLO
     return tiles
 
 
+def row_tile_table(
+    spans: list[tuple[int, int]], block_size: int, device: torch.device, block_l: int = _BLOCK_L
+) -> tuple[torch.Tensor, int]:
+    """`row_tiles` as an int32 `[T, 2]` device table, built on the device.
+
+    The rows come from one `arange` per span and the cuts from arithmetic on them (a
+    row starts a tile at a span start, a query-block boundary, or every `block_l` rows
+    after either); each tile's bounds are a scatter-min / scatter-max by tile number.
+    Kernel launches with scalar arguments only: no host-to-device copy and no
+    synchronisation, so a CUDA graph can be captured around it. `T` comes from the
+    host-side `row_tiles` (the spans are parameters, not data).
+
+    Returns:
+        (table, T): rows `[start, stop)` of each tile, in `row_tiles`' order.
+    """
+    num_tiles = len(row_tiles(spans, block_size, block_l))
+    rows = torch.cat([torch.arange(a, z, device=device, dtype=torch.int64) for a, z in spans])
+    first = torch.cat([torch.full((z - a,), a, device=device, dtype=torch.int64) for a, z in spans])
+    piece = torch.maximum(first, torch.div(rows, block_size, rounding_mode="floor") * block_size)
+    opens = (rows - piece) % block_l == 0
+    tile = torch.cumsum(opens.to(torch.int64), 0) - 1
+    start = torch.zeros(num_tiles, dtype=torch.int64, device=device)
+    stop = torch.zeros(num_tiles, dtype=torch.int64, device=device)
+    start.scatter_reduce_(0, tile, rows, "amin", include_self=False)
+    stop.scatter_reduce_(0, tile, rows + 1, "amax", include_self=False)
+    return torch.stack([start, stop], dim=1).to(torch.int32).contiguous(), num_tiles
+
+
 def sampled_block_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,26 +200,39 @@ def sampled_block_scores(
             block size, empty or out-of-range spans).
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    check_kernel_device(q)
     bs = check_positive_int("block_size", block_size)
     if bs % 16:
         raise ValueError(f"block_size must be a multiple of 16 for the fast kernels, got {bs}")
-    if shape.head_dim > 256:
-        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
-    b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
+    check_score_inputs(q)
+    n = shape.seqlen
     if not spans or any(not 0 <= a < z <= n for a, z in spans):
         raise ValueError(f"spans must be non-empty ranges inside [0, {n}), got {spans[:4]}")
-    qk_scale = resolve_scale(scale, d) * LOG2E
-    tiles = row_tiles(spans, bs)
-    num_tiles = len(tiles)
-    tile_t = torch.tensor(tiles, dtype=torch.int32).to(q.device)
+    return _sampled_block_scores(q, k, spans=spans, block_size=bs, sm_scale=resolve_scale(scale, shape.head_dim))
+
+
+def check_score_inputs(q: torch.Tensor) -> None:
+    """The kernels' own limits on checked q: a CUDA device (or the interpreter), D <= 256."""
+    check_kernel_device(q)
+    if q.shape[3] > 256:
+        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {q.shape[3]}")
+
+
+def _sampled_block_scores(
+    q: torch.Tensor, k: torch.Tensor, *, spans: list[tuple[int, int]], block_size: int, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampled_block_scores` on checked inputs and parameters."""
+    b, hq, n, d = q.shape
+    group = hq // k.shape[1]
+    bs = block_size
+    qk_scale = sm_scale * LOG2E
+    tile_t, num_tiles = row_tile_table(spans, bs, q.device)
     block_n = math.gcd(bs, 64)
     head_dim = max(16, triton.next_power_of_2(d))
     dot_f32 = interpreter_active() and q.dtype == torch.bfloat16
     num_stages = 1 if interpreter_active() else 2
     splits = cdiv(n, _SPLIT_KEYS)
     grid = (splits, num_tiles, b * hq)
-    common = (qk_scale, n, d, hq, shape.group, _SPLIT_KEYS, num_tiles)
+    common = (qk_scale, n, d, hq, group, _SPLIT_KEYS, num_tiles)
     strides = (*q.stride(), *k.stride())
 
     m_part = torch.empty(b * hq, splits, num_tiles * _BLOCK_L, dtype=torch.float32, device=q.device)
@@ -221,7 +262,7 @@ def sampled_block_scores(
     cells[..., :num_sub] = part
     cells = cells.reshape(b * hq, num_tiles, kb, per_block).sum(dim=-1)  # [BH, T, Kb]
     column = cells.sum(dim=1)
-    qblock = torch.tensor([start // bs for start, _ in tiles], dtype=torch.int64).to(q.device)
+    qblock = torch.div(tile_t[:, 0].to(torch.int64), bs, rounding_mode="floor")
     diag = qblock[:, None] - torch.arange(kb, device=q.device)[None, :]
     diag = torch.where(diag >= 0, diag, kb).expand(b * hq, num_tiles, kb).reshape(b * hq, -1)
     slash = torch.zeros(b * hq, kb + 1, dtype=torch.float64, device=q.device)

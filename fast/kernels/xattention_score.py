@@ -153,6 +153,74 @@ def _tile_weight_kernel(
         tl.store(p_w + o_t, w, mask=m_t)
 
 
+def check_xattention_inputs(
+    q: torch.Tensor, k: torch.Tensor, *, stride: int, threshold: float, block: int, scoring: str
+) -> tuple[int, float, int, str]:
+    """The fast XAttention checks, once: inputs (dtype, device, no autograd, D <= 256), parameters.
+
+    Returns:
+        (stride, threshold, block, scoring) as `check_xattention_params` normalises them.
+
+    Raises:
+        TypeError, ValueError: bad inputs or parameters, before any launch.
+    """
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
+    checked = check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
+    check_fast_block(checked[2])
+    check_kernel_device(q)
+    check_forward_only(q, k)
+    if shape.head_dim > 256:
+        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
+    return checked
+
+
+# (query groups per program, key groups per step, warps, pipeline stages) of
+# `_row_tile_lse_kernel` on a GPU; benches/estimator_stages.py sweeps it.
+SCORE_CONFIG = (128, 128, 8, 3)
+
+
+def _tile_weights(q: torch.Tensor, k: torch.Tensor, *, stride: int, block: int, scoring: str,
+                  sm_scale: float) -> torch.Tensor:
+    """`xattention_tile_weights` on checked inputs and parameters."""
+    b, hq, n, d = q.shape
+    group = hq // k.shape[1]
+    tiles = cdiv(n, block)
+    per_tile = cdiv(block, stride)
+    rows = tiles * per_tile
+    antidiagonal = scoring == "antidiagonal"
+    terms = stride if antidiagonal else 1
+    qk_scale = sm_scale * LOG2E / (stride if antidiagonal else 1)
+    gpt_pad = triton.next_power_of_2(per_tile)
+    if interpreter_active():
+        block_r, step_columns, warps, stages = 64, _STEP_COLUMNS, 4, 1
+    else:
+        block_r, step_columns, warps, stages = SCORE_CONFIG
+    tiles_per_step = max(1, step_columns // gpt_pad)
+    head_dim = max(16, triton.next_power_of_2(d))
+    dot_f32 = interpreter_active() and q.dtype == torch.bfloat16
+    weights = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
+    heads_at_once = max(1, min(hq, _SCRATCH_BYTES // max(1, b * rows * tiles * 4)))
+    for h0 in range(0, hq, heads_at_once):
+        hl = min(heads_at_once, hq - h0)
+        tile_lse = torch.empty(b * hl, rows, tiles, dtype=torch.float32, device=q.device)
+        row_lse = torch.empty(b * hl, rows, dtype=torch.float32, device=q.device)
+        _row_tile_lse_kernel[(triton.cdiv(rows, block_r), b * hl)](
+            q, k, tile_lse, row_lse,
+            qk_scale, n, d, hl, h0, group, block, stride, per_tile, rows, tiles,
+            *q.stride(), *k.stride(),
+            BLOCK_R=block_r, GPT_PAD=gpt_pad, TILES_PER_STEP=tiles_per_step, HEAD_DIM=head_dim,
+            TERMS=terms, DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
+        )
+        _tile_weight_kernel[(tiles, b * hl)](
+            tile_lse, row_lse, weights,
+            n, hl, h0, block, stride, per_tile, rows, tiles,
+            weights.stride(0), weights.stride(1), weights.stride(2),
+            GPT_PAD=gpt_pad, BLOCK_T=32, num_warps=4,
+        )
+        del tile_lse, row_lse
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
 def xattention_tile_weights(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -179,46 +247,7 @@ def xattention_tile_weights(
         TypeError, ValueError: bad inputs (dtype, device, shapes, head dim > 256) or
             parameters.
     """
-    shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    check_kernel_device(q)
-    check_forward_only(q, k)
-    stride, _, block, scoring = check_xattention_params(stride=stride, threshold=1.0, block=block,
+    stride, _, block, scoring = check_xattention_inputs(q, k, stride=stride, threshold=1.0, block=block,
                                                         scoring=scoring)
-    check_fast_block(block)
-    if shape.head_dim > 256:
-        raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
-    sm_scale = resolve_scale(scale, shape.head_dim)
-    b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
-    tiles = cdiv(n, block)
-    per_tile = cdiv(block, stride)
-    rows = tiles * per_tile
-    antidiagonal = scoring == "antidiagonal"
-    terms = stride if antidiagonal else 1
-    qk_scale = sm_scale * LOG2E / (stride if antidiagonal else 1)
-    gpt_pad = triton.next_power_of_2(per_tile)
-    tiles_per_step = max(1, _STEP_COLUMNS // gpt_pad)
-    head_dim = max(16, triton.next_power_of_2(d))
-    block_r = 64
-    dot_f32 = interpreter_active() and q.dtype == torch.bfloat16
-    num_stages = 1 if interpreter_active() else 2
-    weights = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
-    heads_at_once = max(1, min(hq, _SCRATCH_BYTES // max(1, b * rows * tiles * 4)))
-    for h0 in range(0, hq, heads_at_once):
-        hl = min(heads_at_once, hq - h0)
-        tile_lse = torch.empty(b * hl, rows, tiles, dtype=torch.float32, device=q.device)
-        row_lse = torch.empty(b * hl, rows, dtype=torch.float32, device=q.device)
-        _row_tile_lse_kernel[(triton.cdiv(rows, block_r), b * hl)](
-            q, k, tile_lse, row_lse,
-            qk_scale, n, d, hl, h0, shape.group, block, stride, per_tile, rows, tiles,
-            *q.stride(), *k.stride(),
-            BLOCK_R=block_r, GPT_PAD=gpt_pad, TILES_PER_STEP=tiles_per_step, HEAD_DIM=head_dim,
-            TERMS=terms, DOT_F32=dot_f32, num_warps=4, num_stages=num_stages,
-        )
-        _tile_weight_kernel[(tiles, b * hl)](
-            tile_lse, row_lse, weights,
-            n, hl, h0, block, stride, per_tile, rows, tiles,
-            weights.stride(0), weights.stride(1), weights.stride(2),
-            GPT_PAD=gpt_pad, BLOCK_T=32, num_warps=4,
-        )
-        del tile_lse, row_lse
-    return weights / weights.sum(dim=-1, keepdim=True)
+    sm_scale = resolve_scale(scale, q.shape[3])
+    return _tile_weights(q, k, stride=stride, block=block, scoring=scoring, sm_scale=sm_scale)
