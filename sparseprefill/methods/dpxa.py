@@ -63,6 +63,8 @@ METHOD = register(Method(
     ),
     extras=extras,
     chunked="as xattention: the chunk's own tiles",
-    sync=SyncStatus(syncs=("tiles to plan: as xattention",), static_bound="as xattention"),
+    sync=SyncStatus(syncs=("tiles to plan: as xattention",), static_bound="as xattention",
+                    note="the anchor kernel's threshold is filled on the device; before issue 22, "
+                         "`out[0] = x` made dpxa_static synchronise and fail capture"),
     bench=tile_suite("dpxa"),
 ))

@@ -196,10 +196,8 @@ METHOD = register(Method(
     sync=SyncStatus(
         syncs=("vertical-slash heads: as vertical_slash",),
         static_bound="vertical-slash heads: as vertical_slash_static",
-        capture_safe=False,
-        note="a layer mixing patterns merges its head plans with torch.tensor(list, device=...) "
-             "(reference.minference.merge_head_plans): a host-to-device copy that capture refuses; "
-             "a layer of one pattern is capture-safe through <pattern>_static"),
+        note="mixed layers merge their head plans slice by slice on the device "
+             "(reference.minference.merge_head_plans); vertical-slash heads need the static op"),
     adapters={"config": Adapter("str", _config_to_json, _config_from_json)},
     bench=BenchSuite(
         about="vertical-slash and block-sparse end to end (MInference's kernels and settings)",

@@ -223,10 +223,8 @@ METHOD = register(Method(
     sync=SyncStatus(
         syncs=("merge index: the most kept column + slash blocks ((...).max().item())",),
         static_bound="Kb key blocks per query block (every block)",
-        capture_safe=False,
-        note="stage 1 copies its sampled-row tile table to the device (torch.tensor(tiles).to(q.device) "
-             "in fast/kernels/sampled_scores.py), which capture refuses; the _static op still saves the "
-             "width read. A table built on the device from the chunk bounds would make it capture-safe"),
+        note="stage 1 builds its sampled-row tile table on the device (sampled_scores.row_tile_table); "
+             "before issue 22 it was copied from the host, which capture refuses"),
     distributed=DistributedEstimate(
         "native",
         "the sampled query rows (`chunk_n` chunks' last `block_size` rows; broadcast or all-reduced "

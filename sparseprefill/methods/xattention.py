@@ -222,7 +222,8 @@ METHOD = register(Method(
     extras=extras,
     chunked="each query tile's antidiagonal scores against the keys: the chunk's own tiles",
     sync=SyncStatus(
-        syncs=("tiles to plan: the most kept tiles of a row (reference.plan.mask_to_list, .max().item())",),
+        syncs=("tiles to plan: the widest row of the selection kernel's lists (count.max().item()); the "
+               "torch path (T > 4096 or CPU) uses mask_to_list",),
         static_bound="T = ceil(N / block) key blocks per query block"),
     bench=tile_suite("xattention"),
 ))
