@@ -266,7 +266,7 @@ def run_minference_suite(
     import torch.nn.functional as F
 
     from . import fast
-    from .demo import Shape, synthetic_qkv
+    from .workload import Shape, bench_qkv as synthetic_qkv
     from .fast.kernels import block_column_attention
     from .fast.kernels.vertical_slash_index import vertical_slash_index
     from .fast.vertical_slash import vertical_slash_lines, with_own_columns
@@ -413,7 +413,7 @@ def run_delta_kv_suite(
     `density x cuDNN` is the floor; the keep ratio is reported beside it.
     """
     from . import fast
-    from .demo import Shape, synthetic_qkv
+    from .workload import Shape, bench_qkv as synthetic_qkv
     from .fast.kernels import block_column_attention
     from .fast.kernels.block_column import ragged_block_column_attention
     from .fast.kernels.delta_pack import keep_mask, pack
@@ -500,7 +500,7 @@ def run_tile_suite(
     scoring ratio `alpha * beta`.
     """
     from . import fast
-    from .demo import Shape, synthetic_qkv
+    from .workload import Shape, bench_qkv as synthetic_qkv
     from .fast.kernels import block_column_attention
     from .fast.kernels.delta_score import delta_anchor_lists
     from .fast.xattention import select_tiles, tiles_to_plan
@@ -599,7 +599,7 @@ def run_delta_xattention_suite(
     dense kernel. No recall: a packed tile changes the keys (`with_recall` is ignored).
     """
     from . import fast
-    from .demo import Shape, synthetic_qkv
+    from .workload import Shape, bench_qkv as synthetic_qkv
     from .fast.kernels import block_column_attention
     from .fast.kernels.block_column import ragged_block_column_attention
     from .fast.xattention import select_tiles, tiles_to_plan
@@ -753,7 +753,7 @@ def run_anchor_suite(
     import torch.nn.functional as F
 
     from . import fast
-    from .demo import Shape, synthetic_qkv
+    from .workload import Shape, bench_qkv as synthetic_qkv
     from .fast.anchor_attention import _plans
     from .fast.kernels import block_column_attention
     from .fast.kernels.anchor_stripes import stripe_index
@@ -895,7 +895,7 @@ def run_sample_attention_suite(
     import torch.nn.functional as F
 
     from . import fast
-    from .demo import Shape, synthetic_qkv
+    from .workload import Shape, bench_qkv as synthetic_qkv
     from .fast.kernels import block_column_attention
     from .fast.kernels.sample_index import sample_attention_index
     from .fast.sample_attention import sample_attention_scores
@@ -1021,7 +1021,7 @@ def run_shareprefill_suite(
     rows there; no cuDNN, its times are NaN).
     """
     from . import fast
-    from .demo import Shape, synthetic_qkv
+    from .workload import Shape, bench_qkv as synthetic_qkv
     from .fast.kernels import block_column_attention
     from .fast.shareprefill import build_pivots, decide_layer, dense_pivot_attention, layer_plan
     from .reference.shareprefill import SharePattern, SharePrefillState
@@ -1186,6 +1186,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=8, help="shareprefill: layers of the stack")
     parser.add_argument("--no-recall", action="store_true", help="skip recall columns")
     parser.add_argument("--json", default=None, help="write rows and environment as JSON here")
+    parser.add_argument("--workload", choices=["synthetic", "calibrated"], default="synthetic",
+                        help="inputs of the method suites: synthetic (demo.synthetic_qkv, default) or "
+                             "calibrated (sparseprefill.workload, fitted to captured attention)")
+    parser.add_argument("--qkv", default=None,
+                        help="inputs of the method suites from a capture (sparseprefill eval capture): its "
+                             "layers as the batch, first N tokens (N <= the capture's)")
     from .distributed_bench import add_arguments as add_distributed_arguments
 
     add_distributed_arguments(parser)
@@ -1219,6 +1225,9 @@ def run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    from .workload import select
+
+    select(args.workload, args.qkv)
     common = dict(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, dtype=dtype, with_recall=not args.no_recall, log=log)
     if args.method == "anchor_attention":
