@@ -31,7 +31,7 @@ from sparseprefill.oracle import oracle_density
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--qkv", type=Path, required=True)
+    parser.add_argument("--qkv", type=Path, default=None)
     parser.add_argument("--calibration", type=Path, default=None, help="default: the shipped fit")
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="default: every fitted layer")
     parser.add_argument("--kv-heads", type=int, nargs="+", default=None,
@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("reference", "fast"), default="reference")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", nargs="+", choices=("captured", "calibrated"),
+                        default=["captured", "calibrated"],
+                        help="run only these (two processes can split the work; --merge joins them)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="instead of running: join these JSON outputs of one layer and report the gaps")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -50,6 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
+    if args.merge is not None:
+        parts = [json.loads(path.read_text())["layers"][0] for path in args.merge]
+        points = [workload.CurvePoint(**p) for part in parts for p in part["points"]]
+        item = {**parts[0], "oracle": {k: v for part in parts for k, v in part["oracle"].items()},
+                "gaps": workload.curve_gaps(points), "points": [asdict(p) for p in points]}
+        print(format_acceptance(item))
+        _write(args, argv, start, [item])
+        return 0
     data = torch.load(args.qkv, map_location="cpu")
     cal = workload.load_calibration(args.calibration)
     methods = args.methods or list(METHODS)
@@ -74,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                                              seed=args.seed, fit_seqlen=lp.seqlen, rule=cal.rule)
         points: list[workload.CurvePoint] = []
         oracle = {}
-        for name, (a, b, c), scale in (("captured", (q, k, v), float(data["scale"][i])),
-                                       ("calibrated", (gq, gk, gv), workload.FIT_HEAD_DIM ** -0.5)):
+        runs = (("captured", (q, k, v), float(data["scale"][i])),
+                ("calibrated", (gq, gk, gv), workload.FIT_HEAD_DIM ** -0.5))
+        for name, (a, b, c), scale in (r for r in runs if r[0] in args.workloads):
             a, b, c = (t.to(device=args.device, dtype=torch.float16).to(dtype) for t in (a, b, c))
             oracle[name] = oracle_density(a, b, workload.ORACLE_SHARES, scale=scale).mean((0, 1)).tolist()
             log(f"layer {layer} {name}: oracle density at {workload.ORACLE_SHARES}: {oracle[name]}")

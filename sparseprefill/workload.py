@@ -62,6 +62,7 @@ for D >= 64.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -93,7 +94,7 @@ RULES = ("fixed-logits", "sink-log")
 # Fits and the layer workloads are made at this head size: the scores are calibrated, not D
 # (a capture at D = 64 is fitted by a D = 128 workload with the same score statistics).
 FIT_HEAD_DIM = 128
-DEFAULT_RULE = "fixed-logits"
+DEFAULT_RULE = "sink-log"
 WORKLOADS = ("synthetic", "calibrated")
 # The fit shipped with the package: SmolLM2-135M, every layer, N = 8192.
 DEFAULT_CALIBRATION = Path(__file__).parent / "workloads" / "smollm2-8k.json"
@@ -397,6 +398,11 @@ def profile_at(profile: Sequence[float], dist: torch.Tensor) -> torch.Tensor:
     return values[i - 1] + t * (values[i] - values[i - 1])
 
 
+@functools.lru_cache(maxsize=256)
+def _rotary_weights_cached(profile: tuple[float, ...], seqlen: int, pairs: int) -> torch.Tensor:
+    return rotary_weights(profile, seqlen, pairs)
+
+
 def rotary_weights(profile: Sequence[float], seqlen: int, pairs: int) -> torch.Tensor:
     """Per-frequency weights `c` with `sum_f c_f cos(theta_f d)` closest to the profile.
 
@@ -502,7 +508,8 @@ def generate_layer(
         q[:, h, :, 0] = (p.sink + sink_shift) / scale
         q[:, h, :, 1] = p.vertical / scale
         if p.profile:
-            weights = rotary_weights(p.profile, n, pairs)
+            # Query heads of other shapes repeat fitted heads: one solve per distinct profile.
+            weights = _rotary_weights_cached(tuple(p.profile), n, pairs)
             q[:, h, :, lay.rotary] = turned * (weights / scale).repeat_interleave(2)
         q[:, h, :, lay.slash] = codes[:, j, :n] * (p.slash / (ds * scale))
         q[:, h, :, lay.noise] = x[:, h] * (p.noise / (math.sqrt(dn) * scale))
