@@ -116,7 +116,8 @@ def format_acceptance(item: dict[str, object]) -> str:
     """Markdown: per method the largest recall gap at equal density and at the same knob."""
     oracle = item["oracle"]
     assert isinstance(oracle, dict) and isinstance(item["gaps"], dict)
-    cap, cal = oracle["captured"], oracle.get("calibrated", [math.nan, math.nan])
+    cap = oracle.get("captured", [math.nan, math.nan])
+    cal = oracle.get("calibrated", [math.nan, math.nan])
     lines = [f"layer {item['layer']}, KV heads {item['kv_heads']}, N = {item['seqlen']}: oracle density at 0.9 "
              f"{cap[0]:.4f} captured / {cal[0]:.4f} calibrated ({cal[0] / cap[0] - 1:+.0%}), at 0.95 "
              f"{cap[1]:.4f} / {cal[1]:.4f} ({cal[1] / cap[1] - 1:+.0%})", "",

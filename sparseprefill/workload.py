@@ -24,14 +24,15 @@ sequence, each row's full causal softmax in float64:
   much the runs of similar keys compress.
 
 The generator (`calibrated_qkv`) writes each score `scale * q_i . k_j` as a sum of
-channels (the same scheme as `demo.synthetic_qkv`, whose `Shape` and rotary-free
-channel layout it shares), with one set of logit weights per query head:
+channels (the scheme of `demo.synthetic_qkv`, whose `Shape` and rotary helper it reuses),
+with one set of logit weights per query head and the keys shared by a GQA group:
 
 * sink: `+sink` on key 0;
 * vertical: `+vertical * u_j` on a random 0.5% of keys (`u_j` uniform in [0.5, 1]);
-* local: AR(1) key contents with correlation lengths `LOCAL_LENGTHS` (1, 8, 64, 512
-  tokens), each query carrying its own position's content, so the score has
-  `local[g] * rho_g ** (i - j)` per length `g` (plus noise `local[g] / sqrt(d_g)`);
+* distance profile: 40 rotary pairs, frequencies geometric from pi to `ROTARY_MIN`; the
+  query carries per-frequency weights fitted by ridge least squares to the head's score
+  profile (one value per `PROFILE_BANDS` band), so this part of the score is a
+  deterministic function of `i - j` (the local window and its tail);
 * slash: random codes `c_p`, key `j` carrying `c_{j + o}` for each of the KV head's
   four slash offsets `o` (the capture's strongest diagonals), query `i` carrying `c_i`:
   `+slash` on the diagonals `i - j = o`;
@@ -41,23 +42,24 @@ channel layout it shares), with one set of logit weights per query head:
   sets how similar keys are in cosine, for Delta-KV.
 
 Fit (`fit_layer`): key parameters (`run_length`, `key_offset`) first, by bisection on
-the keep ratios; then the logit weights by a fixed-point iteration on the statistics,
-`w += log(target share / generated share)` per component (local lengths on their
-distance bands) and `noise *= (generated / target oracle density at 0.95) ** 0.7`,
-on a workload of the capture's own shape and length.
+the keep ratio at 0.83; then the logit weights by a fixed-point iteration on the
+statistics, `w += 0.8 log(target share / generated share)` per component (every profile
+band on its own band's mass) and, after the first rounds, `noise *= (generated / target
+oracle density at 0.95) ** 0.7`, on a workload of the capture's own heads and length at
+head size `FIT_HEAD_DIM`.
 
 Rule to longer N (`RULES`): "fixed-logits" keeps every logit weight and every length
-in tokens (correlation lengths, slash offsets, vertical keys per token) as fitted:
-what a model's weights fix; "sink-log" also raises the sink weight by `log(N / N_fit)`
-(the demo's rule: a sink keeps its share). `prefix_check` fits on a prefix of a capture,
-generates at the capture's length under a rule and reports the statistics' error; the
-chosen default, `DEFAULT_RULE`, is the one that predicted better (docs/workload.md).
+in tokens (profile per distance, slash offsets, vertical keys per token, runs) as
+fitted: what a model's weights fix; "sink-log" also raises the sink weight by
+`log(N / N_fit)` (the demo's rule: a sink keeps its share). `benches/calibrate_workload.py
+--max-seqlen M --predict` fits on a prefix and reports each rule's error at the
+capture's length; `DEFAULT_RULE` is the one that predicted better (docs/workload.md).
 
 Heads of another shape (`calibrated_qkv` at Hq, Hkv, D not those of the fit): KV head
 `j` takes fitted KV head `j * P / Hkv` of the pool of all fitted KV heads (layers in
 order), its query heads the fitted query heads of that group in turn. Channels use at
-most 64 of D (the rest are zero), so the score distribution does not change with D
-for D >= 64.
+most 128 of D (the rest are zero), so the score distribution does not change with D
+for D >= 128; below, every part shrinks in proportion.
 """
 
 from __future__ import annotations
@@ -1020,8 +1022,8 @@ def _interpolate(curve: Sequence[tuple[float, float]], x: float) -> float | None
 def curve_gaps(points: Sequence[CurvePoint], captured: str = "captured",
                calibrated: str = "calibrated") -> dict[str, dict[str, Any]]:
     """Per method: the largest recall gap between the two workloads' recall-vs-density
-    curves (the calibrated curve interpolated at each captured point's density, where the
-    densities overlap) and the gap at the same knob setting.
+    curves (each workload's points against the other's curve, linearly interpolated, where
+    the densities overlap) and the gap at the same knob setting.
 
     Methods without recall compare output error the same way (`error_gap_*`).
     """
@@ -1031,18 +1033,20 @@ def curve_gaps(points: Sequence[CurvePoint], captured: str = "captured",
         cap = [p for p in mine if p.workload == captured]
         cal = [p for p in mine if p.workload == calibrated]
         field_name = "recall_mean" if all(p.recall_mean is not None for p in mine) else "output_error"
-        curve = sorted((p.density, float(getattr(p, field_name))) for p in cal)
+        # Both ways: each workload's points against the other's curve, where densities overlap.
         at_density = []
-        for p in cap:
-            y = _interpolate(curve, p.density)
-            if y is not None:
-                at_density.append(abs(y - float(getattr(p, field_name))))
+        for mine_pts, other in ((cap, cal), (cal, cap)):
+            curve = sorted((p.density, float(getattr(p, field_name))) for p in other)
+            for p in mine_pts:
+                y = _interpolate(curve, p.density)
+                if y is not None:
+                    at_density.append(abs(y - float(getattr(p, field_name))))
         same_knob = [abs(float(getattr(a, field_name)) - float(getattr(b, field_name))) for a, b in zip(cap, cal)]
         density_ratio = [b.density / a.density for a, b in zip(cap, cal) if a.density > 0]
         prefix = "recall" if field_name == "recall_mean" else "error"
         out[name] = {
             f"{prefix}_gap_at_equal_density_max": max(at_density) if at_density else None,
-            "points_in_overlap": len(at_density), "points": len(cap),
+            "points_in_overlap": len(at_density), "points": len(cap) + len(cal),
             f"{prefix}_gap_same_knob_max": max(same_knob) if same_knob else None,
             "density_ratio_same_knob": density_ratio,
         }

@@ -223,9 +223,10 @@ def test_curve_gaps_interpolates_at_equal_density() -> None:
     points = [point("m", "captured", 0.2, 0.90), point("m", "captured", 0.4, 0.95),
               point("m", "calibrated", 0.1, 0.80), point("m", "calibrated", 0.3, 0.96)]
     gaps = workload.curve_gaps(points)["m"]
-    # At density 0.2 the calibrated curve is at 0.88: gap 0.02; 0.4 lies outside it.
-    assert gaps["recall_gap_at_equal_density_max"] == pytest.approx(0.02)
-    assert gaps["points_in_overlap"] == 1 and gaps["points"] == 2
+    # At density 0.2 the calibrated curve is at 0.88: gap 0.02 (0.4 lies outside it); at 0.3
+    # the captured curve is at 0.925: gap 0.035 (0.1 lies outside it).
+    assert gaps["recall_gap_at_equal_density_max"] == pytest.approx(0.035)
+    assert gaps["points_in_overlap"] == 2 and gaps["points"] == 4
     assert gaps["recall_gap_same_knob_max"] == pytest.approx(0.10)
     assert gaps["density_ratio_same_knob"] == pytest.approx([0.5, 0.75])
 
