@@ -329,7 +329,7 @@ def run_method_suite(
     """Any registered method at its defaults (or `params`), beside cuDNN SDPA in the same run.
 
     The generic suite of `sparseprefill bench --method <name>` for a method whose descriptor
-    has no suite of its own (`Method.bench`). Per N, on the demo's structured workload:
+    has no suite of its own (`Method.bench`). Per N, on the selected workload (`--workload`):
     the cuDNN row, then the method's row: end to end (`ms`), its plan (`estimate_ms`:
     the `*_plan` call, estimate and index together) and the kernel on that plan
     (`extra["kernel_ms"]`), density and recall from the method's view, the speedup
@@ -337,7 +337,7 @@ def run_method_suite(
     for the kernel alone). A method without a plan reports its end-to-end time only.
     """
     from . import fast
-    from .demo import Shape, synthetic_qkv
+    from .workload import Shape, bench_qkv as synthetic_qkv
     from .methods import get
 
     spec = get(method)
@@ -421,6 +421,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 parser.add_argument(arg.flag, dest=arg.dest, type=arg.type, default=arg.default, help=arg.help)
     parser.add_argument("--no-recall", action="store_true", help="skip recall columns")
     parser.add_argument("--json", default=None, help="write rows and environment as JSON here")
+    parser.add_argument("--workload", choices=["synthetic", "calibrated"], default="synthetic",
+                        help="inputs of the method suites: synthetic (demo.synthetic_qkv, default) or "
+                             "calibrated (sparseprefill.workload, fitted to captured attention)")
+    parser.add_argument("--qkv", default=None,
+                        help="inputs of the method suites from a capture (sparseprefill eval capture): its "
+                             "layers as the batch, first N tokens (N <= the capture's)")
     from .distributed_bench import add_arguments as add_distributed_arguments
 
     add_distributed_arguments(parser)
@@ -444,6 +450,9 @@ def run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    from .workload import select
+
+    select(args.workload, args.qkv)
     common: dict[str, Any] = dict(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
                                   head_dim=args.head_dim, dtype=dtype, with_recall=not args.no_recall, log=log)
     summary: Callable[[list[Any]], str] | None = None

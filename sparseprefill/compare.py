@@ -444,28 +444,35 @@ def compare_synthetic(
     device: str = "cuda",
     shares: Sequence[float] = DEFAULT_SHARES,
     log: Callable[[str], None] = print,
+    workload: str = "synthetic",
+    qkv: Path | None = None,
 ) -> list[Point]:
-    """The demo's synthetic workload on a GPU: every point also timed, cuDNN SDPA in the same run.
+    """A generated workload (or a capture) on a GPU: every point also timed, cuDNN SDPA in the same run.
+
+    The inputs are `workload.workload_qkv`'s: the demo's synthetic workload, the
+    calibrated one, or with `qkv` a capture's layers as the batch (its own heads and D).
 
     Output error is against the dense plan through our kernel (float32 accumulation),
     since float64 dense attention at 128K does not fit; the oracle runs on the last
     4096 query rows (and all keys) to stay within memory.
     """
     from . import bench, fast
-    from .demo import Shape, synthetic_qkv
+    from .workload import Shape, workload_qkv
 
-    q, k, v = synthetic_qkv(Shape(batch, q_heads, kv_heads, seqlen, head_dim, dtype), device=torch.device(device))
+    q, k, v = workload_qkv(Shape(batch, q_heads, kv_heads, seqlen, head_dim, dtype), device=torch.device(device),
+                           workload=workload, qkv=qkv)
+    source = workload if qkv is None else f"capture {qkv.name}"
     base = bench.cudnn_row(q, k, v, log=log)
     exact = fast.sparse_attention(q, k, v, fast.dense_plan(q, k))
     points: list[Point] = []
     tail = min(seqlen, 4096)
     dens = _oracle_tail(q, k, tail, shares)
-    points += [Point("oracle", {"share": s, "rows": f"last {tail}"}, "synthetic", seqlen, float(dens[i]), s, s,
+    points += [Point("oracle", {"share": s, "rows": f"last {tail}"}, source, seqlen, float(dens[i]), s, s,
                      None, 0.0) for i, s in enumerate(shares)]
     for name in methods:
         spec = METHODS[name]
         for params in sweep(spec, seqlen):
-            point = measure(spec, params, q, k, v, exact, backend="fast", scale=None, source="synthetic")
+            point = measure(spec, params, q, k, v, exact, backend="fast", scale=None, source=source)
             call = spec.call_params(params, q)
             e2e = bench.bench_ms(lambda: spec.run_fn("fast")(q, k, v, **call))
             gpu = {"e2e_ms": e2e, "cudnn_ms": base.ms, "speedup_vs_cudnn": base.ms / e2e,
@@ -647,7 +654,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="captured q/k/v (sparseprefill eval capture); default without --seqlen: "
                              "out/qkv_smollm2_8k.pt")
     parser.add_argument("--seqlen", type=int, default=None,
-                        help="instead of a capture: the synthetic workload at this N, timed on a GPU")
+                        help="time every point on a GPU at this N: on --workload, or with --qkv on the "
+                             "capture's layers as the batch (first N tokens)")
+    parser.add_argument("--workload", choices=("synthetic", "calibrated"), default="synthetic",
+                        help="with --seqlen: the demo's synthetic workload (default) or the calibrated one "
+                             "(sparseprefill.workload)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help=f"registered methods (default: all: {', '.join(METHODS)})")
     parser.add_argument("--backend", choices=("fast", "reference"), default=None,
@@ -701,7 +712,8 @@ def run(args: argparse.Namespace) -> int:
                   "--no-output-error need a capture "
                   "(--qkv)", file=sys.stderr)
             return 2
-        points = compare_synthetic(args.seqlen, names, device=args.device, log=log)
+        points = compare_synthetic(args.seqlen, names, device=args.device, log=log, workload=args.workload,
+                                   qkv=args.qkv)
     else:
         path = args.qkv or Path("out/qkv_smollm2_8k.pt")
         if not path.exists():

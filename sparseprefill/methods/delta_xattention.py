@@ -115,7 +115,7 @@ def run_delta_xattention_suite(
     dense kernel. No recall: a packed tile changes the keys (`with_recall` is ignored).
     """
     from .. import fast
-    from ..demo import Shape, synthetic_qkv
+    from ..workload import Shape, bench_qkv as synthetic_qkv
     from ..fast.kernels import block_column_attention
     from ..fast.kernels.block_column import ragged_block_column_attention
     from ..fast.xattention import select_tiles, tiles_to_plan

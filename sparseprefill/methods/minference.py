@@ -81,7 +81,7 @@ def run_minference_suite(
     cuDNN SDPA and FlexAttention given the same plan, in the same run.
     """
     from .. import fast
-    from ..demo import Shape, synthetic_qkv
+    from ..workload import Shape, bench_qkv as synthetic_qkv
     from ..fast.kernels import block_column_attention
     from ..fast.kernels.vertical_slash_index import vertical_slash_index
     from ..fast.vertical_slash import vertical_slash_lines, with_own_columns

@@ -96,7 +96,7 @@ def run_sample_attention_suite(
     import torch.nn.functional as F
 
     from .. import fast
-    from ..demo import Shape, synthetic_qkv
+    from ..workload import Shape, bench_qkv as synthetic_qkv
     from ..fast.kernels import block_column_attention
     from ..fast.kernels.sample_index import sample_attention_index
     from ..fast.sample_attention import sample_attention_scores

@@ -80,7 +80,7 @@ def run_shareprefill_suite(
     rows there; no cuDNN, its times are NaN).
     """
     from .. import fast
-    from ..demo import Shape, synthetic_qkv
+    from ..workload import Shape, bench_qkv as synthetic_qkv
     from ..fast.kernels import block_column_attention
     from ..fast.shareprefill import build_pivots, decide_layer, dense_pivot_attention, layer_plan
     from ..reference.shareprefill import SharePattern, SharePrefillState

@@ -132,7 +132,7 @@ def run_tile_suite(
     scoring ratio `alpha * beta`.
     """
     from .. import fast
-    from ..demo import Shape, synthetic_qkv
+    from ..workload import Shape, bench_qkv as synthetic_qkv
     from ..fast.kernels import block_column_attention
     from ..fast.kernels.delta_score import delta_anchor_lists
     from ..fast.xattention import select_tiles, tiles_to_plan

@@ -1,0 +1,77 @@
+"""Fit the calibrated workload (`sparseprefill.workload`) to a capture; report the fit.
+
+    python benches/calibrate_workload.py --qkv /work/captures/qkv_smollm2_8k_all.pt \\
+        --calibration sparseprefill/workloads/smollm2-8k.json \\
+        --json benches/results/cpu-smollm2-calibration-2026-11-25.json
+
+With `--max-seqlen M --predict` it fits on the first M tokens only and compares the
+statistics predicted at the capture's length (under every rule of `workload.RULES`)
+with the captured ones: the check of the rule to long N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from sparseprefill import workload
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--qkv", type=Path, required=True, help="capture (sparseprefill eval capture)")
+    parser.add_argument("--layers", type=int, nargs="+", default=None, help="captured layers (default all)")
+    parser.add_argument("--max-seqlen", type=int, default=None, help="fit on this prefix only")
+    parser.add_argument("--predict", action="store_true",
+                        help="with --max-seqlen: predict the statistics at the capture's length")
+    parser.add_argument("--rows", type=int, default=128, help="query rows of every statistic")
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--calibration", type=Path, default=None, help="write the fit here")
+    parser.add_argument("--json", type=Path, required=True, help="write the report here")
+    parser.add_argument("--stats-only", action="store_true",
+                        help="only the captured statistics of every chosen layer (no fit)")
+    args = parser.parse_args(argv)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    data = torch.load(args.qkv, map_location="cpu")
+    if args.stats_only:
+        stats = {}
+        for i, layer in enumerate(data["layers"]):
+            if args.layers is None or layer in args.layers:
+                q, k = data["q"][i], data["k"][i]
+                if args.max_seqlen is not None:
+                    q, k = q[:, :, :args.max_seqlen], k[:, :, :args.max_seqlen]
+                stats[int(layer)] = asdict(workload.attention_stats(q, k, scale=float(data["scale"][i]),
+                                                                    rows=args.rows))
+                log(f"layer {layer}: oracle@0.95 mean {sum(o[1] for o in stats[int(layer)]['oracle']) / len(stats[int(layer)]['oracle']):.4f}")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"command": " ".join(["python benches/calibrate_workload.py",
+                                                              *(argv or sys.argv[1:])]),
+                                         "source": data.get("meta", {}), "layers": stats}, indent=1))
+        return 0
+    cal, fit_stats = workload.fit_capture(data, layers=args.layers, max_seqlen=args.max_seqlen,
+                                          rows=args.rows, iterations=args.iterations, log=log)
+    if args.calibration is not None:
+        args.calibration.parent.mkdir(parents=True, exist_ok=True)
+        args.calibration.write_text(json.dumps(cal.to_json(), indent=1))
+    report = workload.calibration_report(data, cal, fit_stats, rows=args.rows,
+                                         rules=workload.RULES if args.predict else (cal.rule,), log=log)
+    report["command"] = " ".join(["python benches/calibrate_workload.py", *(argv or sys.argv[1:])])
+    report["seconds"] = time.perf_counter() - start
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    print(workload.format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Acceptance of the calibrated workload: every registered method's sweep on captured
+layers and on the calibrated workload fitted to them, at the capture's length.
+
+    python benches/calibration_acceptance.py --qkv /work/captures/qkv_smollm2_8k_all.pt \\
+        --calibration sparseprefill/workloads/smollm2-8k.json --layers 14 --kv-heads 0 \\
+        --json benches/results/cpu-smollm2-calibration-acceptance-2026-11-25.json
+
+Per layer (and, to fit a CPU's time, a subset of KV heads with their query heads):
+the oracle's density at 0.9 / 0.95 on both (all rows), every method's points, and per
+method the largest recall gap at equal density (`workload.curve_gaps`). On a GPU pass
+`--backend fast --device cuda` for every layer and head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from sparseprefill import workload
+from sparseprefill.methods import METHODS
+from sparseprefill.demo import Shape
+from sparseprefill.oracle import oracle_density
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--qkv", type=Path, default=None)
+    parser.add_argument("--calibration", type=Path, default=None, help="default: the shipped fit")
+    parser.add_argument("--layers", type=int, nargs="+", default=None, help="default: every fitted layer")
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=None,
+                        help="KV heads (with their query heads) to run (default all)")
+    parser.add_argument("--query-heads", type=int, nargs="+", default=None,
+                        help="instead of --kv-heads: these query heads, each with its KV head (one KV head "
+                             "per query head: a CPU-sized subset)")
+    parser.add_argument("--methods", nargs="+", default=None, help="default: every registered method")
+    parser.add_argument("--backend", choices=("reference", "fast"), default="reference")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", nargs="+", choices=("captured", "calibrated"),
+                        default=["captured", "calibrated"],
+                        help="run only these (two processes can split the work; --merge joins them)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="instead of running: join these JSON outputs of one layer and report the gaps")
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    if args.merge is not None:
+        parts = [json.loads(path.read_text())["layers"][0] for path in args.merge]
+        points = [workload.CurvePoint(**p) for part in parts for p in part["points"]]
+        item = {**parts[0], "oracle": {k: v for part in parts for k, v in part["oracle"].items()},
+                "gaps": workload.curve_gaps(points), "points": [asdict(p) for p in points]}
+        print(format_acceptance(item))
+        _write(args, argv, start, [item])
+        return 0
+    data = torch.load(args.qkv, map_location="cpu")
+    cal = workload.load_calibration(args.calibration)
+    methods = args.methods or list(METHODS)
+    layers = args.layers or [lp.layer for lp in cal.layers]
+    dtype = torch.float16 if args.backend == "fast" else torch.float32
+    results = []
+    for layer in layers:
+        lp = next(x for x in cal.layers if x.layer == layer)
+        i = list(data["layers"]).index(layer)
+        hq, hkv = len(lp.heads), len(lp.kv)
+        group = hq // hkv
+        if args.query_heads is not None:
+            qh = list(args.query_heads)
+            kv_heads = [h // group for h in qh]
+        else:
+            kv_heads = args.kv_heads if args.kv_heads is not None else list(range(hkv))
+            qh = [j * group + t for j in kv_heads for t in range(group)]
+        q, k, v = data["q"][i][:, qh], data["k"][i][:, kv_heads], data["v"][i][:, kv_heads]
+        n = int(q.shape[2])
+        shape = Shape(1, len(qh), len(kv_heads), n, workload.FIT_HEAD_DIM, torch.float64)
+        gq, gk, gv = workload.generate_layer([lp.heads[h] for h in qh], [lp.kv[j] for j in kv_heads], shape,
+                                             seed=args.seed, fit_seqlen=lp.seqlen, rule=cal.rule)
+        points: list[workload.CurvePoint] = []
+        oracle = {}
+        runs = (("captured", (q, k, v), float(data["scale"][i])),
+                ("calibrated", (gq, gk, gv), workload.FIT_HEAD_DIM ** -0.5))
+        for name, (a, b, c), scale in (r for r in runs if r[0] in args.workloads):
+            a, b, c = (t.to(device=args.device, dtype=torch.float16).to(dtype) for t in (a, b, c))
+            oracle[name] = oracle_density(a, b, workload.ORACLE_SHARES, scale=scale).mean((0, 1)).tolist()
+            log(f"layer {layer} {name}: oracle density at {workload.ORACLE_SHARES}: {oracle[name]}")
+            for method in methods:  # one method at a time, so that a partial run is on disk
+                points += workload.method_curves(a, b, c, [method], scale=scale, workload=name,
+                                                 backend=args.backend, log=log)
+                item = {"layer": layer, "kv_heads": kv_heads, "query_heads": qh, "seqlen": n, "oracle": oracle,
+                        "gaps": workload.curve_gaps(points), "points": [asdict(p) for p in points]}
+                _write(args, argv, start, [*results, item])
+        results.append(item)
+        print(format_acceptance(item), flush=True)
+        _write(args, argv, start, results)
+    return 0
+
+
+def _write(args: argparse.Namespace, argv: list[str] | None, start: float, results: list[dict[str, object]]) -> None:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"command": "python benches/calibration_acceptance.py "
+                                     + " ".join(argv or sys.argv[1:]), "backend": args.backend,
+                                     "seconds": time.perf_counter() - start, "layers": results}, indent=1))
+
+
+def format_acceptance(item: dict[str, object]) -> str:
+    """Markdown: per method the largest recall gap at equal density and at the same knob."""
+    oracle = item["oracle"]
+    assert isinstance(oracle, dict) and isinstance(item["gaps"], dict)
+    cap = oracle.get("captured", [math.nan, math.nan])
+    cal = oracle.get("calibrated", [math.nan, math.nan])
+    lines = [f"layer {item['layer']}, KV heads {item['kv_heads']}, N = {item['seqlen']}: oracle density at 0.9 "
+             f"{cap[0]:.4f} captured / {cal[0]:.4f} calibrated ({cal[0] / cap[0] - 1:+.0%}), at 0.95 "
+             f"{cap[1]:.4f} / {cal[1]:.4f} ({cal[1] / cap[1] - 1:+.0%})", "",
+             "| method | max recall gap at equal density (points in overlap) | max gap at the same knob | "
+             "density calibrated / captured at the same knob |", "| --- | --- | --- | --- |"]
+    for name, g in item["gaps"].items():
+        key = "recall" if "recall_gap_at_equal_density_max" in g else "error"
+        eq = g[f"{key}_gap_at_equal_density_max"]
+        same = g[f"{key}_gap_same_knob_max"]
+        ratios = ", ".join(f"{r:.2f}" for r in g["density_ratio_same_knob"])
+        lines.append(f"| {name}{'' if key == 'recall' else ' (output error)'} | "
+                     f"{'-' if eq is None else f'{eq:.3f}'} ({g['points_in_overlap']}/{g['points']}) | "
+                     f"{'-' if same is None else f'{same:.3f}'} | {ratios} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1053 @@
+"""A synthetic workload calibrated, head by head, on captured attention.
+
+`demo.synthetic_qkv` builds attention with sinks, a local bump, slashes and vertical
+stripes in fixed proportions; real prefill attention is more concentrated and its keys
+come in runs of near-duplicates. This module measures the structure of captured
+attention (`sparseprefill eval capture`), fits a generator of the same family to it,
+per query head, and builds q, k, v of any shape and length from the fit.
+
+Structure statistics (`attention_stats`, the same definitions for a capture and for a
+generated workload), per query head, on `rows` query rows spread evenly over the
+sequence, each row's full causal softmax in float64:
+
+* shares of the row's mass, disjoint, in this priority: `sink` (keys `0 .. SINK_KEYS-1`),
+  `local` (distance `i - j < LOCAL`), `vertical` (the `N / 100` key columns of most
+  mean mass beyond the local window), `slash` (the `N / 100` diagonals `i - j >= LOCAL`
+  of most mean mass, keys not already counted as vertical), `rest` (everything else:
+  the diffuse part);
+* `profile`: the non-sink mass per distance band `[0, 2)`, `[2, 16)`, `[16, 128)`,
+  `[128, 1024)`, `[1024, N)`;
+* `oracle`: the per-row oracle's density at mass 0.9 and 0.95 (`sparseprefill.oracle`:
+  the fewest keys per row holding that share, over the causal area of the rows);
+* per KV head, `keep`: Delta-KV's keep ratio (`reference.delta_keep_mask`, cosine,
+  chunks of 512, on the first 2048 keys) at similarity 0.95, 0.9, 0.83 and 0.75: how
+  much the runs of similar keys compress.
+
+The generator (`calibrated_qkv`) writes each score `scale * q_i . k_j` as a sum of
+channels (the scheme of `demo.synthetic_qkv`, whose `Shape` and rotary helper it reuses),
+with one set of logit weights per query head and the keys shared by a GQA group:
+
+* sink: `+sink` on key 0;
+* vertical: `+vertical * u_j` on a random 0.5% of keys (`u_j` uniform in [0.5, 1]);
+* distance profile: 40 rotary pairs, frequencies geometric from pi to `ROTARY_MIN`; the
+  query carries per-frequency weights fitted by ridge least squares to the head's score
+  profile (one value per `PROFILE_BANDS` band), so this part of the score is a
+  deterministic function of `i - j` (the local window and its tail);
+* slash: random codes `c_p`, key `j` carrying `c_{j + o}` for each of the KV head's
+  four slash offsets `o` (the capture's strongest diagonals), query `i` carrying `c_i`:
+  `+slash` on the diagonals `i - j = o`;
+* noise: Gaussian query and key contents, score standard deviation `noise`; the keys'
+  contents come in runs (a new run starts with probability `1 / run_length`, jitter
+  0.3), and a key-only channel `key_offset` (queries 0 there, so no score changes)
+  sets how similar keys are in cosine, for Delta-KV.
+
+Fit (`fit_layer`): key parameters (`run_length`, `key_offset`) first, by bisection on
+the keep ratio at 0.83; then the logit weights by a fixed-point iteration on the
+statistics, `w += 0.8 log(target share / generated share)` per component (every profile
+band on its own band's mass) and, after the first rounds, `noise *= (generated / target
+oracle density at 0.95) ** 0.7`, on a workload of the capture's own heads and length at
+head size `FIT_HEAD_DIM`.
+
+Rule to longer N (`RULES`): "fixed-logits" keeps every logit weight and every length
+in tokens (profile per distance, slash offsets, vertical keys per token, runs) as
+fitted: what a model's weights fix; "sink-log" also raises the sink weight by
+`log(N / N_fit)` (the demo's rule: a sink keeps its share). `benches/calibrate_workload.py
+--max-seqlen M --predict` fits on a prefix and reports each rule's error at the
+capture's length; `DEFAULT_RULE` is the one that predicted better (docs/workload.md).
+
+Heads of another shape (`calibrated_qkv` at Hq, Hkv, D not those of the fit): KV head
+`j` takes fitted KV head `j * P / Hkv` of the pool of all fitted KV heads (layers in
+order), its query heads the fitted query heads of that group in turn. Channels use at
+most 128 of D (the rest are zero), so the score distribution does not change with D
+for D >= 128; below, every part shrinks in proportion.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .demo import Shape as Shape
+from .demo import _rotate, synthetic_qkv
+
+SINK_KEYS = 4
+LOCAL = 128
+PROFILE_EDGES = (0, 2, 16, 128, 1024)
+# Distance bands of the fitted score profile: 0, 1, 2, 3, then two per octave up to 2^20.
+PROFILE_BANDS = tuple(sorted({0, 1, 2, 3, *(round(2 ** (x / 2)) for x in range(4, 41))}))
+# Rotary frequencies of the profile: geometric from pi (period 2 tokens) to 1e-4 (63K tokens).
+ROTARY_MIN = 1e-4
+ORACLE_SHARES = (0.9, 0.95)
+KEEP_THRESHOLDS = (0.95, 0.9, 0.83, 0.75)
+KEEP_KEYS = 2048
+KEEP_CHUNK = 512
+SLASH_OFFSETS = 4
+VERTICAL_FRACTION = 0.005
+RUN_JITTER = 0.3
+RUN_LENGTHS = (1.0, 4.0, 16.0)
+RULES = ("fixed-logits", "sink-log")
+# Fits and the layer workloads are made at this head size: the scores are calibrated, not D
+# (a capture at D = 64 is fitted by a D = 128 workload with the same score statistics).
+FIT_HEAD_DIM = 128
+DEFAULT_RULE = "sink-log"
+WORKLOADS = ("synthetic", "calibrated")
+# The fit shipped with the package: SmolLM2-135M, every layer, N = 8192.
+DEFAULT_CALIBRATION = Path(__file__).parent / "workloads" / "smollm2-8k.json"
+# Floor of a share in the log-ratio updates (a share of 1e-6 is "none").
+_SHARE_FLOOR = 1e-6
+_WEIGHT_MIN = -8.0
+_WEIGHT_MAX = 30.0
+
+
+# -- statistics --------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    """Structure statistics of one layer (see the module doc); lists are per query head
+    (`keep` per KV head)."""
+
+    seqlen: int
+    rows: int
+    sink: list[float]
+    local: list[float]
+    vertical: list[float]
+    slash: list[float]
+    rest: list[float]
+    profile: list[list[float]]
+    oracle: list[list[float]]
+    keep: list[list[float]] = field(default_factory=list)
+    slash_offsets: list[list[int]] = field(default_factory=list)
+    bands: list[list[float]] = field(default_factory=list)
+
+    def shares(self, h: int) -> dict[str, float]:
+        """The five disjoint shares of head `h`."""
+        return {"sink": self.sink[h], "local": self.local[h], "vertical": self.vertical[h],
+                "slash": self.slash[h], "rest": self.rest[h]}
+
+
+def sample_rows(seqlen: int, rows: int) -> torch.Tensor:
+    """`rows` query positions spread evenly over `[0, N)` (all of them if N <= rows)."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    if seqlen <= rows:
+        return torch.arange(seqlen)
+    spread = torch.linspace(0, seqlen - 1, rows, dtype=torch.float64).round().to(torch.int64)
+    return torch.tensor(sorted(set(spread.tolist())), dtype=torch.int64)
+
+
+def _row_probs(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax of `rows` in float64: `[Hq, R, N]` (batch 0)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kk = k[0].to(torch.float64).repeat_interleave(hq // hkv, dim=0)
+    qq = q[0, :, rows].to(torch.float64)
+    scores = torch.matmul(qq, kk.transpose(-1, -2)) * scale
+    causal = torch.arange(k.shape[2])[None, :] <= rows[:, None]
+    return torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
+
+
+def attention_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float | None = None,
+    rows: int = 256,
+    with_keep: bool = True,
+) -> Stats:
+    """Structure statistics of one layer's attention (batch 0; see the module doc).
+
+    Args:
+        q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`; any float dtype (math in float64).
+        scale: softmax scale, `1/sqrt(D)` if None.
+        rows: query rows sampled evenly over the sequence.
+        with_keep: also measure Delta-KV keep ratios per KV head.
+
+    Returns:
+        A `Stats`.
+
+    Raises:
+        ValueError: bad shapes or `rows < 1`.
+    """
+    from .reference._checks import check_qk, resolve_scale
+
+    shape = check_qk(q, k)
+    n, hq, hkv = shape.seqlen, shape.q_heads, shape.kv_heads
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    idx = sample_rows(n, rows)
+    p = _row_probs(q, k, idx, sm_scale)  # [Hq, R, N]
+    r = int(idx.numel())
+    keys = torch.arange(n)
+    dist = idx[:, None] - keys[None, :]  # [R, N]; negative: not causal (p = 0 there)
+    # One pass sums the mass per (head, row, category): category 0 sink, 1 + b distance
+    # band b of PROFILE_EDGES (non-sink), the last one non-causal.
+    edges = torch.tensor([*PROFILE_EDGES, n + 1])
+    band = torch.bucketize(dist, edges, right=True) - 1  # -1 below 0 (non-causal)
+    cats = len(PROFILE_EDGES) + 2
+    cat = torch.where(dist < 0, cats - 1, band + 1)
+    cat = torch.where(keys[None, :] < SINK_KEYS, torch.where(dist < 0, cats - 1, 0), cat)
+    per = torch.zeros(hq, r, cats, dtype=torch.float64)
+    per.scatter_add_(2, cat.expand(hq, -1, -1), p)
+    sink = per[..., 0].mean(-1)
+    profile = per[..., 1:cats - 1].mean(1)  # [Hq, bands]
+    far = (dist >= LOCAL) & (keys[None, :] >= SINK_KEYS)
+    local = (1.0 - per[..., 0] - per[..., cats - 1]).mean(-1) - profile[:, PROFILE_EDGES.index(LOCAL):].sum(-1)
+    top = max(1, n // 100)
+    p_far = p * far
+    # Vertical lines: key columns of most mean far mass, per head.
+    vcols = p_far.mean(1).topk(min(top, n), dim=-1).indices
+    is_vert = torch.zeros(hq, n, dtype=torch.bool)
+    is_vert.scatter_(1, vcols, True)
+    vertical = (p_far * is_vert[:, None, :]).sum(-1).mean(-1)
+    # Slashes: diagonals i - j of most mean far mass (over the rows that have them),
+    # keys already counted as vertical excluded.
+    dist_idx = dist.clamp(min=0, max=n).expand(hq, -1, -1).reshape(hq, -1)
+    diag_sum = torch.zeros(hq, n + 1, dtype=torch.float64)
+    diag_sum.scatter_add_(1, dist_idx, p_far.reshape(hq, -1))
+    diag_rows = torch.bincount(dist.clamp(min=0, max=n)[far].reshape(-1), minlength=n + 1).to(torch.float64)
+    diag_mean = diag_sum / diag_rows.clamp(min=1)
+    diag_mean[:, :LOCAL] = -1.0
+    sdiag = diag_mean.topk(min(top, n), dim=-1).indices  # [Hq, top]
+    is_slash_d = torch.zeros(hq, n + 1, dtype=torch.bool)
+    is_slash_d.scatter_(1, sdiag, True)
+    p_rest = p_far.masked_fill(is_vert[:, None, :], 0.0).reshape(hq, -1)
+    slash_sum = torch.zeros(hq, n + 1, dtype=torch.float64)
+    slash_sum.scatter_add_(1, dist_idx, p_rest)
+    slash = (slash_sum * is_slash_d).sum(-1) / r
+    # Non-sink mass per PROFILE_BANDS band (what the score profile is fitted to).
+    fine_edges = torch.tensor([*PROFILE_BANDS, 2 ** 40])
+    fine = (torch.bucketize(dist.clamp(min=0), fine_edges, right=True) - 1).clamp(max=len(PROFILE_BANDS) - 1)
+    fine = torch.where((dist < 0) | (keys[None, :] < SINK_KEYS), len(PROFILE_BANDS), fine)
+    per_band = torch.zeros(hq, r, len(PROFILE_BANDS) + 1, dtype=torch.float64)
+    per_band.scatter_add_(2, fine.expand(hq, -1, -1), p)
+    bands = per_band[..., :-1].mean(1)
+    rest = 1.0 - sink - local - vertical - slash
+    oracle = _oracle_rows(p, idx)
+    # The KV head's strongest diagonals (mean over its query heads) seed the slash offsets.
+    group = hq // hkv
+    offsets = []
+    for j in range(hkv):
+        mean = diag_mean[j * group:(j + 1) * group].mean(0)
+        offsets.append([int(x) for x in mean.topk(min(SLASH_OFFSETS, n + 1)).indices.tolist() if x >= LOCAL])
+    keep = keep_ratios(k) if with_keep else []
+    return Stats(seqlen=n, rows=int(idx.numel()), sink=sink.tolist(), local=local.tolist(),
+                 vertical=vertical.tolist(), slash=slash.tolist(), rest=rest.tolist(),
+                 profile=profile.tolist(), oracle=oracle.tolist(), keep=keep,
+                 slash_offsets=offsets, bands=bands.tolist())
+
+
+def _oracle_rows(p: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Oracle density at `ORACLE_SHARES` of the sampled rows: `[Hq, S]` (kept keys over
+    the rows' causal pairs, the estimator of `oracle.oracle_density` on these rows)."""
+    # Ordered in float32 (faster; near-ties may swap, which moves no sum), summed in float64.
+    order = torch.argsort(p.to(torch.float32), dim=-1, descending=True)
+    cum = torch.gather(p, -1, order).cumsum(-1)
+    want = torch.tensor(ORACLE_SHARES, dtype=torch.float64)
+    below = (cum.unsqueeze(-1) < want - 1e-12).sum(-2)  # [Hq, R, S]
+    needed = (below + 1).clamp(max=(idx + 1)[None, :, None])
+    return needed.sum(1).to(torch.float64) / float((idx + 1).sum())
+
+
+def keep_ratios(k: torch.Tensor, thresholds: Sequence[float] = KEEP_THRESHOLDS) -> list[list[float]]:
+    """Delta-KV keep ratio per (batch row, KV head) at `thresholds` (cosine, first
+    `KEEP_KEYS` keys): `[B * Hkv][len(thresholds)]`."""
+    from .reference.delta_kv import delta_keep_mask
+
+    kk = k[:, :, :KEEP_KEYS]
+    ratios = [delta_keep_mask(kk, threshold=t, metric="cosine", chunk=KEEP_CHUNK).double().mean(-1).reshape(-1)
+              for t in thresholds]
+    table: list[list[float]] = torch.stack(ratios, -1).tolist()
+    return table
+
+
+# -- parameters ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadParams:
+    """Logit weights (nats) of one query head; see the module doc."""
+
+    sink: float = 3.0
+    vertical: float = 2.0
+    # Score (nats) at the centre of each PROFILE_BANDS band; beyond the last fitted band
+    # the last value holds.
+    profile: tuple[float, ...] = ()
+    slash: float = 1.0
+    noise: float = 1.0
+
+
+@dataclass(frozen=True)
+class KVParams:
+    """Key structure of one KV head: slash offsets, runs and cosine offset; see the module doc."""
+
+    slash_offsets: tuple[int, ...] = ()
+    run_length: float = 1.0
+    key_offset: float = 0.0
+    vertical_fraction: float = VERTICAL_FRACTION
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """One fitted layer: `heads[h]` for query head h, `kv[j]` for KV head j, at `seqlen`."""
+
+    layer: int
+    seqlen: int
+    heads: tuple[HeadParams, ...]
+    kv: tuple[KVParams, ...]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted workload: its layers, where they came from and the rule to other lengths."""
+
+    source: str
+    layers: tuple[LayerParams, ...]
+    rule: str = DEFAULT_RULE
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (`from_json` reads it back)."""
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> Calibration:
+        """Read `to_json`'s dict.
+
+        Raises:
+            ValueError: an unknown rule or a layer without heads.
+        """
+        layers = []
+        for item in data["layers"]:
+            heads = tuple(HeadParams(**{**h, "profile": tuple(h["profile"])}) for h in item["heads"])
+            kv = tuple(KVParams(**{**j, "slash_offsets": tuple(j["slash_offsets"])}) for j in item["kv"])
+            if not heads or not kv or len(heads) % len(kv):
+                raise ValueError(f"layer {item['layer']}: {len(heads)} query heads for {len(kv)} KV heads")
+            layers.append(LayerParams(int(item["layer"]), int(item["seqlen"]), heads, kv))
+        rule = str(data.get("rule", DEFAULT_RULE))
+        check_rule(rule)
+        return Calibration(str(data["source"]), tuple(layers), rule)
+
+
+def check_rule(rule: object) -> str:
+    """Raises ValueError unless `rule` is one of `RULES`."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    return str(rule)
+
+
+def load_calibration(path: str | Path | None = None) -> Calibration:
+    """Read a calibration JSON (default: the shipped SmolLM2 8K fit).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: a malformed one.
+    """
+    where = Path(path) if path is not None else DEFAULT_CALIBRATION
+    return Calibration.from_json(json.loads(where.read_text()))
+
+
+# -- generator -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Channel ranges of the generator for a head dimension."""
+
+    rotary: slice
+    slash: slice
+    noise: slice
+
+
+# Channels per part at head_dim 128, after 0: sink, 1: vertical, 2: key offset: rotary
+# pairs of the distance profile, slash codes, noise.
+_PARTS_128 = (80, 20, 25)
+
+
+def _layout(head_dim: int) -> _Layout:
+    # Below D = 128 every part shrinks in proportion (fewer rotary pairs: a coarser
+    # profile; fewer slash and noise channels: a noisier slash). Above 128 the extra
+    # channels stay zero, so the score distribution is that of D = 128.
+    usable = min(head_dim, 128) - 3
+    rot = max(2, (_PARTS_128[0] * usable // 125) // 2 * 2)
+    slash = max(2, _PARTS_128[1] * usable // 125)
+    return _Layout(rotary=slice(3, 3 + rot), slash=slice(3 + rot, 3 + rot + slash),
+                   noise=slice(3 + rot + slash, 3 + usable))
+
+
+def _frequencies(pairs: int) -> torch.Tensor:
+    """Rotary frequencies of the profile, geometric from pi down to ROTARY_MIN."""
+    if pairs == 1:
+        return torch.tensor([math.pi], dtype=torch.float64)
+    return math.pi * (ROTARY_MIN / math.pi) ** (torch.arange(pairs, dtype=torch.float64) / (pairs - 1))
+
+
+def profile_at(profile: Sequence[float], dist: torch.Tensor) -> torch.Tensor:
+    """The score profile at distances `dist` (linear in log(1 + distance) between band
+    centres; constant past the last band)."""
+    bands = torch.tensor([*PROFILE_BANDS, 2 ** 40], dtype=torch.float64)
+    centres = torch.log1p(torch.sqrt(bands[:-1] * (bands[1:] - 1).clamp(min=bands[:-1])))[:len(profile)]
+    values = torch.tensor(list(profile), dtype=torch.float64)
+    x = torch.log1p(dist.to(torch.float64))
+    i = torch.searchsorted(centres, x).clamp(1, max(1, len(profile) - 1))
+    if len(profile) == 1:
+        return values.expand_as(x).clone()
+    x0, x1 = centres[i - 1], centres[i]
+    t = ((x - x0) / (x1 - x0)).clamp(0.0, 1.0)
+    return values[i - 1] + t * (values[i] - values[i - 1])
+
+
+@functools.lru_cache(maxsize=256)
+def _rotary_weights_cached(profile: tuple[float, ...], seqlen: int, pairs: int) -> torch.Tensor:
+    return rotary_weights(profile, seqlen, pairs)
+
+
+def rotary_weights(profile: Sequence[float], seqlen: int, pairs: int) -> torch.Tensor:
+    """Per-frequency weights `c` with `sum_f c_f cos(theta_f d)` closest to the profile.
+
+    Ridge least squares over every distance below 1024 and 1024 log-spaced ones up to N
+    (the far field as heavy as the near one); the ridge keeps the weights, hence fp16 /
+    bf16 rounding of q, small.
+    """
+    near = torch.arange(min(seqlen, 1024), dtype=torch.float64)
+    far = (torch.logspace(math.log10(1024), math.log10(max(seqlen, 1025)), 1024, dtype=torch.float64)
+           if seqlen > 1024 else torch.empty(0, dtype=torch.float64))
+    dist = torch.cat([near, far.round()])
+    target = profile_at(profile, dist)
+    target = target - target[-1]  # a constant shift does not change a softmax
+    a = torch.cos(dist[:, None] * _frequencies(pairs)[None, :])
+    gram = a.T @ a
+    ridge = 1e-3 * float(gram.diagonal().mean()) * torch.eye(pairs, dtype=torch.float64)
+    weights: torch.Tensor = torch.linalg.solve(gram + ridge, a.T @ target)
+    return weights
+
+
+def _runs(gen: torch.Generator, rows: int, n: int, dims: int, run_length: Sequence[float]) -> torch.Tensor:
+    """Key contents `[rows, n, dims]` in runs: a run shares one Gaussian vector, each key adds
+    jitter `RUN_JITTER`; a new run starts with probability `1 / run_length[row]`."""
+    base = torch.randn(rows, n, dims, generator=gen, dtype=torch.float64)
+    jitter = torch.randn(rows, n, dims, generator=gen, dtype=torch.float64)
+    start_p = torch.tensor([1.0 / max(1.0, r) for r in run_length], dtype=torch.float64)
+    starts = torch.rand(rows, n, generator=gen, dtype=torch.float64) < start_p[:, None]
+    starts[:, 0] = True
+    pos = torch.arange(n).expand(rows, n)
+    # The run's vector is the base vector at the run's first position.
+    first_pos = torch.cummax(torch.where(starts, pos, 0), dim=1).values
+    shared = torch.gather(base, 1, first_pos[..., None].expand(rows, n, dims))
+    return shared * math.sqrt(1 - RUN_JITTER ** 2) + jitter * RUN_JITTER
+
+
+def generate_layer(
+    heads: Sequence[HeadParams],
+    kv: Sequence[KVParams],
+    shape: Shape,
+    *,
+    seed: int = 0,
+    fit_seqlen: int | None = None,
+    rule: str = DEFAULT_RULE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 CPU q, k, v of one layer from per-head parameters (see the module doc).
+
+    Args:
+        heads: `Hq` query-head parameters; kv: `Hkv` KV-head parameters.
+        shape: sizes (`shape.dtype` is ignored here: the result is float64).
+        seed: all randomness comes from a generator seeded with it.
+        fit_seqlen: the length the parameters were fitted at (for `rule`); None: N.
+        rule: how weights carry to N (`RULES`).
+
+    Returns:
+        `(q, k, v)` float64 on the CPU.
+
+    Raises:
+        ValueError: head counts that do not match `shape`, or `head_dim < 16`.
+    """
+    b, hq, hkv, n, d = shape.batch, shape.q_heads, shape.kv_heads, shape.seqlen, shape.head_dim
+    check_rule(rule)
+    if len(heads) != hq or len(kv) != hkv or hq % hkv:
+        raise ValueError(f"{len(heads)} head and {len(kv)} KV parameters for q_heads={hq}, kv_heads={hkv}")
+    if d < 16:
+        raise ValueError(f"head_dim must be >= 16, got {d}")
+    lay = _layout(d)
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    scale = 1.0 / math.sqrt(d)
+    group = hq // hkv
+    sink_shift = math.log(n / fit_seqlen) if rule == "sink-log" and fit_seqlen else 0.0
+    rows = b * hkv
+    k = torch.zeros(rows, n, d, dtype=f64)
+    q = torch.zeros(b, hq, n, d, dtype=f64)
+    v = torch.randn(b, hkv, n, d, generator=gen, dtype=f64)
+    k[:, 0, 0] = 1.0
+    heavy = torch.rand(rows, n, generator=gen, dtype=f64) < torch.tensor(
+        [kv[r % hkv].vertical_fraction for r in range(rows)], dtype=f64)[:, None]
+    k[..., 1] = torch.where(heavy, 0.5 + 0.5 * torch.rand(rows, n, generator=gen, dtype=f64), 0.0)
+    k[..., 2] = torch.tensor([kv[r % hkv].key_offset for r in range(rows)], dtype=f64)[:, None]
+    pairs = (lay.rotary.stop - lay.rotary.start) // 2
+    theta = _frequencies(pairs)
+    pos = torch.arange(n, dtype=f64)
+    # Unit key vectors turned by position; query h carries its weights: q_i . k_j =
+    # sum_f c_hf cos(theta_f (i - j)) (demo._rotate's pairs).
+    unit = torch.zeros(n, 2 * pairs, dtype=f64)
+    unit[:, 0::2] = 1.0
+    turned = _rotate(unit, pos, theta)
+    k[..., lay.rotary] = turned
+    ds = lay.slash.stop - lay.slash.start
+    reach = max([0, *(o for j in kv for o in j.slash_offsets)])
+    codes = torch.randn(rows, n + reach, ds, generator=gen, dtype=f64)
+    for r in range(rows):
+        for o in kv[r % hkv].slash_offsets:
+            k[r, :, lay.slash] += codes[r, o:o + n]
+    dn = lay.noise.stop - lay.noise.start
+    k[..., lay.noise] = _runs(gen, rows, n, dn, [kv[r % hkv].run_length for r in range(rows)])
+    x = torch.randn(b, hq, n, dn, generator=gen, dtype=f64)
+    k = k.view(b, hkv, n, d)
+    codes = codes.view(b, hkv, n + reach, ds)
+    for h, p in enumerate(heads):
+        j = h // group
+        q[:, h, :, 0] = (p.sink + sink_shift) / scale
+        q[:, h, :, 1] = p.vertical / scale
+        if p.profile:
+            # Query heads of other shapes repeat fitted heads: one solve per distinct profile.
+            weights = _rotary_weights_cached(tuple(p.profile), n, pairs)
+            q[:, h, :, lay.rotary] = turned * (weights / scale).repeat_interleave(2)
+        q[:, h, :, lay.slash] = codes[:, j, :n] * (p.slash / (ds * scale))
+        q[:, h, :, lay.noise] = x[:, h] * (p.noise / (math.sqrt(dn) * scale))
+    return q, k, v
+
+
+def _pool(calibration: Calibration) -> list[tuple[LayerParams, int]]:
+    """Every fitted KV head: (layer, KV head index), layers in order."""
+    return [(layer, j) for layer in calibration.layers for j in range(len(layer.kv))]
+
+
+def calibrated_qkv(
+    shape: Shape,
+    *,
+    device: torch.device,
+    seed: int = 0,
+    calibration: Calibration | None = None,
+    layer: int | None = None,
+    rule: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of the calibrated workload at any shape (see the module doc).
+
+    Args:
+        shape: sizes and dtype (`head_dim >= 16`).
+        device: where the tensors go (built in float64 on the CPU first, as the demo's).
+        seed: randomness.
+        calibration: the fit (default: the shipped SmolLM2 8K fit, `DEFAULT_CALIBRATION`).
+        layer: use only this fitted layer (its heads in turn); None: KV heads spread over
+            all fitted layers.
+        rule: rule to other lengths (default: the calibration's).
+
+    Returns:
+        `(q, k, v)`: `q: [B, Hq, N, D]`, `k, v: [B, Hkv, N, D]` in `shape.dtype`.
+
+    Raises:
+        ValueError: bad shape, an unknown layer or rule.
+    """
+    if shape.head_dim < 16 or shape.q_heads % shape.kv_heads or shape.seqlen < 1:
+        raise ValueError(f"shape needs head_dim >= 16, q_heads a multiple of kv_heads, seqlen >= 1; got {shape}")
+    cal = calibration if calibration is not None else load_calibration()
+    chosen = check_rule(rule if rule is not None else cal.rule)
+    layers = [x for x in cal.layers if layer is None or x.layer == layer]
+    if not layers:
+        raise ValueError(f"layer {layer} is not in the calibration (layers {[x.layer for x in cal.layers]})")
+    pool = _pool(replace(cal, layers=tuple(layers)))
+    hkv, group = shape.kv_heads, shape.q_heads // shape.kv_heads
+    picks = [pool[(j * len(pool)) // hkv] if hkv <= len(pool) else pool[j % len(pool)] for j in range(hkv)]
+    heads: list[HeadParams] = []
+    kv: list[KVParams] = []
+    fit_n = {lp.seqlen for lp, _ in picks}
+    for lp, j in picks:
+        g0 = len(lp.heads) // len(lp.kv)
+        kv.append(lp.kv[j])
+        heads += [lp.heads[j * g0 + (t % g0)] for t in range(group)]
+    q, k, v = generate_layer(heads, kv, shape, seed=seed, fit_seqlen=max(fit_n), rule=chosen)
+    return tuple(t.to(device=device, dtype=shape.dtype) for t in (q, k, v))  # type: ignore[return-value]
+
+
+# -- fitting -------------------------------------------------------------------------------
+
+
+def _log_ratio(target: float, got: float, clip: float = 2.0, damping: float = 0.8) -> float:
+    r = damping * math.log(max(target, _SHARE_FLOOR) / max(got, _SHARE_FLOOR))
+    return max(-clip, min(clip, r))
+
+
+def fit_keys(kv: list[KVParams], target_keep: Sequence[Sequence[float]], shape: Shape, *,
+             seed: int = 0, steps: int = 6) -> list[KVParams]:
+    """Fit each KV head's `run_length` and `key_offset` to its keep ratios.
+
+    For every run length of `RUN_LENGTHS` at once (one batch row each), bisection on
+    `key_offset` matches the keep ratio at similarity 0.83; the run length whose keep
+    curve is closest over all `KEEP_THRESHOLDS` wins. Keys do not depend on the query
+    weights, so this runs before the logit fit.
+    """
+    hkv, runs = len(kv), len(RUN_LENGTHS)
+    small = Shape(runs, hkv, hkv, min(shape.seqlen, KEEP_KEYS), shape.head_dim, torch.float64)
+    dummy = [HeadParams()] * hkv
+    mid = KEEP_THRESHOLDS[KEEP_THRESHOLDS.index(0.83)]
+    lo = torch.zeros(runs, hkv, dtype=torch.float64)
+    hi = torch.full((runs, hkv), 64.0, dtype=torch.float64)
+
+    def keys(offset: torch.Tensor) -> torch.Tensor:
+        k = torch.cat([generate_layer(dummy, [replace(x, run_length=run, key_offset=float(offset[i, j]))
+                                              for j, x in enumerate(kv)],
+                                      replace(small, batch=1), seed=seed)[1] for i, run in enumerate(RUN_LENGTHS)])
+        return k
+
+    want = torch.tensor([t[KEEP_THRESHOLDS.index(mid)] for t in target_keep], dtype=torch.float64)
+    for _ in range(steps):
+        mid_offset = 0.5 * (lo + hi)
+        got = torch.tensor(keep_ratios(keys(mid_offset), (mid,)), dtype=torch.float64).view(runs, hkv)
+        # More offset: more similar keys, fewer kept.
+        more = got > want[None, :]
+        lo = torch.where(more, mid_offset, lo)
+        hi = torch.where(more, hi, mid_offset)
+    offset = 0.5 * (lo + hi)
+    got = torch.tensor(keep_ratios(keys(offset)), dtype=torch.float64).view(runs, hkv, -1)
+    target = torch.tensor([list(t) for t in target_keep], dtype=torch.float64)
+    best = (got - target[None]).abs().sum(-1).argmin(0)  # [Hkv]
+    return [replace(x, run_length=RUN_LENGTHS[int(best[j])], key_offset=float(offset[best[j], j]))
+            for j, x in enumerate(kv)]
+
+
+def fit_layer(
+    target: Stats,
+    shape: Shape,
+    *,
+    layer: int = 0,
+    iterations: int = 12,
+    rows: int = 256,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> LayerParams:
+    """Fit one layer's generator to `target` statistics (see the module doc).
+
+    Args:
+        target: `attention_stats` of the captured layer (with keep ratios).
+        shape: the capture's shape (batch 1).
+        layer: the layer's index, recorded in the result.
+        iterations: fixed-point iterations on the logit weights.
+        rows: query rows of the statistics of each iteration (as for the target).
+        seed: the workload seed the fit is made on.
+        log: progress lines.
+
+    Returns:
+        The fitted `LayerParams`.
+    """
+    hq, hkv = shape.q_heads, shape.kv_heads
+    kv = [KVParams(slash_offsets=tuple(o)) for o in target.slash_offsets]
+    if target.keep:
+        kv = fit_keys(kv, target.keep, shape, seed=seed)
+    n = shape.seqlen
+    nb = sum(1 for lo in PROFILE_BANDS if lo < n)
+    # Start: the captured mean probability per band (its log is the score profile up to a
+    # constant), the sink's log-odds against about N / 2 keys.
+    width = [min(hi, n) - lo for lo, hi in zip(PROFILE_BANDS[:nb], [*PROFILE_BANDS[1:], 2 ** 40][:nb])]
+    heads = []
+    for h in range(hq):
+        per_key = [max(m, 1e-12) / w for m, w in zip(target.bands[h][:nb], width)]
+        base = math.log(per_key[-1])
+        # Scores log(p) reproduce the probabilities p exactly: the profile's and the sink's
+        # against the same far-field base.
+        heads.append(HeadParams(
+            sink=min(_WEIGHT_MAX, math.log(max(target.sink[h], 1e-6)) - base),
+            vertical=1.0, profile=tuple(min(_WEIGHT_MAX, math.log(x) - base) for x in per_key),
+            slash=1.0, noise=1.0))
+    for it in range(iterations):
+        q, k, _ = generate_layer(heads, kv, replace(shape, batch=1), seed=seed)
+        got = attention_stats(q, k, rows=rows, with_keep=False)
+        new = []
+        for h, p in enumerate(heads):
+            profile = tuple(
+                min(_WEIGHT_MAX, max(_WEIGHT_MIN, w + _log_ratio(target.bands[h][b], got.bands[h][b])))
+                for b, w in enumerate(p.profile)
+            )
+            ratio = got.oracle[h][1] / max(target.oracle[h][1], 1e-9)
+            new.append(HeadParams(
+                sink=min(_WEIGHT_MAX, max(_WEIGHT_MIN, p.sink + _log_ratio(target.sink[h], got.sink[h]))),
+                vertical=min(_WEIGHT_MAX, max(_WEIGHT_MIN, p.vertical + _log_ratio(target.vertical[h], got.vertical[h]))),
+                profile=profile,
+                slash=min(_WEIGHT_MAX, max(_WEIGHT_MIN, p.slash + _log_ratio(target.slash[h], got.slash[h]))),
+                # The noise sets how concentrated the rest is: tuned once the shares settle.
+                noise=(p.noise if it < iterations // 2 - 1
+                       else min(8.0, max(0.05, p.noise * max(0.7, min(1.4, ratio ** 0.7))))),
+            ))
+        heads = new
+        if log is not None:
+            err = max(abs(a - b) / max(b, 1e-9) for a, b in zip((o[1] for o in got.oracle),
+                                                                  (o[1] for o in target.oracle)))
+            log(f"layer {layer} iteration {it}: worst oracle@0.95 relative error {err:.3f}")
+    return LayerParams(layer=layer, seqlen=shape.seqlen, heads=tuple(heads), kv=tuple(kv))
+
+
+def fit_capture(
+    data: Mapping[str, Any],
+    *,
+    layers: Sequence[int] | None = None,
+    max_seqlen: int | None = None,
+    rows: int = 256,
+    iterations: int = 12,
+    log: Callable[[str], None] | None = None,
+) -> tuple[Calibration, dict[int, Stats]]:
+    """Fit every (or the given) captured layer; also return the captured statistics.
+
+    Args:
+        data: a capture (`sparseprefill eval capture`): lists `layers`, `q`, `k`, `scale`.
+        layers: which captured layers (default all).
+        max_seqlen: fit on the first tokens only (the prefix check).
+        rows, iterations: as `fit_layer`.
+
+    Returns:
+        (the `Calibration`, {layer: captured `Stats`}).
+
+    Raises:
+        ValueError: a layer not in the capture, or a capture scale other than 1/sqrt(D)
+            (the generator's scores assume it).
+    """
+    wanted = list(data["layers"]) if layers is None else list(layers)
+    missing = sorted(set(wanted) - set(data["layers"]))
+    if missing:
+        raise ValueError(f"layers {missing} are not in the capture (it has {list(data['layers'])})")
+    fitted = []
+    stats: dict[int, Stats] = {}
+    for i, layer in enumerate(data["layers"]):
+        if layer not in wanted:
+            continue
+        q, k = data["q"][i], data["k"][i]
+        if max_seqlen is not None:
+            q, k = q[:, :, :max_seqlen], k[:, :, :max_seqlen]
+        d = q.shape[-1]
+        if not math.isclose(float(data["scale"][i]), d ** -0.5, rel_tol=1e-6):
+            raise ValueError(f"layer {layer}: scale {data['scale'][i]} is not 1/sqrt({d})")
+        target = attention_stats(q, k, rows=rows)
+        stats[int(layer)] = target
+        shape = Shape(1, q.shape[1], k.shape[1], q.shape[2], FIT_HEAD_DIM, torch.float64)
+        fitted.append(fit_layer(target, shape, layer=int(layer), iterations=iterations, rows=rows, log=log))
+    meta = data.get("meta", {})
+    source = f"{meta.get('model', 'capture')}, N={fitted[0].seqlen if fitted else 0}"
+    return Calibration(source=source, layers=tuple(fitted)), stats
+
+
+def layer_capture(calibration: Calibration, layer: int, *, seqlen: int | None = None, seed: int = 0,
+                  rule: str | None = None, dtype: torch.dtype = torch.float16) -> dict[str, Any]:
+    """The calibrated workload of one fitted layer at its own shape, as a capture dict
+    (`layers`, `q`, `k`, `v`, `scale`, `meta`) that `compare` and `eval table` read."""
+    lp = next((x for x in calibration.layers if x.layer == layer), None)
+    if lp is None:
+        raise ValueError(f"layer {layer} is not in the calibration")
+    n = lp.seqlen if seqlen is None else seqlen
+    shape = Shape(1, len(lp.heads), len(lp.kv), n, FIT_HEAD_DIM, dtype)
+    q, k, v = generate_layer(lp.heads, lp.kv, shape, seed=seed, fit_seqlen=lp.seqlen,
+                             rule=check_rule(rule or calibration.rule))
+    return {"layers": [layer], "q": [q.to(dtype)], "k": [k.to(dtype)], "v": [v.to(dtype)],
+            "scale": [FIT_HEAD_DIM ** -0.5], "meta": {"model": f"calibrated ({calibration.source})", "seqlen": n}}
+
+
+# -- workloads for the tools -----------------------------------------------------------------
+
+
+def capture_qkv(path: str | Path, shape: Shape, *, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """q, k, v from a capture file for a tool that asks for `shape`: the captured layers
+    stacked along the batch (every layer one batch row), cut to `shape.seqlen`.
+
+    Only `shape.seqlen` and `shape.dtype` are honoured; heads and head size are the
+    capture's (a capture is what it is).
+
+    Raises:
+        ValueError: N longer than the capture, or layers of different shapes.
+    """
+    data = torch.load(Path(path), map_location="cpu")
+    n = shape.seqlen
+    have = int(data["q"][0].shape[2])
+    if n > have:
+        raise ValueError(f"seqlen {n} is longer than the capture's {have} tokens ({path})")
+    shapes = {tuple(t.shape[1:]) for t in data["q"]}
+    if len(shapes) != 1:
+        raise ValueError(f"capture {path}: layers of different shapes {shapes}")
+    return tuple(torch.cat([t[:, :, :n] for t in data[name]], dim=0).to(device=device, dtype=shape.dtype)
+                 for name in ("q", "k", "v"))
+
+
+def workload_qkv(
+    shape: Shape,
+    *,
+    device: torch.device,
+    workload: str = "synthetic",
+    qkv: str | Path | None = None,
+    seed: int = 0,
+    calibration: str | Path | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v of the named workload: `synthetic` (`demo.synthetic_qkv`), `calibrated`
+    (`calibrated_qkv`) or, with `qkv`, a capture file (`capture_qkv`).
+
+    Raises:
+        ValueError: an unknown workload.
+    """
+    if qkv is not None:
+        return capture_qkv(qkv, shape, device=device)
+    if workload == "synthetic":
+        return synthetic_qkv(shape, device=device, seed=seed)
+    if workload == "calibrated":
+        cal = load_calibration(calibration)
+        return calibrated_qkv(shape, device=device, seed=seed, calibration=cal)
+    raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+
+
+class _Selected:
+    """The workload the benchmark suites build (`select`); synthetic by default."""
+
+    workload = "synthetic"
+    qkv: str | None = None
+
+
+def select(workload: str, qkv: str | None = None) -> None:
+    """Choose the workload of `bench_qkv` (the `--workload` / `--qkv` options of `bench`).
+
+    Raises:
+        ValueError: an unknown workload.
+    """
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    _Selected.workload, _Selected.qkv = workload, qkv
+
+
+def bench_qkv(shape: Shape, *, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """The selected workload at `shape` (drop-in for `demo.synthetic_qkv` in the suites)."""
+    return workload_qkv(shape, device=device, workload=_Selected.workload, qkv=_Selected.qkv, seed=seed)
+
+
+# -- reports -------------------------------------------------------------------------------
+
+
+def _layer_summary(cap: Stats, gen: Stats) -> dict[str, Any]:
+    """Captured against generated statistics of one layer: means over heads and errors."""
+    hq = len(cap.sink)
+
+    def mean(x: Sequence[float]) -> float:
+        return float(sum(x) / len(x))
+
+    out: dict[str, Any] = {}
+    for i, share in enumerate(ORACLE_SHARES):
+        c = mean([o[i] for o in cap.oracle])
+        g = mean([o[i] for o in gen.oracle])
+        per_head = [abs(go[i] - co[i]) / co[i] for go, co in zip(gen.oracle, cap.oracle)]
+        out[f"oracle_{share}"] = {"captured": c, "generated": g, "relative_error": (g - c) / c,
+                                  "head_relative_error_median": sorted(per_head)[hq // 2],
+                                  "head_relative_error_max": max(per_head)}
+    for name in ("sink", "local", "vertical", "slash", "rest"):
+        c_list, g_list = getattr(cap, name), getattr(gen, name)
+        out[name] = {"captured": mean(c_list), "generated": mean(g_list),
+                     "head_abs_error_max": max(abs(a - b) for a, b in zip(c_list, g_list))}
+    if cap.keep and gen.keep:
+        out["keep"] = {"thresholds": list(KEEP_THRESHOLDS),
+                       "captured": [mean([x[i] for x in cap.keep]) for i in range(len(KEEP_THRESHOLDS))],
+                       "generated": [mean([x[i] for x in gen.keep]) for i in range(len(KEEP_THRESHOLDS))]}
+    return out
+
+
+def calibration_report(
+    data: Mapping[str, Any],
+    calibration: Calibration,
+    fit_stats: Mapping[int, Stats],
+    *,
+    rows: int = 128,
+    rules: Sequence[str] = (DEFAULT_RULE,),
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Captured against generated statistics, per fitted layer, at the capture's length.
+
+    When the calibration was fitted on a prefix, the generated workload is made at the
+    capture's full length under each rule and compared with the full capture's
+    statistics: the rule's prediction error.
+
+    Returns:
+        A JSON-ready dict: `source`, `fit_seqlen`, `seqlen`, and per rule the per-layer
+        summaries (`_layer_summary`) and per-head statistics.
+    """
+    index = {int(x): i for i, x in enumerate(data["layers"])}
+    report: dict[str, Any] = {"source": calibration.source, "rules": {}}
+    for rule in rules:
+        check_rule(rule)
+        layers: list[dict[str, Any]] = []
+        for lp in calibration.layers:
+            i = index[lp.layer]
+            q, k = data["q"][i], data["k"][i]
+            n = int(q.shape[2])
+            cap = fit_stats[lp.layer] if n == lp.seqlen else attention_stats(q, k, rows=rows)
+            shape = Shape(1, len(lp.heads), len(lp.kv), n, FIT_HEAD_DIM, torch.float64)
+            gq, gk, _ = generate_layer(lp.heads, lp.kv, shape, seed=seed, fit_seqlen=lp.seqlen, rule=rule)
+            gen = attention_stats(gq, gk, rows=rows)
+            layers.append({"layer": lp.layer, "summary": _layer_summary(cap, gen),
+                           "captured": asdict(cap), "generated": asdict(gen)})
+            report["fit_seqlen"], report["seqlen"] = lp.seqlen, n
+            if log is not None:
+                o = layers[-1]["summary"]["oracle_0.95"]
+                log(f"{rule} layer {lp.layer}: oracle@0.95 captured {o['captured']:.4f} generated "
+                    f"{o['generated']:.4f}")
+        report["rules"][rule] = layers
+    return report
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """Markdown tables of `calibration_report` (one per rule)."""
+    lines = []
+    for rule, layers in report["rules"].items():
+        lines += [f"fit at N = {report.get('fit_seqlen')}, statistics at N = {report.get('seqlen')}, rule {rule}:",
+                  "",
+                  "| layer | oracle@0.9 capt / gen | oracle@0.95 capt / gen (rel. err) | sink | local | vertical "
+                  "| slash | rest | keep@0.83 |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for item in layers:
+            s = item["summary"]
+            o9, o95 = s["oracle_0.9"], s["oracle_0.95"]
+            cells = [f"{s[x]['captured']:.3f} / {s[x]['generated']:.3f}" for x in ("sink", "local", "vertical",
+                                                                                   "slash", "rest")]
+            keep = s.get("keep")
+            kc = "-" if keep is None else f"{keep['captured'][2]:.3f} / {keep['generated'][2]:.3f}"
+            lines.append(f"| {item['layer']} | {o9['captured']:.4f} / {o9['generated']:.4f} | "
+                         f"{o95['captured']:.4f} / {o95['generated']:.4f} ({o95['relative_error']:+.0%}) | "
+                         + " | ".join(cells) + f" | {kc} |")
+        errs = [abs(item["summary"]["oracle_0.95"]["relative_error"]) for item in layers]
+        errs9 = [abs(item["summary"]["oracle_0.9"]["relative_error"]) for item in layers]
+        lines += ["", f"mean |relative error| of the layer's oracle density: {sum(errs9) / len(errs9):.1%} at 0.9, "
+                      f"{sum(errs) / len(errs):.1%} at 0.95; worst {max(errs9):.1%} / {max(errs):.1%}", ""]
+    return "\n".join(lines)
+
+
+# -- acceptance: every method on a captured layer and on its calibrated twin ------------------
+
+
+@dataclass
+class CurvePoint:
+    """One sweep point of one method on one workload."""
+
+    method: str
+    params: dict[str, Any]
+    workload: str
+    density: float
+    recall_mean: float | None
+    output_error: float | None
+    seconds: float
+
+
+def method_curves(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    methods: Sequence[str],
+    *,
+    scale: float | None,
+    workload: str,
+    backend: str = "reference",
+    log: Callable[[str], None] | None = None,
+) -> list[CurvePoint]:
+    """Every method's `compare` sweep on one input: density and mean recall per point
+    (methods that change the keys, Delta-KV, get the output error against float64
+    attention instead of a recall)."""
+    import time
+
+    from . import reference
+    from .compare import sweep
+    from .methods import METHODS, MethodView
+
+    n = int(q.shape[2])
+    exact: torch.Tensor | None = None
+    probs = _probabilities(q, k, scale)  # [B, Hq, N, N] float32, once for every plan
+    points = []
+    for name in methods:
+        spec = METHODS[name]
+        for params in sweep(spec, n):
+            start = time.perf_counter()
+            call = spec.call_params(params, q)
+            if spec.plan_based:
+                # Recall as reference.recall defines it (the kept share of each row's full causal
+                # softmax), from the probabilities computed once instead of once per plan.
+                plan = spec.plan_fn(backend)(q, k, **call)
+                keep = plan.to_dense_mask().to(probs.device)
+                view = MethodView(density=reference.density(plan), recall=(probs * keep).sum(-1), plan=None)
+                del keep
+            else:
+                view = spec.method_view(backend, q, k, v, call, scale=scale)
+            error = None
+            if view.recall is None:
+                if exact is None:
+                    exact = reference.attention(q.double(), k.double(), v.double(), scale=scale)
+                error = reference.relative_error(spec.run_fn(backend)(q, k, v, **call, scale=scale), exact)
+            point = CurvePoint(name, dict(params), workload, float(view.density.mean()),
+                               None if view.recall is None else float(view.recall.double().mean()), error,
+                               time.perf_counter() - start)
+            points.append(point)
+            if log is not None:
+                log(f"{workload} {name} {params}: density {point.density:.4f} recall {point.recall_mean} "
+                    f"error {point.output_error} ({point.seconds:.1f} s)")
+    return points
+
+
+def _probabilities(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Full causal softmax `[B, Hq, N, N]` in float32 (float64 math, row chunks)."""
+    from .reference._checks import resolve_scale
+
+    b, hq, n, d = q.shape
+    g = hq // k.shape[1]
+    sm = resolve_scale(scale, d)
+    out = torch.empty(b, hq, n, n, dtype=torch.float32, device=q.device)
+    kk = k.to(torch.float64).repeat_interleave(g, dim=1)
+    step = 1024
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        rows = torch.arange(start, stop, device=q.device)
+        scores = torch.matmul(q[:, :, start:stop].to(torch.float64), kk.transpose(-1, -2)) * sm
+        causal = torch.arange(n, device=q.device)[None, :] <= rows[:, None]
+        out[:, :, start:stop] = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1).to(torch.float32)
+    return out
+
+
+def _interpolate(curve: Sequence[tuple[float, float]], x: float) -> float | None:
+    """Linear interpolation of sorted (x, y) pairs at x; None outside their range."""
+    if not curve or x < curve[0][0] or x > curve[-1][0]:
+        return None
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return curve[0][1]
+
+
+def curve_gaps(points: Sequence[CurvePoint], captured: str = "captured",
+               calibrated: str = "calibrated") -> dict[str, dict[str, Any]]:
+    """Per method: the largest recall gap between the two workloads' recall-vs-density
+    curves (each workload's points against the other's curve, linearly interpolated, where
+    the densities overlap) and the gap at the same knob setting.
+
+    Methods without recall compare output error the same way (`error_gap_*`).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(p.method for p in points):
+        mine = [p for p in points if p.method == name]
+        cap = [p for p in mine if p.workload == captured]
+        cal = [p for p in mine if p.workload == calibrated]
+        field_name = "recall_mean" if all(p.recall_mean is not None for p in mine) else "output_error"
+        # Both ways: each workload's points against the other's curve, where densities overlap.
+        at_density = []
+        for mine_pts, other in ((cap, cal), (cal, cap)):
+            curve = sorted((p.density, float(getattr(p, field_name))) for p in other)
+            for p in mine_pts:
+                y = _interpolate(curve, p.density)
+                if y is not None:
+                    at_density.append(abs(y - float(getattr(p, field_name))))
+        same_knob = [abs(float(getattr(a, field_name)) - float(getattr(b, field_name))) for a, b in zip(cap, cal)]
+        density_ratio = [b.density / a.density for a, b in zip(cap, cal) if a.density > 0]
+        prefix = "recall" if field_name == "recall_mean" else "error"
+        out[name] = {
+            f"{prefix}_gap_at_equal_density_max": max(at_density) if at_density else None,
+            "points_in_overlap": len(at_density), "points": len(cap) + len(cal),
+            f"{prefix}_gap_same_knob_max": max(same_knob) if same_knob else None,
+            "density_ratio_same_knob": density_ratio,
+        }
+    return out
