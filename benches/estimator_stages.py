@@ -114,7 +114,7 @@ def stage_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense:
     import importlib
 
     from sparseprefill import fast
-    from sparseprefill.conformance.registry import METHODS
+    from sparseprefill.methods import METHODS
     from sparseprefill.fast.kernels import block_column_attention
 
     # The modules (`sparseprefill.fast.xattention` is also the name of a function there).
@@ -276,7 +276,7 @@ def capture_rows(log: Callable[[str], None]) -> list[dict[str, Any]]:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
     import compile_check as cc  # type: ignore[import-not-found]
-    from sparseprefill.conformance.registry import METHODS
+    from sparseprefill.methods import METHODS
     from sparseprefill.fast import ops
 
     dev = torch.device("cuda")
