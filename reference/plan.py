@@ -274,7 +274,7 @@ class BlockColumnPlan:
             if t.dtype != torch.int32:
                 raise TypeError(f"plan.{name} must have dtype int32, got {t.dtype}")
             if t.device.type == "meta":
-                raise ValueError(f"plan.{name} is a meta tensor: a plan's lists need values "
+                raise ValueError(f"plan.{name} is on meta (a meta tensor): a plan's lists need values "
                                  "(build it from real tensors)")
             if t.device != self.block_count.device:
                 raise ValueError(
