@@ -111,11 +111,12 @@ class AttentionState:
         """The state of rows that have attended no key: m = -inf, l = 0, acc = 0.
 
         Raises:
-            TypeError, ValueError: sizes that are not ints `>= 1`, a dtype that is not
-                float32 / float64, or a device that is not a device.
+            TypeError, ValueError: sizes that are not ints `>= 0` (0 rows is a valid,
+                empty state: a rank of a context-parallel split that owns none), a dtype
+                that is not float32 / float64, or a device that is not a device.
         """
         for name, value in (("batch", batch), ("heads", heads), ("seqlen", seqlen), ("head_dim", head_dim)):
-            check_positive_int(name, value)
+            check_positive_int(name, value, minimum=0)
         if dtype not in STATE_DTYPES:
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
         if not isinstance(device, (torch.device, str)):
@@ -131,11 +132,9 @@ class AttentionState:
         """`empty` with the batch, heads, length, head dim and device of `q: [B, Hq, N, D]`.
 
         Raises:
-            TypeError, ValueError: q not a non-empty rank-4 tensor, or a bad dtype.
+            TypeError, ValueError: q not a rank-4 tensor, or a bad dtype.
         """
         q = check_tensor("q", q, rank=4)
-        if 0 in q.shape:
-            raise ValueError(f"q must not be empty, got shape {tuple(q.shape)}")
         b, h, n, d = q.shape
         return AttentionState.empty(b, h, n, d, device=q.device, dtype=dtype)
 
