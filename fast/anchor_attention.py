@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
-from ..reference.anchor_attention import STEP, THETA, check_anchor_params
+from ..reference.anchor_attention import STEP, THETA, check_anchor_params, group_step
 from ..reference.attention import AttentionState
 from ..reference.plan import BlockColumnPlan, cdiv
 from .capture import static_widths_active
@@ -156,6 +156,7 @@ def anchor_attention_plan(
     theta = _check(q, theta=theta, step=step, block_m=block_m, block_n=block_n)
     sm_scale = resolve_scale(scale, shape.head_dim)
     b, h, n = shape.batch, shape.q_heads, shape.seqlen
+    step = group_step(step, n, block_m)
     x_a = anchor_maxima(q, k, step=step, block_m=block_m, block_n=block_n, scale=sm_scale)
     counts, index = stripe_index(q, k, x_a, theta=theta, step=step, block_m=block_m,
                                  block_n=block_n, scale=sm_scale)
@@ -204,6 +205,7 @@ def anchor_attention(
     theta = _check(q, theta=theta, step=step, block_m=block_m, block_n=block_n)
     sm_scale = resolve_scale(scale, shape.head_dim)
     b, n, g = shape.batch, shape.seqlen, shape.group
+    step = group_step(step, n, block_m)
     bound = search_width_bound(n, step=step, block_m=block_m, block_n=block_n)
     per_head = stripe_plan_nbytes(b, 1, n, step=step, block_m=block_m, width=max(1, bound))
     heads = head_group(shape.q_heads, g, PLAN_BYTES // per_head)

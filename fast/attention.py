@@ -6,7 +6,7 @@ from typing import Literal, overload
 
 import torch
 
-from ..reference.attention import AttentionState
+from ..reference.attention import AttentionState, check_attention_inputs
 from ..reference.plan import BlockColumnPlan
 from .dense import dense_plan
 from .kernels import block_column_attention
@@ -51,8 +51,10 @@ def attention(
     (O(N^2) bytes read, since the mask itself is that large).
 
     Args:
-        q: `[B, Hq, N, D]` float16/bfloat16; k, v: `[B, Hkv, N, D]`.
-        mask: bool, `[N, N]` or broadcastable to `[B, Hq, N, N]`, or None.
+        q: `[B, Hq, N, D]` float16/bfloat16; k, v: `[B, Hkv, P + N, D]`: P = 0, or
+            P > 0 for a chunk of queries at positions `[P, P + N)` over all `P + N`
+            keys (as `reference.attention`).
+        mask: bool, `[N, N]` or broadcastable to `[B, Hq, N, N]`, or None; only with P = 0.
         scale: softmax scale, `1/sqrt(D)` if None.
         return_lse: also return the natural-log lse, float32 `[B, Hq, N]`.
 
@@ -62,6 +64,7 @@ def attention(
     Raises:
         TypeError, ValueError: bad inputs, before any kernel launch.
     """
+    check_attention_inputs(q, k, v, mask)
     plan = dense_plan(q, k)
     out, lse = block_column_attention(
         q, k, v, plan, mask=mask, scale=scale, return_lse=return_lse, validate_plan=False

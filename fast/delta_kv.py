@@ -23,6 +23,7 @@ from ..reference.delta_kv import (
     check_metric,
     check_pack_inputs,
     check_packed,
+    check_packed_for,
     check_threshold,
     cdiv_tensor,
 )
@@ -73,8 +74,9 @@ def delta_pack(
     k, v, keep, bs = check_pack_inputs(k, v, keep, block)
     if k.dtype not in HALF_DTYPES:
         raise TypeError(f"k must have dtype float16 or bfloat16 for the fast kernels, got {k.dtype}")
+    check_kernel_block_sizes(bs, bs, names=("block", "block"))
     check_kernel_device(k)
-    return pack(k, v, keep, None, chunk=min(_PACK_CHUNK, k.shape[2]), block=bs)
+    return pack(k, v, keep, None, chunk=min(_PACK_CHUNK, k.shape[2]), block=bs).mark_valid()
 
 
 def delta_kv_plans(
@@ -91,16 +93,11 @@ def delta_kv_plans(
     Raises:
         TypeError, ValueError: bad inputs.
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a [B, Hq, N, D] tensor, got {getattr(q, 'shape', type(q).__name__)}")
-    if not isinstance(packed, PackedKV):
-        raise TypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
+    packed, q = check_packed_for(packed, q)
     b, hq, n, _ = q.shape
-    if (packed.batch, packed.seqlen) != (b, n) or hq % packed.kv_heads != 0:
-        raise ValueError(f"packed (B={packed.batch}, Hkv={packed.kv_heads}, N={packed.seqlen}) does not "
-                         f"fit q [B={b}, Hq={hq}, N={n}]")
     bm = check_block_size("block_m", block_m)
     bs = packed.block
+    check_kernel_block_sizes(bm, bs, names=("block_m", "packed.block"))
     dev = q.device
     qb, kb = cdiv(n, bm), cdiv(n, bs)
     safe, cut = safe_blocks(packed, block_m=bm)
@@ -141,7 +138,10 @@ def safe_blocks(packed: PackedKV, *, block_m: int) -> tuple[torch.Tensor, torch.
     dev = packed.counts.device
     qb, kb = cdiv(n, block_m), cdiv(n, bs)
     starts = packed.offsets[:-1]
-    blocks = (packed.offsets[1:] - starts) // bs
+    # A packing edited after `validate` may not fit `k` any more: never list a block
+    # that would end past the flat buffer's T rows (wrong numbers, no stray read).
+    ends = torch.minimum(packed.offsets[1:], torch.full_like(starts, packed.counts.numel()))
+    blocks = ((ends - starts.clamp(min=0)) // bs).clamp(min=0)
     j = torch.arange(kb, device=dev)
     last = (starts[:, None] + (j + 1) * bs - 1).clamp(max=max(packed.counts.numel() - 1, 0))
     # Timestamps grow within a segment, so a block's reach is its last entry; blocks a
@@ -150,7 +150,8 @@ def safe_blocks(packed: PackedKV, *, block_m: int) -> tuple[torch.Tensor, torch.
     first_row = (torch.arange(qb, device=dev, dtype=torch.int64) * block_m).expand(reach.shape[0], qb)
     safe = torch.searchsorted(reach.contiguous(), first_row.contiguous())
     cut = torch.where(safe > 0, reach.gather(1, (safe - 1).clamp(min=0)) + 1, 0)
-    return safe, cut
+    # Valid timestamps give 0 <= cut <= N; edited ones must not size phase 2 past it.
+    return safe, cut.clamp(min=0, max=n)
 
 
 def expand_packed(packed: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,13 +234,17 @@ def delta_kv(
     check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
     scale = resolve_scale(scale, shape.head_dim)
     keep, chunk_counts = keep_mask(k, threshold=threshold, cosine=metric == "cosine", chunk=size)
-    packed = pack(k, v, keep, chunk_counts, chunk=size, block=bn)
+    packed = pack(k, v, keep, chunk_counts, chunk=size, block=bn).mark_valid()
     return delta_kv_attention(q, k, v, packed, block_m=bm, count_weighted=count_weighted,
                               exact_diagonal=exact_diagonal, scale=scale)
 
 
 def delta_kv_density(q: torch.Tensor, packed: PackedKV, *, block_m: int = 64) -> torch.Tensor:
-    """Score entries the two phases compute, over the causal area (see the reference)."""
+    """Score entries the two phases compute, over the causal area (see the reference).
+
+    Raises:
+        TypeError, ValueError: bad inputs (as `delta_kv_plans`).
+    """
     plan1, plan2 = delta_kv_plans(q, packed, block_m=block_m)
     n = packed.seqlen
     rows = (n - torch.arange(plan1.num_query_blocks, device=q.device) * plan1.block_m).clamp(max=plan1.block_m)

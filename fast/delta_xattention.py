@@ -185,6 +185,7 @@ def delta_tile_pack(
     k, v, thr, metric, bs, pb = check_tile_pack_inputs(k, v, delta_threshold, metric, block, packed_block)
     if k.dtype not in HALF_DTYPES:
         raise TypeError(f"k must have dtype float16 or bfloat16 for the fast kernels, got {k.dtype}")
+    check_kernel_block_sizes(bs, pb, names=("block", "packed_block"))
     check_kernel_device(k)
     b, h, n, _ = k.shape
     tiles = cdiv(n, bs) - 1
@@ -200,7 +201,7 @@ def delta_tile_pack(
         kp, vp = k4[r0:r0 + rows], v4[r0:r0 + rows]
         keep, counts = keep_mask(kp, threshold=thr, cosine=metric == "cosine", chunk=bs)
         parts.append(pack(kp, vp, keep, counts, chunk=bs, block=pb))
-    return TilePackedKV(packed=_merge(parts), batch=b, kv_heads=h, seqlen=n, block=bs)
+    return TilePackedKV(packed=_merge(parts), batch=b, kv_heads=h, seqlen=n, block=bs).mark_valid()
 
 
 def _packed_plan(modes: torch.Tensor, packing: TilePackedKV, seqlen: int) -> BlockColumnPlan:
@@ -259,9 +260,11 @@ def delta_xattention_plans(
     if not isinstance(packing, TilePackedKV):
         raise TypeError(f"packing must be a TilePackedKV, got {type(packing).__name__}")
     b, hq, n, _ = q.shape
+    packing.ensure_valid()
     if (packing.batch, packing.seqlen) != (b, n) or hq % packing.kv_heads != 0:
         raise ValueError(f"packing (B={packing.batch}, Hkv={packing.kv_heads}, N={packing.seqlen}) does not "
                          f"fit q [B={b}, Hq={hq}, N={n}]")
+    check_kernel_block_sizes(packing.block, packing.packed_block, names=("packing.block", "packing.packed_block"))
     modes = check_modes(modes, tuple(q.shape), packing)
     exact = tiles_to_plan(modes == EXACT, seqlen=n, block=packing.block)
     return exact, _packed_plan(modes, packing, n)

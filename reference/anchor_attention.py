@@ -74,6 +74,12 @@ def check_anchor_params(*, theta: object, step: object, block_m: object, block_n
     return float(theta)
 
 
+def group_step(step: int, seqlen: int, block_m: int) -> int:
+    """`step` capped at the query blocks of the sequence: every step past them means one
+    group of all query blocks, so 2**63 plans what `Qb` plans (docs/robustness.md)."""
+    return min(step, cdiv(seqlen, block_m))
+
+
 def window_start(group: int, *, step: int, block_m: int, block_n: int) -> int:
     """`w_g`: the key block holding group `group`'s first row (the window starts there)."""
     return group * step * block_m // block_n
@@ -271,6 +277,7 @@ def anchor_attention_plan(
     theta = check_anchor_params(theta=theta, step=step, block_m=block_m, block_n=block_n)
     sm_scale = resolve_scale(scale, shape.head_dim)
     n = shape.seqlen
+    step = group_step(step, n, block_m)
     blocks = anchor_blocks(n, step=step, block_m=block_m, block_n=block_n, device=q.device)
     x_a = anchor_scores(q, k, blocks, block_n=block_n, block_m=block_m, scale=sm_scale)  # Eq. 1
     stripes = stripe_sets(q, k, x_a, theta=theta, step=step, block_m=block_m, block_n=block_n,
@@ -311,6 +318,7 @@ def anchor_attention(
     theta = check_anchor_params(theta=theta, step=step, block_m=block_m, block_n=block_n)
     sm_scale = resolve_scale(scale, shape.head_dim)
     n, b, h = shape.seqlen, shape.batch, shape.q_heads
+    step = group_step(step, n, block_m)
     groups = cdiv(cdiv(n, block_m), step)
     empty = torch.zeros(b, h, groups, n, dtype=torch.bool, device=q.device)
     anchor_only = anchor_plan_from_stripes(empty, seqlen=n, step=step, block_m=block_m, block_n=block_n)

@@ -32,9 +32,11 @@ from typing import Literal, overload
 
 import torch
 
-from ._checks import check_qkv, resolve_scale
+from ._checks import QKVShape, check_chunk_qk, check_positive_int, check_qkv, check_tensor, resolve_scale
 from .plan import BlockColumnPlan
 
+# Dtypes of an `AttentionState` (fast: float32 only).
+STATE_DTYPES = (torch.float32, torch.float64)
 # Scores of one chunk are [B, Hq, chunk, N] float64: keep them near 256 MiB.
 _CHUNK_BYTES = 256 * 2**20
 
@@ -106,7 +108,19 @@ class AttentionState:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> AttentionState:
-        """The state of rows that have attended no key: m = -inf, l = 0, acc = 0."""
+        """The state of rows that have attended no key: m = -inf, l = 0, acc = 0.
+
+        Raises:
+            TypeError, ValueError: sizes that are not ints `>= 0` (0 rows is a valid,
+                empty state: a rank of a context-parallel split that owns none), a dtype
+                that is not float32 / float64, or a device that is not a device.
+        """
+        for name, value in (("batch", batch), ("heads", heads), ("seqlen", seqlen), ("head_dim", head_dim)):
+            check_positive_int(name, value, minimum=0)
+        if dtype not in STATE_DTYPES:
+            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
+        if not isinstance(device, (torch.device, str)):
+            raise TypeError(f"device must be a torch.device or str, got {type(device).__name__}")
         return AttentionState(
             m=torch.full((batch, heads, seqlen), -math.inf, dtype=dtype, device=device),
             l=torch.zeros(batch, heads, seqlen, dtype=dtype, device=device),
@@ -115,7 +129,12 @@ class AttentionState:
 
     @staticmethod
     def like(q: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> AttentionState:
-        """`empty` with the batch, heads, length, head dim and device of `q: [B, Hq, N, D]`."""
+        """`empty` with the batch, heads, length, head dim and device of `q: [B, Hq, N, D]`.
+
+        Raises:
+            TypeError, ValueError: q not a rank-4 tensor, or a bad dtype.
+        """
+        q = check_tensor("q", q, rank=4)
         b, h, n, d = q.shape
         return AttentionState.empty(b, h, n, d, device=q.device, dtype=dtype)
 
@@ -129,7 +148,18 @@ class AttentionState:
         return torch.where(self.l == 0, -math.inf, self.m + torch.log(self.l))
 
     def merge(self, other: AttentionState) -> AttentionState:
-        """The state over the union of two disjoint key sets (a new state)."""
+        """The state over the union of two disjoint key sets (a new state).
+
+        Raises:
+            TypeError, ValueError: `other` is not an `AttentionState` of the same
+                shapes, dtype and device as this one.
+        """
+        if not isinstance(other, AttentionState):
+            raise TypeError(f"other must be an AttentionState, got {type(other).__name__}")
+        acc = check_tensor("self.acc", self.acc, rank=4)
+        bb, hh, nn, dd = acc.shape
+        check_state(self, bb, hh, nn, dd, acc.device, name="self", in_place=False)
+        check_state(other, bb, hh, nn, dd, acc.device, dtypes=(self.m.dtype,), name="other", in_place=False)
         m = torch.maximum(self.m, other.m)
         shift = torch.where(torch.isneginf(m), 0.0, m)
         a, b = torch.exp(self.m - shift), torch.exp(other.m - shift)
@@ -143,30 +173,44 @@ class AttentionState:
 
 def check_state(
     state: object, batch: int, heads: int, seqlen: int, head_dim: int, device: torch.device,
-    *, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64),
+    *, dtypes: tuple[torch.dtype, ...] = STATE_DTYPES, name: str = "state", in_place: bool = True,
 ) -> AttentionState:
     """Check an `AttentionState` for `q: [B, Hq, N, D]` and return it.
 
     Raises:
         TypeError: not an AttentionState, or tensors of a dtype outside `dtypes`.
-        ValueError: wrong shapes, mixed dtypes, or another device.
+        ValueError: wrong shapes, mixed dtypes, another device, or a field whose
+            elements overlap in memory (an expanded, stride-0 view) when `in_place`
+            (`sparse_attention` writes the state back, one value per row).
     """
     if not isinstance(state, AttentionState):
-        raise TypeError(f"state must be an AttentionState or None, got {type(state).__name__}")
+        raise TypeError(f"{name} must be an AttentionState or None, got {type(state).__name__}")
     want = {"m": (batch, heads, seqlen), "l": (batch, heads, seqlen),
             "acc": (batch, heads, seqlen, head_dim)}
-    for name, shape in want.items():
-        t = getattr(state, name)
+    for field_name, shape in want.items():
+        label = f"{name}.{field_name}"
+        t = getattr(state, field_name)
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state.{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in dtypes or t.dtype != state.m.dtype:
+            raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes or t.dtype != getattr(state.m, "dtype", None):
             names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-            raise TypeError(f"state.{name} must have one dtype in ({names}) for all fields, got {t.dtype}")
+            raise TypeError(f"{label} must have one dtype in ({names}) for all fields, got {t.dtype}")
         if tuple(t.shape) != shape:
-            raise ValueError(f"state.{name} must have shape {list(shape)}, got {tuple(t.shape)}")
+            raise ValueError(f"{label} must have shape {list(shape)}, got {tuple(t.shape)}")
         if t.device != device:
-            raise ValueError(f"state.{name} must be on the device of q ({device}), got {t.device}")
+            raise ValueError(f"{label} must be on the device of q ({device}), got {t.device}")
+        if in_place:
+            check_no_overlap(label, t)
     return state
+
+
+def check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """Raise ValueError if `t` is written in place but some of its elements share memory
+    (a stride-0 dimension of size > 1, as `expand` makes)."""
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} must not be an expanded view (stride 0 over a dimension of size > 1, "
+                         f"strides {tuple(t.stride())}): it is written in place, one element each; "
+                         "pass a tensor with its own memory (.clone() or .contiguous())")
 
 
 def check_block_mean_out(
@@ -187,6 +231,7 @@ def check_block_mean_out(
                          f"got {tuple(out.shape)}")
     if out.device != device:
         raise ValueError(f"block_mean_out must be on the device of q ({device}), got {out.device}")
+    check_no_overlap("block_mean_out", out)
     return out
 
 
@@ -227,9 +272,14 @@ def attention(
 
     Args:
         q: `[B, Hq, N, D]`, float16/bfloat16/float32/float64.
-        k, v: `[B, Hkv, N, D]`, the dtype and device of `q`; `Hq % Hkv == 0`.
+        k, v: `[B, Hkv, P + N, D]`, the dtype and device of `q`; `Hq % Hkv == 0`.
+            P = 0 (the usual case): q and k cover the same N positions. P > 0: q is a
+            chunk of queries at positions `[P, P + N)` after a cached prefix, k and v
+            hold all `P + N` keys (chunked prefill, as `dense` and `sparse_attention`
+            with a plan's `query_offset`); row `r` sees keys `0 .. P + r`.
         mask: bool, `[N, N]` or broadcastable to `[B, Hq, N, N]`; True keeps a key.
-            It is intersected with causality. None: plain causal attention.
+            It is intersected with causality. None: plain causal attention. Only with
+            P = 0.
         scale: softmax scale, `1/sqrt(D)` if None.
         return_lse: also return the natural-log sum of exp of the kept scaled logits.
 
@@ -239,17 +289,33 @@ def attention(
         infinities in the inputs propagate as the module doc says.
 
     Raises:
-        TypeError, ValueError: bad inputs (see `_checks.check_qkv`, `check_mask`).
+        TypeError, ValueError: bad inputs (see `_checks.check_qkv`, `check_mask`), or a
+            mask with k longer than q.
     """
-    shape = check_qkv(q, k, v)
+    shape = check_attention_inputs(q, k, v, mask)
     sm_scale = resolve_scale(scale, shape.head_dim)
     dense_mask = None if mask is None else check_mask(mask, shape.batch, shape.q_heads, shape.seqlen, q.device)
     state = AttentionState.like(q, dtype=torch.float64)
-    _attend(q, k, v, dense_mask, state, sm_scale)
+    _attend(q, k, v, dense_mask, state, sm_scale, shape.query_offset)
     result = state.output(q.dtype)
     if return_lse:
         return result, state.lse().to(torch.float32)
     return result
+
+
+def check_attention_inputs(q: object, k: object, v: object, mask: object) -> QKVShape:
+    """`attention`'s checks, shared by both packages: q against k, v of `P + N >= N`
+    keys (P, the query offset, is `k.shape[2] - N`), and no mask when P > 0.
+
+    Raises:
+        TypeError, ValueError: as `check_qkv`; ValueError naming `mask` for a mask with P > 0.
+    """
+    offset = check_chunk_qk(q, k).query_offset
+    shape = check_qkv(q, k, v, query_offset=offset)
+    if mask is not None and offset:
+        raise ValueError(f"mask must be None when k and v hold more keys ({offset + shape.seqlen}) than q "
+                         f"has rows ({shape.seqlen}): a dense mask is [N, N], for q and k of one length")
+    return shape
 
 
 def _attend(
@@ -447,6 +513,7 @@ def check_plan(
     """Check that `plan` is a valid `BlockColumnPlan` for `[B, Hq, N]` on `device`."""
     if not isinstance(plan, BlockColumnPlan):
         raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
+    plan.check_fields()
     if plan.seqlen != seqlen:
         raise ValueError(f"plan.seqlen must equal N={seqlen}, got {plan.seqlen}")
     if tuple(plan.block_count.shape[:2]) != (batch, heads):

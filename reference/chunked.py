@@ -80,6 +80,7 @@ def chunk_inputs(plan_fn: PlanFn, q: object, k: object,
         # Per-head configs (MInferenceConfig) cap their heads' last_q the same way.
         if hasattr(value, "cap_last_q"):
             params[name] = value.cap_last_q(n)
+    check_chunk_alignment(plan_fn, params, prefix, keys)
     last_q = inspect.signature(plan_fn).parameters.get("last_q")
     if last_q is not None:
         # The estimate's last queries are the chunk's own.
@@ -87,6 +88,44 @@ def chunk_inputs(plan_fn: PlanFn, q: object, k: object,
         if isinstance(value, int) and not isinstance(value, bool) and value > n:
             params["last_q"] = n
     return full, prefix, params
+
+
+# The estimator parameter that sets a plan's query block rows, by the package's naming
+# convention (block_m; block_size for square blocks; block for XAttention-style tiles),
+# and the one that groups query blocks over one column list (`column_group`).
+_ROW_BLOCK_PARAMS = ("block_m", "block_size", "block")
+_GROUP_PARAM = "step"
+
+
+def check_chunk_alignment(plan_fn: PlanFn, params: dict[str, Any], prefix: int, keys: int) -> None:
+    """Refuse a prefix P that `chunk_rows` would refuse, before the estimator runs.
+
+    The plan's query block rows and column group are read from `plan_fn`'s parameters
+    (given or default; see `_ROW_BLOCK_PARAMS`); `chunk_rows` checks the plan itself
+    again afterwards, so an estimator named otherwise is still refused, only later.
+
+    Raises:
+        ValueError: P is not a multiple of `block_m * column_group`.
+    """
+    if prefix == 0:
+        return
+    try:
+        sig = inspect.signature(plan_fn).parameters
+    except (TypeError, ValueError):
+        return
+    def value(name: str) -> object:
+        p = sig.get(name)
+        return params.get(name, p.default if p is not None else None)
+    rows = next((value(n) for n in _ROW_BLOCK_PARAMS if n in sig), None)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        return
+    step = value(_GROUP_PARAM) if _GROUP_PARAM in sig else 1
+    group = min(step, -(-keys // rows)) if isinstance(step, int) and not isinstance(step, bool) and step >= 1 else 1
+    align = rows * group
+    if prefix % align:
+        raise ValueError(f"the prefix length P={prefix} (k has P + N keys) must be a multiple of the plan's "
+                         f"block_m * column_group = {rows} * {group} = {align}: chunks start on query blocks "
+                         "and never split a group sharing its column list")
 
 
 def chunk_plan(plan_fn: PlanFn, q: torch.Tensor, k: torch.Tensor, **params: Any) -> BlockColumnPlan:

@@ -49,7 +49,7 @@ the whole output equal to causal attention over `expand_packed`'s keys.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +57,7 @@ from ._checks import (
     REFERENCE_DTYPES,
     check_block_size,
     check_count,
+    check_positive_int,
     check_qkv,
     check_tensor,
     resolve_scale,
@@ -93,6 +94,94 @@ class PackedKV:
     lengths: torch.Tensor
     seqlen: int
     block: int
+    # Set by `validate` (or by the packers, valid by construction): the consumers call
+    # `ensure_valid`, so a packing is checked once, before its first launch. Not an
+    # init field, so `dataclasses.replace` makes an unchecked copy.
+    _checked: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def validate(self) -> PackedKV:
+        """Check every invariant of the class doc; return self.
+
+        `k`, `v` `[T, D]` of one float dtype and device; `counts`, `timestamps` int32
+        `[T]`; `offsets` int64 `[B * Hkv + 1]` from 0 to T, each segment
+        `ceil(lengths / block) * block` rows; `1 <= lengths <= seqlen`; counts `>= 1` on
+        the anchors, 0 on padding, summing to `seqlen` per segment; timestamps their
+        running sum minus 1. So no content of a valid packing makes a kernel read
+        outside `k`, `v` or a segment.
+
+        Raises:
+            TypeError: a field of the wrong type or dtype.
+            ValueError: the first broken invariant, naming the field (and the segment).
+        """
+        n = check_positive_int("packed.seqlen", self.seqlen)
+        bs = check_block_size("packed.block", self.block)
+        for name in ("k", "v", "counts", "timestamps", "offsets", "lengths"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"packed.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type == "meta":
+                raise ValueError(f"packed.{name} is a meta tensor: a packing needs values")
+        dev = self.k.device
+        if self.k.dim() != 2 or self.k.dtype not in REFERENCE_DTYPES or 0 in self.k.shape[1:]:
+            raise ValueError(f"packed.k must be a float [T, D] tensor, got {self.k.dtype} {tuple(self.k.shape)}")
+        if self.v.shape != self.k.shape or self.v.dtype != self.k.dtype or self.v.device != dev:
+            raise ValueError(f"packed.v must match packed.k ({tuple(self.k.shape)}, {self.k.dtype}, {dev}), got "
+                             f"{tuple(self.v.shape)}, {self.v.dtype}, {self.v.device}")
+        total = self.k.shape[0]
+        for name, dtype, rank in (("counts", torch.int32, 1), ("timestamps", torch.int32, 1),
+                                  ("offsets", torch.int64, 1), ("lengths", torch.int32, 2)):
+            t = getattr(self, name)
+            if t.dtype != dtype or t.dim() != rank:
+                raise TypeError(f"packed.{name} must be a rank-{rank} {dtype} tensor, got {t.dtype} "
+                                f"{tuple(t.shape)}")
+            if t.device != dev:
+                raise ValueError(f"packed.{name} must be on packed.k's device ({dev}), got {t.device}")
+        for name in ("counts", "timestamps"):
+            if getattr(self, name).shape[0] != total:
+                raise ValueError(f"packed.{name} must have T={total} entries (rows of packed.k), got "
+                                 f"{getattr(self, name).shape[0]}")
+        segs = self.lengths.numel()
+        off = self.offsets
+        if off.shape[0] != segs + 1:
+            raise ValueError(f"packed.offsets must have B * Hkv + 1 = {segs + 1} entries, got {off.shape[0]}")
+        if int(off[0]) != 0 or int(off[-1]) != total:
+            raise ValueError(f"packed.offsets must start at 0 and end at T={total}, got {int(off[0])} .. "
+                             f"{int(off[-1])}")
+        lengths = self.lengths.reshape(-1).to(torch.int64)
+        _raise_segment((lengths < 1) | (lengths > n), f"packed.lengths must lie in [1, seqlen={n}]")
+        sizes = off[1:] - off[:-1]
+        _raise_segment(sizes != cdiv_tensor(lengths, bs) * bs,
+                       f"packed.offsets must give each segment ceil(lengths / block) * block rows (block={bs})")
+        seg = torch.repeat_interleave(torch.arange(segs, device=dev), sizes)
+        row = torch.arange(total, device=dev) - off[:-1][seg]
+        anchor = row < lengths[seg]
+        counts = self.counts.to(torch.int64)
+        bad = torch.where(anchor, counts < 1, counts != 0)
+        _raise_segment(torch.zeros(segs, dtype=torch.bool, device=dev).index_put_((seg,), bad, accumulate=True),
+                       "packed.counts must be >= 1 on a segment's anchors and 0 on its padding")
+        per_seg = torch.zeros(segs, dtype=torch.int64, device=dev).index_add_(0, seg, counts)
+        _raise_segment(per_seg != n, f"packed.counts must sum to seqlen={n} in every segment")
+        running = torch.cumsum(counts, 0)
+        before = torch.where(off[:-1] > 0, running[(off[:-1] - 1).clamp(min=0)], 0) if total else off[:-1]
+        stamps = running - before[seg] - 1
+        bad = stamps != self.timestamps.to(torch.int64)
+        _raise_segment(torch.zeros(segs, dtype=torch.bool, device=dev).index_put_((seg,), bad, accumulate=True),
+                       "packed.timestamps must be the running sum of the segment's counts minus 1")
+        object.__setattr__(self, "_checked", True)
+        return self
+
+    def ensure_valid(self) -> PackedKV:
+        """`validate` unless this packing already passed it (or was marked valid); return self.
+
+        Tensors edited in place after a successful check are not re-checked: call
+        `validate` again after such edits.
+        """
+        return self if self._checked else self.validate()
+
+    def mark_valid(self) -> PackedKV:
+        """Record that this packing is valid by construction (the packers only); return self."""
+        object.__setattr__(self, "_checked", True)
+        return self
 
     @property
     def batch(self) -> int:
@@ -110,6 +199,11 @@ class PackedKV:
         """The rows of one segment, padding included."""
         s = batch * self.kv_heads + head
         return slice(int(self.offsets[s]), int(self.offsets[s + 1]))
+
+
+def _raise_segment(bad: torch.Tensor, message: str) -> None:
+    if bool(bad.any()):
+        raise ValueError(f"{message}; first at segment {int(bad.nonzero()[0, 0])}")
 
 
 def check_metric(metric: object) -> str:
@@ -277,7 +371,7 @@ def delta_pack(
         offsets=torch.tensor(offsets, dtype=torch.int64, device=k.device),
         lengths=torch.tensor(lengths, dtype=torch.int32, device=k.device).view(b, h),
         seqlen=n, block=bs,
-    )
+    ).mark_valid()
 
 
 def check_pack_inputs(
@@ -302,6 +396,7 @@ def check_packed(packed: object, k: torch.Tensor) -> PackedKV:
     """Check that `packed` is a `PackedKV` of `k: [B, Hkv, N, D]` (sizes, dtype, device)."""
     if not isinstance(packed, PackedKV):
         raise TypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
+    packed.ensure_valid()
     b, h, n, d = k.shape
     if packed.seqlen != n or (packed.batch, packed.kv_heads) != (b, h) or packed.k.shape[-1] != d:
         raise ValueError(f"packed must come from keys [B={b}, Hkv={h}, N={n}, D={d}], got seqlen "
@@ -309,6 +404,21 @@ def check_packed(packed: object, k: torch.Tensor) -> PackedKV:
     if packed.k.dtype != k.dtype or packed.k.device != k.device:
         raise ValueError(f"packed must have k's dtype and device ({k.dtype}, {k.device})")
     return packed
+
+
+def check_packed_for(packed: object, q: object) -> tuple[PackedKV, torch.Tensor]:
+    """`delta_kv_plans` / `delta_kv_density`'s check: a valid `PackedKV` for `q: [B, Hq, N, D]`."""
+    q = check_tensor("q", q, rank=4)
+    if not isinstance(packed, PackedKV):
+        raise TypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
+    packed.ensure_valid()
+    b, hq, n, _ = q.shape
+    if (packed.batch, packed.seqlen) != (b, n) or packed.kv_heads == 0 or hq % packed.kv_heads != 0:
+        raise ValueError(f"packed (B={packed.batch}, Hkv={packed.kv_heads}, N={packed.seqlen}) does not "
+                         f"fit q [B={b}, Hq={hq}, N={n}]")
+    if packed.lengths.device != q.device:
+        raise ValueError(f"packed must be on q's device ({q.device}), got {packed.lengths.device}")
+    return packed, q
 
 
 def expand_packed(packed: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,13 +488,8 @@ def delta_kv_plans(
     Raises:
         TypeError, ValueError: bad inputs.
     """
-    q = check_tensor("q", q, rank=4)
-    if not isinstance(packed, PackedKV):
-        raise TypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
+    packed, q = check_packed_for(packed, q)
     b, hq, n, _ = q.shape
-    if (packed.batch, packed.seqlen) != (b, n) or hq % packed.kv_heads != 0:
-        raise ValueError(f"packed (B={packed.batch}, Hkv={packed.kv_heads}, N={packed.seqlen}) does not "
-                         f"fit q [B={b}, Hq={hq}, N={n}]")
     bm = check_block_size("block_m", block_m)
     bs = packed.block
     qb, kb = cdiv(n, bm), cdiv(n, bs)
@@ -452,12 +557,18 @@ def delta_kv_attention(
     g = shape.group
     safe, cut = safe_blocks(packed, block_m=bm)
     k2, v2 = (k, v) if exact_diagonal else expand_packed(packed)
+    # Non-finite values reach only the rows that keep them (reference.attention's rule):
+    # the products use finite stand-ins, and rows keeping a bad value are set to NaN.
+    v2_bad = ~torch.isfinite(v2).all(dim=-1)
+    v2 = torch.where(torch.isfinite(v2), v2, 0)
     out = torch.empty(b, hq, n, d, dtype=torch.float64, device=q.device)
     for bi in range(b):
         for kv in range(shape.kv_heads):
             rows = packed.segment(bi, kv)
             pk = packed.k[rows].to(torch.float64)
             pv = packed.v[rows].to(torch.float64)
+            pv_bad = ~torch.isfinite(pv).all(dim=-1)
+            pv = torch.where(torch.isfinite(pv), pv, 0.0)
             bias = torch.log(packed.counts[rows].to(torch.float64)) if count_weighted else \
                 torch.where(packed.counts[rows] > 0, 0.0, -math.inf).to(torch.float64)
             for i in range(cdiv(n, bm)):
@@ -472,7 +583,11 @@ def delta_kv_attention(
                 causal = torch.arange(c, r1, device=q.device)[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
                 s2 = s2.masked_fill(~causal, -math.inf)
                 p = torch.softmax(torch.cat([s1, s2], dim=-1), dim=-1)
-                out[bi, kv * g:(kv + 1) * g, r0:r1] = p @ torch.cat([pv[:hist], v2[bi, kv, c:r1].to(torch.float64)])
+                o = p @ torch.cat([pv[:hist], v2[bi, kv, c:r1].to(torch.float64)])
+                listed = (packed.counts[rows][:hist] > 0).expand(s1.shape)
+                kept = torch.cat([listed, causal.expand_as(s2)], dim=-1)
+                bad = torch.cat([pv_bad[:hist], v2_bad[bi, kv, c:r1]])
+                out[bi, kv * g:(kv + 1) * g, r0:r1] = torch.where((kept & bad).any(-1, keepdim=True), math.nan, o)
     return out.to(q.dtype)
 
 

@@ -44,13 +44,14 @@ full, i.e. relative to XAttention with the same selection: the thesis's `f (1 - 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ._checks import (
     check_block_size,
     check_fraction,
+    check_positive_int,
     check_qk,
     check_qkv,
     check_tensor,
@@ -94,6 +95,47 @@ class TilePackedKV:
     kv_heads: int
     seqlen: int
     block: int
+    # Set by `validate` or the packers (`PackedKV`'s rule; `replace` makes an unchecked copy).
+    _checked: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def validate(self) -> TilePackedKV:
+        """Check the packing's invariants; return self.
+
+        `batch`, `kv_heads`, `seqlen` ints `>= 1`, `block` a block size; `packed` a
+        valid `PackedKV` (`PackedKV.validate`) of `B * Hkv` rows of `T - 1` tiles,
+        `seqlen = block`, and a `packed.block` dividing `block`. Checked once per
+        object (`ensure_valid`); the packers build valid packings.
+
+        Raises:
+            TypeError, ValueError: the first broken invariant, naming the field.
+        """
+        for name in ("batch", "kv_heads", "seqlen"):
+            check_positive_int(f"packing.{name}", getattr(self, name))
+        bs = check_block_size("packing.block", self.block)
+        if not isinstance(self.packed, PackedKV):
+            raise TypeError(f"packing.packed must be a PackedKV, got {type(self.packed).__name__}")
+        self.packed.ensure_valid()
+        if (self.packed.batch, self.packed.kv_heads) != (self.batch * self.kv_heads, self.tiles) or \
+                (self.tiles > 0 and self.packed.seqlen != bs):
+            raise ValueError(f"packing.packed must hold B * Hkv = {self.batch * self.kv_heads} rows of "
+                             f"T - 1 = {self.tiles} tiles of {bs} keys, got {tuple(self.packed.lengths.shape)} "
+                             f"segments of {self.packed.seqlen} keys")
+        if bs % self.packed.block:
+            raise ValueError(f"packing.packed.block must divide packing.block ({bs}), got {self.packed.block}")
+        object.__setattr__(self, "_checked", True)
+        return self
+
+    def ensure_valid(self) -> TilePackedKV:
+        """`validate` unless the packing already passed it (or was built valid); return self."""
+        if not (self._checked and getattr(self.packed, "_checked", False)):
+            self.validate()
+        return self
+
+    def mark_valid(self) -> TilePackedKV:
+        """Record that the packing is valid by construction (the packers only); return self."""
+        self.packed.mark_valid()
+        object.__setattr__(self, "_checked", True)
+        return self
 
     @property
     def tiles(self) -> int:
@@ -172,13 +214,51 @@ def check_modes(modes: object, q_shape: tuple[int, ...], packing: TilePackedKV) 
     if modes.dtype != torch.int8 or tuple(modes.shape) != (b, hq, t, t):
         raise ValueError(f"modes must be an int8 [B, Hq, T, T] = {[b, hq, t, t]} tensor, got {modes.dtype} "
                          f"{tuple(modes.shape)}")
+    check_mode_values(modes)
     return modes
+
+
+def check_mode_values(modes: torch.Tensor) -> None:
+    """Raise ValueError unless every entry of `modes` `[B, H, T, T]` is a mode a tile may
+    have: `SKIPPED`, `EXACT` on causal tiles (`j <= i`), `PACKED` strictly below the
+    diagonal (`j < i`: only those tiles are packed, and their keys precede every row)."""
+    if modes.device.type == "meta":
+        raise ValueError("modes is a meta tensor: the plans are built from its values")
+    t = modes.shape[-1]
+    idx = torch.arange(t, device=modes.device)
+    below = idx[None, :] < idx[:, None]
+    bad = ((modes != SKIPPED) & (modes != PACKED) & (modes != EXACT)) | \
+        ((modes == EXACT) & ~(below | (idx[None, :] == idx[:, None]))) | ((modes == PACKED) & ~below)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ValueError(f"modes must hold SKIPPED ({SKIPPED}), EXACT ({EXACT}) on causal tiles j <= i and "
+                         f"PACKED ({PACKED}) on tiles j < i only; first bad entry {int(modes[where])} at {where}")
+
+
+def check_density_inputs(modes: object, packing: object) -> tuple[torch.Tensor, TilePackedKV]:
+    """`modes` `[B, Hq, T, T]` (int8, valid values) and the `TilePackedKV` it was made with."""
+    modes = check_tensor("modes", modes, rank=4)
+    if not isinstance(packing, TilePackedKV):
+        raise TypeError(f"packing must be a TilePackedKV, got {type(packing).__name__}")
+    packing.ensure_valid()
+    t = cdiv(packing.seqlen, packing.block)
+    b, hq = modes.shape[0], modes.shape[1]
+    if modes.dtype != torch.int8 or tuple(modes.shape) != (packing.batch, hq, t, t) or \
+            hq % packing.kv_heads != 0:
+        raise ValueError(f"modes must be an int8 [B={packing.batch}, Hq, T={t}, T={t}] tensor (Hq a multiple of "
+                         f"Hkv={packing.kv_heads}) for this packing (N={packing.seqlen}, block={packing.block}), "
+                         f"got {modes.dtype} {tuple(modes.shape)}")
+    if modes.device != packing.packed.k.device:
+        raise ValueError(f"modes must be on the packing's device ({packing.packed.k.device}), got {modes.device}")
+    check_mode_values(modes)
+    return modes, packing
 
 
 def check_packing(packing: object, k: torch.Tensor) -> TilePackedKV:
     """`packing` must be a `TilePackedKV` of `k: [B, Hkv, N, D]` (sizes, dtype, device)."""
     if not isinstance(packing, TilePackedKV):
         raise TypeError(f"packing must be a TilePackedKV, got {type(packing).__name__}")
+    packing.ensure_valid()
     b, h, n, d = k.shape
     if (packing.batch, packing.kv_heads, packing.seqlen) != (b, h, n) or packing.packed.k.shape[-1] != d:
         raise ValueError(f"packing must come from keys [B={b}, Hkv={h}, N={n}, D={d}], got B={packing.batch}, "
@@ -348,8 +428,8 @@ def empty_packing(k: torch.Tensor, block: int, packed_block: int) -> TilePackedK
         counts=torch.zeros(0, dtype=torch.int32, device=dev), timestamps=torch.zeros(0, dtype=torch.int32, device=dev),
         offsets=torch.zeros(1, dtype=torch.int64, device=dev), lengths=torch.zeros(b * h, 0, dtype=torch.int32, device=dev),
         seqlen=block, block=packed_block,
-    )
-    return TilePackedKV(packed=packed, batch=b, kv_heads=h, seqlen=n, block=block)
+    ).mark_valid()
+    return TilePackedKV(packed=packed, batch=b, kv_heads=h, seqlen=n, block=block).mark_valid()
 
 
 def check_tile_pack_inputs(
@@ -401,7 +481,7 @@ def delta_tile_pack(
     keep = delta_keep_mask(k4, threshold=thr, metric=metric, chunk=bs)
     # Sec. 4.2: Stage 2 per block: one packed segment per tile.
     packed = delta_pack(k4, v4, keep, block=pb)
-    return TilePackedKV(packed=packed, batch=b, kv_heads=h, seqlen=n, block=bs)
+    return TilePackedKV(packed=packed, batch=b, kv_heads=h, seqlen=n, block=bs).mark_valid()
 
 
 def packed_block_mask(modes: torch.Tensor, packing: TilePackedKV) -> torch.Tensor:
@@ -449,6 +529,7 @@ def delta_xattention_plans(
     if not isinstance(packing, TilePackedKV):
         raise TypeError(f"packing must be a TilePackedKV, got {type(packing).__name__}")
     b, hq, n, _ = q.shape
+    packing.ensure_valid()
     if (packing.batch, packing.seqlen) != (b, n) or hq % packing.kv_heads != 0:
         raise ValueError(f"packing (B={packing.batch}, Hkv={packing.kv_heads}, N={packing.seqlen}) does not "
                          f"fit q [B={b}, Hq={hq}, N={n}]")
@@ -522,6 +603,8 @@ def delta_xattention_attention(
                     keep = torch.cat([exact, packed], dim=-1)
                     logits = (qs @ keys.T * sm_scale + key_bias).masked_fill(~keep, -math.inf)
                     o = torch.softmax(logits, dim=-1) @ values
+                    # A row that keeps no key (its diagonal tile skipped) gets 0 (reference.attention).
+                    o = torch.where(keep.any(-1, keepdim=True), o, 0.0)
                     out[bi, h, r0:r1] = torch.where((keep & bad_value).any(-1, keepdim=True), math.nan, o)
     return out.to(q.dtype)
 
@@ -597,9 +680,7 @@ def delta_xattention_kv_reduction(modes: torch.Tensor, packing: TilePackedKV) ->
     anchors) over the keys they would load all exact (XAttention with the same tiles):
     one minus that ratio. Counts actual anchors, not the kernel's padding.
     """
-    modes = check_tensor("modes", modes, rank=4)
-    if not isinstance(packing, TilePackedKV):
-        raise TypeError(f"packing must be a TilePackedKV, got {type(packing).__name__}")
+    modes, packing = check_density_inputs(modes, packing)
     size = _tile_sizes(packing.seqlen, packing.block, modes.device)
     packed = (modes == PACKED).to(torch.float64)
     full = ((modes != SKIPPED).to(torch.float64) * size).sum(dim=(-2, -1))
@@ -612,9 +693,7 @@ def delta_xattention_density(modes: torch.Tensor, packing: TilePackedKV) -> torc
 
     An exact tile costs its causal (row, key) pairs, a packed tile `rows x anchors`.
     """
-    modes = check_tensor("modes", modes, rank=4)
-    if not isinstance(packing, TilePackedKV):
-        raise TypeError(f"packing must be a TilePackedKV, got {type(packing).__name__}")
+    modes, packing = check_density_inputs(modes, packing)
     n = packing.seqlen
     size = _tile_sizes(n, packing.block, modes.device)
     pairs = size[:, None] * size[None, :]

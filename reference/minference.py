@@ -60,6 +60,11 @@ class HeadPattern:
     params: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str):
+            raise TypeError(f"pattern must be a str, got {type(self.pattern).__name__}")
+        if not isinstance(self.params, Mapping):
+            raise TypeError(f"params must be a mapping of parameter names to ints, got "
+                            f"{type(self.params).__name__}")
         if self.pattern not in PATTERNS:
             raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {self.pattern!r}")
         for name, value in self.params.items():
@@ -133,8 +138,11 @@ class MInferenceConfig:
         """The patterns of one layer's query heads.
 
         Raises:
+            TypeError: `index` is not an int.
             IndexError: no such layer.
         """
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index must be an int, got {type(index).__name__}")
         if not 0 <= index < len(self.layers):
             raise IndexError(f"layer {index} outside a config of {len(self.layers)} layers")
         return self.layers[index]
@@ -236,7 +244,7 @@ def _minference_layer(layer: Mapping[str, Any]) -> tuple[HeadPattern, ...]:
         try:
             sizes = {"vertical_size": int(entry[1]), "slash_size": int(entry[2])}
             out.append(HeadPattern("vertical_slash", sizes))
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, OverflowError) as err:
             raise ValueError(f"head {head}: bad vertical/slash sizes in {entry!r}: {err}") from err
     return tuple(out)
 

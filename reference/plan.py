@@ -57,6 +57,7 @@ out-of-bounds memory access.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -189,16 +190,7 @@ class BlockColumnPlan:
         bm = check_block_size("plan.block_m", self.block_m)
         bn = check_block_size("plan.block_n", self.block_n)
         check_positive_int("plan.query_offset", self.query_offset, minimum=0, maximum=MAX_KEYS - n)
-        for name in _INDEX_FIELDS:
-            t = getattr(self, name)
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"plan.{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != torch.int32:
-                raise TypeError(f"plan.{name} must have dtype int32, got {t.dtype}")
-            if t.device != self.block_count.device:
-                raise ValueError(
-                    f"plan.{name} is on {t.device}, plan.block_count on {self.block_count.device}"
-                )
+        self.check_fields()
         qb = cdiv(n, bm)
         keys = self.key_len
         kb = cdiv(keys, bn)
@@ -267,6 +259,28 @@ class BlockColumnPlan:
         object.__setattr__(self, "_checked", True)
         return self
 
+    def check_fields(self) -> None:
+        """Raise unless the four index fields are int32 tensors with values on one real
+        device: the cheap part of `validate`, run before anything reads a field.
+
+        Raises:
+            TypeError: a field that is not an int32 tensor (a list, say).
+            ValueError: fields on different devices, or meta tensors (no values to check).
+        """
+        for name in _INDEX_FIELDS:
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"plan.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != torch.int32:
+                raise TypeError(f"plan.{name} must have dtype int32, got {t.dtype}")
+            if t.device.type == "meta":
+                raise ValueError(f"plan.{name} is on meta (a meta tensor): a plan's lists need values "
+                                 "(build it from real tensors)")
+            if t.device != self.block_count.device:
+                raise ValueError(
+                    f"plan.{name} is on {t.device}, plan.block_count on {self.block_count.device}"
+                )
+
     def ensure_valid(self) -> BlockColumnPlan:
         """`validate` unless this plan object already passed it; return self.
 
@@ -284,6 +298,7 @@ class BlockColumnPlan:
 
     def block_mask(self) -> torch.Tensor:
         """Return the listed key blocks as bool `[B, Hq, Qb, Kb]`."""
+        self.ensure_valid()
         b, h, qb = self.block_count.shape
         out = torch.zeros(b, h, qb, self.num_key_blocks + 1, dtype=torch.bool, device=self.device)
         width = self.block_index.shape[3]
@@ -294,6 +309,7 @@ class BlockColumnPlan:
 
     def column_mask(self) -> torch.Tensor:
         """Return the listed key columns as bool `[B, Hq, Qb, P + N]`."""
+        self.ensure_valid()
         b, h, qb = self.column_count.shape
         keys = self.key_len
         out = torch.zeros(b, h, qb, keys + 1, dtype=torch.bool, device=self.device)
@@ -309,6 +325,7 @@ class BlockColumnPlan:
         Row `r` (position `P + r`), column `c` is True iff `c <= P + r` and `c` lies in
         a listed key block or is a listed column of the query block holding `r`.
         """
+        self.ensure_valid()
         n, bm, bn, keys = self.seqlen, self.block_m, self.block_n, self.key_len
         cols = self.block_mask().repeat_interleave(bn, dim=3)[..., :keys]
         cols = cols | self.column_mask()
@@ -338,6 +355,10 @@ class BlockColumnPlan:
         inside a listed block are removed (they add nothing), padding ignored: a plan
         with disjoint columns equals its twin whose columns repeat keys of its blocks.
         """
+        if not isinstance(other, BlockColumnPlan):
+            raise TypeError(f"other must be a BlockColumnPlan, got {type(other).__name__}")
+        self.check_fields()
+        other.check_fields()
         if (self.seqlen, self.block_m, self.block_n, self.query_offset) != \
                 (other.seqlen, other.block_m, other.block_n, other.query_offset):
             return False
@@ -358,7 +379,11 @@ class BlockColumnPlan:
         Returns:
             (count int32 `[B, Hq, Qb]`, index int32 `[B, Hq, Qb, max_columns]`), the
             kept columns first and in order, padding after the count.
+
+        Raises:
+            TypeError, ValueError: a plan that fails `validate` (checked once per plan).
         """
+        self.ensure_valid()
         width = self.column_index.shape[3]
         columns = self.query_block_columns()
         keep = torch.arange(width, device=self.device) < self.column_count.unsqueeze(-1)
@@ -375,6 +400,9 @@ class BlockColumnPlan:
         Costs `[B, Hq, Qb, max_columns]` int32 even where the columns were shared or
         grouped (the result has `column_group == 1`), and saves the kernel its
         column-in-block test.
+
+        Raises:
+            TypeError, ValueError: a plan that fails `validate` (checked once per plan).
         """
         count, index = self.own_columns()
         plan = BlockColumnPlan(
@@ -444,7 +472,11 @@ class BlockColumnPlan:
         Returns:
             A plan with `column_group` as before, lists re-packed; self if no block is
             held entirely by a column row.
+
+        Raises:
+            TypeError, ValueError: a plan that fails `validate` (checked once per plan).
         """
+        self.ensure_valid()
         b, h, qb = self.batch, self.num_heads, self.num_query_blocks
         n, bn, g = self.key_len, self.block_n, self.column_group
         kb, rows, width = self.num_key_blocks, self.num_column_rows, self.column_index.shape[3]
@@ -536,6 +568,16 @@ class BlockColumnPlan:
         p = check_positive_int("query_offset", query_offset, minimum=0, maximum=MAX_KEYS - n)
         keys = p + n
         qb, kb = cdiv(n, bm), cdiv(keys, bn)
+        for name, mask in (("block_mask", block_mask), ("column_mask", column_mask)):
+            if mask is None and name == "column_mask":
+                continue
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+            if mask.device.type == "meta":
+                raise ValueError(f"{name} is a meta tensor: a plan is built from the mask's values")
+        if column_mask is not None and column_mask.device != block_mask.device:
+            raise ValueError(f"column_mask must be on block_mask's device ({block_mask.device}), "
+                             f"got {column_mask.device}")
         if block_mask.dim() != 4 or tuple(block_mask.shape[2:]) != (qb, kb):
             raise ValueError(
                 f"block_mask must have shape [B, Hq, {qb}, {kb}], got {tuple(block_mask.shape)}"
@@ -570,22 +612,31 @@ class BlockColumnPlan:
         ).validate()
 
 
-def stack_plans(plans: list[BlockColumnPlan]) -> BlockColumnPlan:
+def stack_plans(plans: Iterable[BlockColumnPlan]) -> BlockColumnPlan:
     """One plan whose batch rows are the given plans' rows, in order (a varlen batch).
 
     The plans may have different `seqlen`s (one sequence each, say); the result has
     the largest, and a shorter plan's query blocks past its end list nothing. Block
     sizes, heads, `column_group` and `query_offset` (0) must agree.
 
+    Args:
+        plans: a list, tuple or any other iterable of `BlockColumnPlan`s (a generator
+            is read once).
+
     Raises:
-        ValueError: an empty list or plans that disagree.
+        TypeError: `plans` is not an iterable of `BlockColumnPlan`s.
+        ValueError: no plans, or plans that disagree.
     """
+    if isinstance(plans, BlockColumnPlan) or not isinstance(plans, Iterable):
+        raise TypeError(f"plans must be an iterable of BlockColumnPlan, got {type(plans).__name__}")
+    plans = list(plans)
     if not plans:
         raise ValueError("plans must not be empty")
     first = plans[0]
     for i, p in enumerate(plans):
         if not isinstance(p, BlockColumnPlan):
             raise TypeError(f"plans[{i}] must be a BlockColumnPlan, got {type(p).__name__}")
+        p.check_fields()
         if (p.block_m, p.block_n, p.column_group, p.num_heads, p.device) != \
                 (first.block_m, first.block_n, first.column_group, first.num_heads, first.device):
             raise ValueError(f"plans[{i}] differs from plans[0] in block sizes, column_group, heads or device")

@@ -165,11 +165,22 @@ class SampleAttentionSettings:
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> SampleAttentionSettings:
-        """Read a file written by `save` (cached by path and modification time)."""
-        p = Path(path).resolve()
-        key = (str(p), p.stat().st_mtime_ns)
-        if key not in _LOADED:
-            _LOADED[key] = SampleAttentionSettings.from_json(p.read_text())
+        """Read a file written by `save` (cached by path and modification time).
+
+        Raises:
+            TypeError: `path` is not a str or path.
+            ValueError: the file cannot be read (missing, a directory, no permission,
+                not UTF-8) or is not a valid settings file.
+        """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"settings path must be a str or os.PathLike, got {type(path).__name__}")
+        try:
+            p = Path(path).resolve()
+            key = (str(p), p.stat().st_mtime_ns)
+            if key not in _LOADED:
+                _LOADED[key] = SampleAttentionSettings.from_json(p.read_text())
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"settings file {str(path)!r} cannot be read: {err}") from err
         return _LOADED[key]
 
 

@@ -86,6 +86,8 @@ def plan_sequences(plan_fn: PlanFn, q: torch.Tensor, k: torch.Tensor, cu_seqlens
     Raises:
         TypeError, ValueError: bad packed inputs, an empty sequence, or what `plan_fn` raises.
     """
+    if not callable(plan_fn):
+        raise TypeError(f"plan_fn must be a callable *_plan(q, k, **params), got {type(plan_fn).__name__}")
     cu = check_varlen(q, k, k, cu_seqlens, dtypes=dtypes)
     if any(b == a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"every sequence must have at least one token, got cu_seqlens {cu}")

@@ -76,6 +76,8 @@ def check_weights(weights: object) -> torch.Tensor:
         raise TypeError(f"weights must be a float tensor, got {weights.dtype}")
     if weights.shape[2] != weights.shape[3]:
         raise ValueError(f"weights must have shape [B, H, T, T], got {tuple(weights.shape)}")
+    if 0 in weights.shape:
+        raise ValueError(f"weights must not be empty (T >= 1 tiles), got shape {tuple(weights.shape)}")
     return weights
 
 

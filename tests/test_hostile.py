@@ -203,3 +203,377 @@ def test_fast_is_forward_only(name: str) -> None:
         fn(*args, **kwargs)
     with torch.no_grad():
         fn(*args, **kwargs)
+
+
+# -- the newer surface (issue 26) --------------------------------------------------------
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: launching it means a check came too late."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, grid: object) -> Any:
+        raise RuntimeError(f"kernel {self.name} launched before the inputs were rejected")
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Poison every Triton kernel of `fast`: a rejection must come before any launch."""
+    import sys
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("sparseprefill.fast"):
+            for attr, obj in list(vars(mod).items()):
+                if isinstance(obj, (JITFunction, InterpretedFunction)):
+                    monkeypatch.setattr(mod, attr, _NoLaunch(f"{mod_name}.{attr}"))
+
+
+def _packed(n: int = 40, threshold: float = 0.0) -> tuple[tuple[torch.Tensor, ...], Any]:
+    q, k, v = _qkv(n=n)
+    keep = reference.delta_keep_mask(k, threshold=threshold, chunk=16)
+    return (q, k, v), reference.delta_pack(k, v, keep, block=16)
+
+
+def _edit_packing(packed: Any, how: str) -> Any:
+    """A hand-edited copy of `packed` (a new, unchecked object)."""
+    import dataclasses
+
+    if how == "lengths":
+        return dataclasses.replace(packed, lengths=packed.lengths + 1000)
+    if how == "offsets":
+        offsets = packed.offsets.clone()
+        offsets[1] += 16
+        return dataclasses.replace(packed, offsets=offsets)
+    if how == "offsets_past_end":
+        offsets = packed.offsets.clone()
+        offsets[-1] = 2**40
+        return dataclasses.replace(packed, offsets=offsets)
+    if how == "timestamps":
+        return dataclasses.replace(packed, timestamps=packed.timestamps - 2**30)
+    if how == "counts":
+        counts = packed.counts.clone()
+        counts[0] = 2**30
+        return dataclasses.replace(packed, counts=counts)
+    if how == "seqlen":
+        return dataclasses.replace(packed, seqlen=10**9)
+    assert how == "list"
+    return dataclasses.replace(packed, lengths=packed.lengths.tolist())
+
+
+@pytest.mark.parametrize("how", ["lengths", "offsets", "offsets_past_end", "timestamps", "counts", "list"])
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_edited_packing_is_refused_before_launch(pkg: str, how: str, no_launch: None) -> None:
+    (q, k, v), packed = _packed()
+    assert packed.validate() is packed
+    bad = _edit_packing(packed, how)
+    with pytest.raises((ValueError, TypeError), match="packed"):
+        bad.validate()
+    mod = PACKAGES[pkg]
+    with pytest.raises((ValueError, TypeError), match="packed"):
+        mod.delta_kv_attention(q, k, v, bad, block_m=16)
+    with pytest.raises((ValueError, TypeError), match="packed"):
+        mod.delta_kv_plans(q, _edit_packing(packed, how), block_m=16)
+
+
+@pytest.mark.parametrize("how", ["lengths", "offsets", "timestamps", "counts"])
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_edited_tile_packing_is_refused_before_launch(pkg: str, how: str, no_launch: None) -> None:
+    import dataclasses
+
+    q, k, v = _qkv(n=64)
+    packing = reference.delta_tile_pack(k, v, delta_threshold=0.5, block=16, packed_block=16)
+    modes = reference.delta_xattention_tiles(q, k, stride=4, threshold=0.9, exact_top=0.1, block=16)
+    bad = dataclasses.replace(packing, packed=_edit_packing(packing.packed, how))
+    with pytest.raises(ValueError, match="packed"):
+        bad.validate()
+    mod = PACKAGES[pkg]
+    for call in (lambda p: mod.delta_xattention_attention(q, k, v, modes, p),
+                 lambda p: mod.delta_xattention_plans(q, modes, p),
+                 lambda p: mod.delta_xattention_density(modes, p)):
+        with pytest.raises(ValueError, match="packed"):
+            call(dataclasses.replace(packing, packed=_edit_packing(packing.packed, how)))
+
+
+def test_packers_mark_their_output_valid() -> None:
+    (q, k, v), packed = _packed()
+    assert packed._checked
+    fast_packed = fast.delta_pack(k, v, fast.delta_keep_mask(k, threshold=0.0, chunk=16), block=16)
+    assert fast_packed._checked and fast_packed.validate() is fast_packed
+    for mod in PACKAGES.values():
+        tiles = mod.delta_tile_pack(k, v, delta_threshold=0.5, block=16, packed_block=16)
+        assert tiles.packed._checked and tiles.validate() is tiles
+
+
+@pytest.mark.parametrize("field_name", ["timestamps", "counts", "lengths"])
+def test_packing_edited_after_validation_cannot_read_out_of_bounds(field_name: str) -> None:
+    """In place, after `validate`: not re-checked (as plans), wrong numbers, no stray read."""
+    (q, k, v), packed = _packed()
+    fast.delta_kv_attention(q, k, v, packed, block_m=16)
+    for value in (2**31 - 1, -(2**31)):
+        getattr(packed, field_name).fill_(value)
+        out = fast.delta_kv_attention(q, k, v, packed, block_m=16)
+        assert out.shape == q.shape and not bool(out.isinf().any())
+    with pytest.raises(ValueError, match="packed"):
+        packed.validate()
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_delta_kv_nan_in_v_reaches_only_rows_keeping_it(pkg: str) -> None:
+    """Threshold 0: every key is its own anchor, so key 21 is kept by rows 21.. only
+    (through the exact diagonal for rows of its query block, through its anchor after)."""
+    q, k, v = _qkv()
+    v[1, 1, 21, 3] = math.nan
+    out = PACKAGES[pkg].delta_kv(q, k, v, threshold=0.0, chunk=16, block_m=16, block_n=16)
+    nan_rows = out.isnan().any(-1)
+    expected = torch.zeros_like(nan_rows)
+    expected[1, 2:, 21:] = True
+    assert torch.equal(nan_rows, expected)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_delta_xattention_row_keeping_no_key_is_zero(pkg: str) -> None:
+    q, k, v = _qkv(n=64)
+    mod = PACKAGES[pkg]
+    packing = mod.delta_tile_pack(k, v, delta_threshold=0.5, block=16, packed_block=16)
+    modes = torch.zeros(2, 4, 4, 4, dtype=torch.int8)
+    modes[:, :, 3, 0] = 1  # PACKED: only query tile 3 keeps keys
+    out = mod.delta_xattention_attention(q, k, v, modes, packing)
+    assert bool((out[:, :, :48] == 0).all()) and bool(torch.isfinite(out).all())
+    assert bool((out[:, :, 48:] != 0).any())
+
+
+@pytest.mark.parametrize("value,where", [(7, (0, 0)), (-1, (1, 1)), (2, (0, 1)), (1, (2, 2)), (1, (3, 3))])
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_delta_xattention_refuses_impossible_modes(pkg: str, value: int, where: tuple[int, int],
+                                                   no_launch: None) -> None:
+    """Unknown values, EXACT above the diagonal, PACKED on or above it."""
+    q, k, v = _qkv(n=64)
+    packing = reference.delta_tile_pack(k, v, delta_threshold=0.5, block=16, packed_block=16)
+    modes = reference.delta_xattention_tiles(q, k, stride=4, block=16)
+    modes[0, 1, where[0], where[1]] = value
+    mod = PACKAGES[pkg]
+    for call in (lambda: mod.delta_xattention_attention(q, k, v, modes, packing),
+                 lambda: mod.delta_xattention_plans(q, modes, packing),
+                 lambda: mod.delta_xattention_density(modes, packing),
+                 lambda: mod.delta_xattention_kv_reduction(modes, packing)):
+        with pytest.raises(ValueError, match="modes"):
+            call()
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_delta_xattention_density_refuses_another_lengths_packing(pkg: str) -> None:
+    q, k, v = _qkv(n=64)
+    modes = reference.delta_xattention_tiles(q, k, stride=4, block=16)
+    _, k2, v2 = _qkv(n=96)
+    other = reference.delta_tile_pack(k2, v2, delta_threshold=0.5, block=16, packed_block=16)
+    for fn in (PACKAGES[pkg].delta_xattention_density, PACKAGES[pkg].delta_xattention_kv_reduction):
+        with pytest.raises(ValueError, match="modes"):
+            fn(modes, other)
+
+
+def test_fast_delta_block_sizes_are_multiples_of_16(no_launch: None) -> None:
+    q, k, v = _qkv()
+    keep = reference.delta_keep_mask(k, threshold=0.5)
+    with pytest.raises(ValueError, match="block must be a multiple of 16"):
+        fast.delta_pack(k, v, keep, block=24)
+    packed = reference.delta_pack(k, v, keep, block=16)
+    with pytest.raises(ValueError, match="block_m must be a multiple of 16"):
+        fast.delta_kv_plans(q, packed, block_m=24)
+    with pytest.raises(ValueError, match="block_m must be a multiple of 16"):
+        fast.delta_kv_density(q, packed, block_m=24)
+    with pytest.raises(ValueError, match="packed.block must be a multiple of 16"):
+        fast.delta_kv_plans(q, reference.delta_pack(k, v, keep, block=24), block_m=16)
+    with pytest.raises(ValueError, match="packed_block must be a multiple of 16"):
+        fast.delta_tile_pack(k, v, delta_threshold=0.5, block=16, packed_block=8)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_attention_with_longer_keys_is_the_chunk_of_the_prompt(pkg: str) -> None:
+    """k, v of P + N keys: q holds positions [P, P + N) (chunked prefill), in both packages."""
+    q, k, v = _qkv()
+    mod = PACKAGES[pkg]
+    whole = mod.attention(q, k, v)
+    for p in (1, 16, 39):
+        chunk, lse = mod.attention(q[:, :, p:], k, v, return_lse=True)
+        torch.testing.assert_close(chunk, whole[:, :, p:], atol=2e-3, rtol=0)
+        assert chunk.shape == q[:, :, p:].shape and lse.shape == q.shape[:2] + (N - p,)
+    ref = reference.attention(q[:, :, 16:].double(), k.double(), v.double())
+    torch.testing.assert_close(mod.attention(q[:, :, 16:], k, v).double(), ref, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_attention_refuses_mask_with_longer_keys_and_shorter_keys(pkg: str, no_launch: None) -> None:
+    q, k, v = _qkv()
+    mod = PACKAGES[pkg]
+    with pytest.raises(ValueError, match="mask"):
+        mod.attention(q[:, :, 8:], k, v, torch.ones(32, 32, dtype=torch.bool))
+    with pytest.raises(ValueError, match="k must have shape"):
+        mod.attention(q, k[:, :, 8:], v[:, :, 8:])
+    with pytest.raises(ValueError, match="v must have the shape of k"):
+        mod.attention(q[:, :, 8:], k, v[:, :, 8:])
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_sample_attention_unreadable_settings(pkg: str, tmp_path: Any, no_launch: None) -> None:
+    q, k, v = _qkv()
+    for path in ("/nonexistent/settings.json", str(tmp_path)):
+        with pytest.raises(ValueError, match="settings"):
+            PACKAGES[pkg].sample_attention(q, k, v, settings=path)
+        with pytest.raises(ValueError, match="settings"):
+            PACKAGES[pkg].sample_attention_plan(q, k, settings=path)
+
+
+@pytest.mark.parametrize("where", ["state", "block_mean_out"])
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_sparse_attention_refuses_stride_zero_outputs(pkg: str, where: str, no_launch: None) -> None:
+    q, k, v = _qkv()
+    plan = reference.dense_plan(q, k, block_m=16, block_n=16)
+    dtype = torch.float32
+    kwargs: dict[str, Any] = {}
+    if where == "state":
+        acc = torch.zeros(1, 1, 1, 32, dtype=dtype).expand(2, 4, N, 32)
+        kwargs["state"] = reference.AttentionState(m=torch.full((2, 4, N), -math.inf), l=torch.zeros(2, 4, N),
+                                                   acc=acc)
+    else:
+        kwargs["block_mean_out"] = torch.zeros(1, dtype=dtype).expand(2, 4, 3, 3)
+    with pytest.raises(ValueError, match=f"{where}.*expanded view"):
+        PACKAGES[pkg].sparse_attention(q, k, v, plan, **kwargs)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_select_tiles_refuses_zero_tiles(pkg: str) -> None:
+    with pytest.raises(ValueError, match="weights"):
+        PACKAGES[pkg].select_tiles(torch.zeros(1, 1, 0, 0), 0.9)
+
+
+def test_attention_state_checks_its_arguments() -> None:
+    State = reference.AttentionState
+    for bad in (-1, 2.0, True, None):
+        with pytest.raises((ValueError, TypeError), match="batch"):
+            State.empty(bad, 1, 1, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dtype"):
+        State.empty(1, 1, 1, 1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="q"):
+        State.like("q")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="q"):
+        State.like(torch.zeros(2, 3))
+    assert State.like(torch.zeros(1, 0, 4, 4)).acc.shape == (1, 0, 4, 4)  # empty is a valid state
+    assert State.empty(2, 4, 0, 16).m.shape == (2, 4, 0)
+    a = State.empty(2, 4, 8, 16)
+    with pytest.raises(TypeError, match="other"):
+        a.merge("state")  # type: ignore[arg-type]
+    for other in (State.empty(2, 4, 9, 16), State.empty(2, 4, 8, 16, dtype=torch.float64)):
+        with pytest.raises((ValueError, TypeError), match="other"):
+            a.merge(other)
+    merged = a.merge(State.empty(2, 4, 8, 16))
+    assert bool(torch.isneginf(merged.m).all()) and bool((merged.l == 0).all())
+
+
+def _bad_plan(how: str) -> BlockColumnPlan:
+    q, k, _ = _qkv()
+    plan = reference.dense_plan(q, k, block_m=16, block_n=16)
+    fields = {name: getattr(plan, name).clone() for name in ("block_count", "block_index", "column_count",
+                                                               "column_index")}
+    if how == "out_of_range":
+        fields["block_index"].fill_(2**31 - 1)
+    elif how == "meta":
+        fields = {name: t.to("meta") for name, t in fields.items()}
+    else:
+        fields["block_count"] = fields["block_count"].tolist()
+    return BlockColumnPlan(seqlen=N, block_m=16, block_n=16, **fields)
+
+
+@pytest.mark.parametrize("how", ["out_of_range", "meta", "list"])
+def test_plan_conversions_validate_first(how: str) -> None:
+    for conversion in ("to_dense_mask", "block_mask", "column_mask", "with_full_blocks", "with_disjoint_columns",
+                       "validate"):
+        with pytest.raises((ValueError, TypeError), match="plan"):
+            getattr(_bad_plan(how), conversion)()
+    q, k, v = _qkv()
+    for pkg in PACKAGES.values():
+        with pytest.raises((ValueError, TypeError), match="plan"):
+            pkg.sparse_attention(q, k, v, _bad_plan(how))
+
+
+def test_plan_helpers_name_their_arguments() -> None:
+    q, k, _ = _qkv()
+    plan = reference.dense_plan(q, k, block_m=16, block_n=16)
+    with pytest.raises(TypeError, match="other"):
+        plan.equal("str")  # type: ignore[arg-type]
+    with pytest.raises((TypeError, ValueError), match="plan"):
+        plan.equal(_bad_plan("list"))
+    with pytest.raises(TypeError, match="block_mask"):
+        BlockColumnPlan.from_masks([[True]], None, seqlen=N, block_m=16, block_n=16)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="column_mask"):
+        BlockColumnPlan.from_masks(torch.ones(2, 4, 3, 3, dtype=torch.bool), [[True]],  # type: ignore[arg-type]
+                                   seqlen=N, block_m=16, block_n=16)
+    stacked = reference.stack_plans(p for p in (plan, plan))
+    assert stacked.equal(reference.stack_plans([plan, plan]))
+    with pytest.raises(TypeError, match="plans"):
+        reference.stack_plans(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="plans"):
+        reference.stack_plans(plan)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_varlen_plans_needs_a_plan_function(pkg: str) -> None:
+    q = torch.randn(40, 4, 32, dtype=torch.float16)
+    k = torch.randn(40, 2, 32, dtype=torch.float16)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    with pytest.raises(TypeError, match="plan_fn"):
+        PACKAGES[pkg].varlen_plans(None, q, k, cu)  # type: ignore[arg-type]
+
+
+def test_minference_config_checks() -> None:
+    from sparseprefill.reference import HeadPattern, MInferenceConfig
+
+    with pytest.raises(TypeError, match="params"):
+        HeadPattern("a_shape", params=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pattern"):
+        HeadPattern(None)  # type: ignore[arg-type]
+    config = MInferenceConfig.uniform(2, 4, HeadPattern("vertical_slash", {"vertical_size": 8, "slash_size": 8}))
+    with pytest.raises(TypeError, match="index"):
+        config.layer("0")  # type: ignore[arg-type]
+    for text in ('[{"0": ["vertical_and_slash", 1e400, 100, 1]}]',
+                 '[{"0": ["vertical_and_slash", 100, -1e400, 1]}]',
+                 '{"format": "sparseprefill.minference", "version": 1, "layers": [[{"pattern": "vertical_slash",'
+                 ' "vertical_size": 1e400, "slash_size": 8}]]}'):
+        with pytest.raises(ValueError):
+            MInferenceConfig.from_json(text)
+
+
+def test_sample_attention_settings_huge_numbers() -> None:
+    text = ('{"format": "sparseprefill.sample_attention", "version": 1, "block_size": 1e400, "ranges": '
+            '[{"min_seqlen": 0, "max_seqlen": 1e400, "alpha_c": 0.9, "alpha_s": 0.9, "chunk_n": 1}]}')
+    with pytest.raises((ValueError, TypeError)):
+        reference.SampleAttentionSettings.from_json(text)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_chunk_plan_refuses_a_misaligned_prefix_before_any_estimate(pkg: str, no_launch: None) -> None:
+    q, k, _ = _qkv(n=96)
+    mod = PACKAGES[pkg]
+    cases: list[tuple[Any, dict[str, Any], int]] = [
+        (mod.vertical_slash_plan, {"vertical_size": 8, "slash_size": 8, "block_m": 64, "block_n": 64}, 16),
+        (mod.block_sparse_plan, {"top_k": 2, "block_size": 32}, 48),
+        (mod.xattention_plan, {"block": 32}, 16),
+        (mod.anchor_attention_plan, {"step": 2, "block_m": 16, "block_n": 16}, 16),
+    ]
+    for plan_fn, params, prefix in cases:
+        with pytest.raises(ValueError, match="prefix length"):
+            mod.chunk_plan(plan_fn, q[:, :, prefix:], k, **params)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_anchor_huge_step_is_one_group(pkg: str) -> None:
+    q, k, _ = _qkv(n=96)
+    fn = PACKAGES[pkg].anchor_attention_plan
+    base = fn(q, k, step=6, block_m=16, block_n=16)
+    for huge in (7, 2**40, 2**63):
+        got = fn(q, k, step=huge, block_m=16, block_n=16)
+        assert got.validate().equal(base)
