@@ -26,6 +26,8 @@ for s in "$@"; do case $s in
   guard) step guard 150 python3 benches/guard_cost.py --seqlen 131072 --json "$R/guard.json" ;;
   gputests) step gputests 300 python3 -m pytest -q -x tests -k gpu -p no:cacheprovider ;;
   conformance) step conformance 300 python3 -m sparseprefill.conformance --device cuda --max-seqlen 16384 --examples 30 ;;
+  conformance-quick) step conformance-quick 170 python3 -m sparseprefill.conformance --device cuda --max-seqlen 8192 --examples 4 --row-budget 2 --json "$R/conformance-quick.json" ;;
+  discrete) SEQLENS=${SEQLENS:-32768} STEP_TIMEOUT=100 OUT="$R" step discrete 230 bash benches/discrete_keys_gpu.sh compare .carry/before=before .=after ;;
   *) if [[ $s == bench:* ]]; then m=${s#bench:}; step "$m" 200 $B --method "$m" --seqlens 32768,131072 --json "$R/$m.json";
      elif [[ $s == py:* ]]; then f=${s#py:}; step "$(basename "$f" .py)" 240 python3 "$f" --json "$R/$(basename "$f" .py).json";
      else echo "unknown step $s"; fi ;;
