@@ -21,7 +21,7 @@ device command of issue 22 (the old code installed beside the new one):
 `--peer DIR` also times FlexPrefill's own code (MInference's Triton port, a scratch copy
 in DIR that is never part of this repository) end to end and its estimate, with the
 output's relative error against dense beside ours. `--variants` times the XAttention
-scoring kernel at other tile configurations (`SCORE_CONFIG`).
+scoring kernel at other tile configurations (`SCORE_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -255,9 +255,9 @@ def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], 
     from sparseprefill.fast.kernels import xattention_score as xs
 
     rows: list[dict[str, Any]] = []
-    default = xs.SCORE_CONFIG
+    default = xs.SCORE_CONFIGS
     for config in ((64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3)):
-        xs.SCORE_CONFIG = config
+        xs.SCORE_CONFIGS = (config,)
         for stride in (8, 16):
             try:
                 ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
@@ -266,7 +266,7 @@ def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], 
                 continue
             rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": f"score {config}", "ms": ms})
             log(f"N={n} xattention s{stride} score config {config}: {ms:.3f} ms")
-    xs.SCORE_CONFIG = default
+    xs.SCORE_CONFIGS = default
     return rows
 
 

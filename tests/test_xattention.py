@@ -495,3 +495,16 @@ def test_tile_bench_suite_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = __import__("argparse").ArgumentParser()
     bench.add_arguments(parser)
     assert parser.parse_args(["--method", "dpxa"]).method == "dpxa"
+
+
+def test_score_config_fits_shared_memory_at_every_head_dim() -> None:
+    """The GPU scoring tiles fit a Hopper SM's shared memory at every head dim the kernels take
+    (D = 256 with the 128 x 128 tiles asked for 384 KiB on an H100: found by the GPU
+    conformance run of 2026-11-25), and D <= 128 keeps the fastest measured tiles."""
+    from sparseprefill.fast.kernels import xattention_score as xs
+
+    for head_dim in (16, 32, 64, 128, 256):  # fp16 / bf16 inputs only
+        block_r, step, _, stages = xs.score_config(head_dim, 2)
+        assert stages * (block_r + step) * head_dim * 2 <= xs.SHARED_BYTES, head_dim
+    assert xs.score_config(128, 2) == xs.SCORE_CONFIGS[0]
+    assert xs.score_config(256, 2) != xs.SCORE_CONFIGS[0]

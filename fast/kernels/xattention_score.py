@@ -175,8 +175,24 @@ def check_xattention_inputs(
 
 
 # (query groups per program, key groups per step, warps, pipeline stages) of
-# `_row_tile_lse_kernel` on a GPU; benches/estimator_stages.py sweeps it.
-SCORE_CONFIG = (128, 128, 8, 3)
+# `_row_tile_lse_kernel` on a GPU; benches/estimator_stages.py sweeps it. The first that
+# fits the shared memory at the head dim is taken (`score_config`): the 128 x 128 tiles
+# measured fastest at D = 128 need 3 x (128 + 128) x D x 2 bytes of pipeline buffers,
+# 384 KiB at D = 256, more than a Hopper SM has (227 KiB; the GPU conformance run of
+# 2026-11-25 drew D = 256 and failed there), so larger heads take the earlier 64 x 64
+# tiles.
+SCORE_CONFIGS = ((128, 128, 8, 3), (64, 64, 4, 2))
+SHARED_BYTES = 227 * 1024
+
+
+def score_config(head_dim: int, itemsize: int) -> tuple[int, int, int, int]:
+    """The first of `SCORE_CONFIGS` whose Q and K pipeline buffers fit `SHARED_BYTES` at
+    `head_dim` (a power of two) and `itemsize`; the last one otherwise."""
+    for config in SCORE_CONFIGS:
+        block_r, step, _, stages = config
+        if stages * (block_r + step) * head_dim * itemsize <= SHARED_BYTES:
+            return config
+    return SCORE_CONFIGS[-1]
 
 
 def _tile_weights(q: torch.Tensor, k: torch.Tensor, *, stride: int, block: int, scoring: str,
@@ -191,12 +207,12 @@ def _tile_weights(q: torch.Tensor, k: torch.Tensor, *, stride: int, block: int, 
     terms = stride if antidiagonal else 1
     qk_scale = sm_scale * LOG2E / (stride if antidiagonal else 1)
     gpt_pad = triton.next_power_of_2(per_tile)
+    head_dim = max(16, triton.next_power_of_2(d))
     if interpreter_active():
         block_r, step_columns, warps, stages = 64, _STEP_COLUMNS, 4, 1
     else:
-        block_r, step_columns, warps, stages = SCORE_CONFIG
+        block_r, step_columns, warps, stages = score_config(head_dim, q.element_size())
     tiles_per_step = max(1, step_columns // gpt_pad)
-    head_dim = max(16, triton.next_power_of_2(d))
     dot_f32 = interpreter_active() and q.dtype == torch.bfloat16
     weights = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
     heads_at_once = max(1, min(hq, _SCRATCH_BYTES // max(1, b * rows * tiles * 4)))
