@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 from sparseprefill.conformance.strategies import Caps  # noqa: E402
@@ -29,6 +30,12 @@ settings.register_profile(
                            HealthCheck.filter_too_much],
 )
 settings.load_profile("sparseprefill-cpu")
+
+# Under pytest-xdist (`-n auto`, the README's command) each worker takes its share of
+# the cores: a full torch thread pool per worker would oversubscribe them.
+_WORKERS = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+if _WORKERS:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(_WORKERS)))
 
 # Examples per Hypothesis property test; raise it locally for a deeper run.
 EXAMPLES = int(os.environ.get("SPARSEPREFILL_TEST_EXAMPLES", "12"))

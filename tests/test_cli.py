@@ -116,7 +116,7 @@ def _readme_block(title_words: str) -> list[str]:
 def test_ci_runs_the_readme_test_commands() -> None:
     readme = _readme_block("Set up and run the tests")
     ci = [line.split(" || ")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert readme and readme[-1].endswith("-m pytest -q")
+    assert readme and readme[-1].endswith("-m pytest -q -n auto")
     position = [ci.index(line) for line in readme if line in ci]
     assert len(position) == len(readme), f"README test lines missing from .ci/run: {readme}"
     assert position == sorted(position)
