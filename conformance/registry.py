@@ -69,6 +69,11 @@ class Checks:
             against the method's definition in terms of other methods' plans, run by the
             "plan" property; raises AssertionError.
         min_heads: the fewest query heads its examples draw, past the strategies' cost cap.
+        head_local: the estimate of query head `h` depends only on `q[:, h]` and its KV
+            head `k[:, h // G]` (every part is `[B, Hq, ...]`): the estimate property
+            then also checks the reference's GQA head map on a built four-head, two-KV-head
+            input against single-head calls (`properties.check_head_map`), which a
+            wrong map (`h % Hkv` for `h // G`) cannot pass, whatever shape was drawn.
     """
 
     params: ParamsFn | None = None
@@ -80,6 +85,7 @@ class Checks:
     input_kinds: tuple[str, ...] = ("normal", "lines", "lattice", "runs")
     plan_check: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None = None
     min_heads: int = 1
+    head_local: bool = False
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,10 @@ class MethodSpec:
     @property
     def min_heads(self) -> int:
         return self.checks.min_heads
+
+    @property
+    def head_local(self) -> bool:
+        return self.checks.head_local
 
 
 def _sweep_params(method: Method) -> ParamsFn:
@@ -592,6 +602,7 @@ CHECKS["xattention"] = Checks(
     exact_plans=False,
     tie_check=xattention_tie_check,
     estimate=_xattention_estimate,
+    head_local=True,
 )
 
 CHECKS["dpxa"] = Checks(
@@ -599,6 +610,7 @@ CHECKS["dpxa"] = Checks(
     exact_plans=False,
     tie_check=dpxa_tie_check,
     estimate=_dpxa_estimate,
+    head_local=True,
 )
 def _delta_xattention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     from hypothesis import strategies as st
@@ -798,6 +810,7 @@ CHECKS["flexprefill_vs"] = Checks(
     exact_plans=False,
     tie_check=flexprefill_vs_tie_check,
     estimate=_flexprefill_vs_estimate,
+    head_local=True,
 )
 
 
@@ -844,4 +857,5 @@ CHECKS["shareprefill"] = Checks(
     exact_plans=False,
     tie_check=shareprefill_tie_check,
     estimate=_shareprefill_estimate,
+    head_local=True,
 )

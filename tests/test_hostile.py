@@ -322,6 +322,27 @@ def test_packing_edited_after_validation_cannot_read_out_of_bounds(field_name: s
         packed.validate()
 
 
+def test_ragged_kernel_bounds_segments_by_the_flat_buffer() -> None:
+    """The kernel's own clamp (no host help): segments that start at the flat buffer's end
+    (or one row before it) under a plan listing every causal block read nothing past T;
+    keys past T weigh nothing (their bias loads as -inf), so rows without any key are 0."""
+    from sparseprefill.fast.kernels.block_column import ragged_block_column_attention
+
+    (q, k, v), packed = _packed()
+    total = packed.k.shape[0]
+    q16, kf, vf = q.half(), packed.k.half(), packed.v.half()
+    plan = fast.dense_plan(q16, q16, block_m=16, block_n=16)
+    bias = torch.zeros(total)
+    segments = q.shape[0] * k.shape[1]
+    out, lse = ragged_block_column_attention(q16, kf, vf, torch.full((segments,), total, dtype=torch.int64),
+                                             plan, key_bias=bias, return_lse=True)
+    assert bool((out == 0).all()) and bool((lse == -math.inf).all())
+    out, _ = ragged_block_column_attention(q16, kf, vf, torch.full((segments,), total - 1, dtype=torch.int64),
+                                           plan, key_bias=bias)
+    # One key left: every row keeps exactly it (causal in segment space: key 0).
+    assert torch.allclose(out.float(), vf[-1].float().expand_as(out), atol=1e-3)
+
+
 @pytest.mark.parametrize("pkg", PACKAGES)
 def test_delta_kv_nan_in_v_reaches_only_rows_keeping_it(pkg: str) -> None:
     """Threshold 0: every key is its own anchor, so key 21 is kept by rows 21.. only
