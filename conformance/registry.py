@@ -774,11 +774,13 @@ def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str,
     from hypothesis import strategies as st
 
     params: dict[str, Any] = _minference_blocks(draw)
-    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 0.95, 1.0, 0.99]))
+    # Low gammas half the time: the forced lines then decide most of the plan.
+    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 0.95, 1.0, 0.99, 0.0, 0.2, 0.3, 0.5]))
     everything = [seqlen, seqlen + 7] if seqlen <= 1024 else [1000]
     params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything]))
-    params["init_columns"] = draw(st.sampled_from([1, 0, 5]))
-    params["local_diagonals"] = draw(st.sampled_from([1, 0, 7]))
+    # Mostly different forced counts, so a count applied to the wrong kind of line shows.
+    params["init_columns"], params["local_diagonals"] = draw(st.sampled_from(
+        [(1, 1), (5, 1), (1, 7), (5, 0), (0, 7), (5, 7), (0, 0)]))
     params["scale"] = _scale(draw)
     return params
 

@@ -598,3 +598,20 @@ def test_anchor_huge_step_is_one_group(pkg: str) -> None:
     for huge in (7, 2**40, 2**63):
         got = fn(q, k, step=huge, block_m=16, block_n=16)
         assert got.validate().equal(base)
+
+
+def test_quadratic_stages_refuse_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`check_device_memory` (called where a buffer grows with the square of the tokens)
+    raises MemoryError naming the stage, its bytes and what is free; small stages and
+    CPU tensors are never checked (no driver call)."""
+    from sparseprefill.fast.kernels import check_device_memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * 2**30)
+    cuda = torch.device("cuda", 0)
+    check_device_memory("tile weights", 11 * 2**30, cuda)  # 10 free + 1 cached: fits
+    with pytest.raises(MemoryError, match=r"tile weights needs 12\.0 GiB .* only 11\.0 GiB .* larger block"):
+        check_device_memory("tile weights", 12 * 2**30, cuda, hint="A larger block fits.")
+    check_device_memory("tile weights", 2**40, torch.device("cpu"))
+    check_device_memory("small", 2**29, cuda)
