@@ -6,11 +6,24 @@ state, block means, a key bias and a dense mask. Prints one line per case; exits
 if a fast output differs from the float64 reference beyond the tolerance policy.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python benches/sanitize_kernels.py
+
+`packed` mode (`python benches/sanitize_kernels.py cuda 1000 packed`): hostile packed
+K/V instead. Valid packings (`fast.delta_pack`, `fast.delta_tile_pack`) edited in place
+after validation, or built invalid and `mark_valid()`-ed (offsets past the end,
+negative or reversed, lengths too long or negative, counts and timestamps at
+`+-2**31`), run through `fast.delta_kv_attention` and `fast.delta_xattention_attention`;
+and the ragged launcher itself on segments that start at or near the flat buffer's
+end with a plan listing every causal block (only the kernel's clamp bounds those
+reads). Each case either runs (wrong numbers allowed) or is refused on the host with
+ValueError; memcheck must report 0 errors. With `SPARSEPREFILL_GUARD=0` (the kernel's
+clamps compiled out) the ragged cases read out of bounds, which shows memcheck sees
+them.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -23,8 +36,84 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _copy_packed(p: fast.PackedKV) -> fast.PackedKV:
+    """A deep copy of a packing, marked valid (as the packers leave it)."""
+    return fast.PackedKV(k=p.k.clone(), v=p.v.clone(), counts=p.counts.clone(), timestamps=p.timestamps.clone(),
+                         offsets=p.offsets.clone(), lengths=p.lengths.clone(), seqlen=p.seqlen,
+                         block=p.block).mark_valid()
+
+
+PACKED_EDITS: dict[str, Callable[[fast.PackedKV], object]] = {
+    "offsets past the end": lambda p: p.offsets[1:].add_(10**6),
+    "offsets negative": lambda p: p.offsets.sub_(10**6),
+    "offsets reversed": lambda p: p.offsets.copy_(p.offsets.flip(0)),
+    "offsets of one segment past the next": lambda p: p.offsets[1].add_(3 * p.block + 5),
+    "lengths too long": lambda p: p.lengths.fill_(2**31 - 1),
+    "lengths negative": lambda p: p.lengths.fill_(-(2**31)),
+    "counts huge": lambda p: p.counts.fill_(2**31 - 1),
+    "counts negative": lambda p: p.counts.fill_(-(2**31)),
+    "timestamps negative": lambda p: p.timestamps.fill_(-(2**31)),
+    "timestamps past N": lambda p: p.timestamps.fill_(2**31 - 1),
+    "timestamps reversed": lambda p: p.timestamps.copy_(p.timestamps.flip(0)),
+}
+
+
+def _attempt(label: str, fn: Callable[[], torch.Tensor], dev: torch.device) -> None:
+    try:
+        out = fn()
+        _sync(dev)
+        print(f"{label:60s} ran, out finite={bool(torch.isfinite(out).all())}", flush=True)
+    except ValueError as err:
+        print(f"{label:60s} refused on the host: {str(err)[:90]}", flush=True)
+
+
+def packed_cases(dev: torch.device, n: int) -> int:
+    """The hostile packed K/V cases of `packed` mode (see the module doc)."""
+    from sparseprefill.fast.kernels.block_column import ragged_block_column_attention
+    from sparseprefill.reference.delta_xattention import EXACT, PACKED
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    q = torch.randn(2, 4, n, 64, generator=gen).to(dev, torch.float16)
+    base = torch.randn(2, 2, n // 4 + 1, 64, generator=gen).repeat_interleave(4, dim=2)[:, :, :n]
+    k = (base + 0.05 * torch.randn(2, 2, n, 64, generator=gen)).to(dev, torch.float16)
+    v = torch.randn(2, 2, n, 64, generator=gen).to(dev, torch.float16)
+    packed = fast.delta_pack(k, v, fast.delta_keep_mask(k, threshold=2.0, chunk=64), block=64)
+    _attempt("delta_kv, valid packing", lambda: fast.delta_kv_attention(q, k, v, packed, block_m=64), dev)
+    for label, edit in PACKED_EDITS.items():
+        p = _copy_packed(packed)
+        edit(p)
+        _attempt(f"delta_kv, {label}", lambda p=p: fast.delta_kv_attention(q, k, v, p, block_m=64), dev)
+    tiles = fast.delta_tile_pack(k, v, delta_threshold=2.0, block=128, packed_block=32)
+    t = -(-n // 128)
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    modes = torch.where(i == j, EXACT, torch.where(j < i, PACKED, 0)).to(torch.int8).to(dev).expand(2, 4, t, t)
+    _attempt("delta_xattention, valid packing",
+             lambda: fast.delta_xattention_attention(q, k, v, modes, tiles), dev)
+    for label, edit in PACKED_EDITS.items():
+        p = _copy_packed(tiles.packed)
+        edit(p)
+        hostile = fast.TilePackedKV(packed=p, batch=tiles.batch, kv_heads=tiles.kv_heads, seqlen=tiles.seqlen,
+                                    block=tiles.block).mark_valid()
+        _attempt(f"delta_xattention, {label}",
+                 lambda h=hostile: fast.delta_xattention_attention(q, k, v, modes, h), dev)
+    # The ragged launcher alone: its host check allows offsets in [0, T]; a plan over all
+    # N keys of each segment then reaches past T unless the kernel bounds the reads.
+    plan = fast.dense_plan(q, q, block_m=64, block_n=64)
+    total = packed.k.shape[0]
+    bias = torch.zeros(total, device=dev)
+    for label, start in (("segments start at T", total), ("segments start at T - 1", total - 1),
+                         ("segments start at T - 100", total - 100), ("segments start at 0", 0)):
+        offs = torch.full((4,), start, dtype=torch.int64, device=dev)
+        _attempt(f"ragged kernel, {label}, dense plan",
+                 lambda o=offs: ragged_block_column_attention(q, packed.k, packed.v, o, plan, key_bias=bias)[0],
+                 dev)
+    return 0
+
+
 def main() -> int:
     dev = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
+    if len(sys.argv) > 3 and sys.argv[3] == "packed":
+        return packed_cases(dev, int(sys.argv[2]))
     gen = torch.Generator(device="cpu").manual_seed(0)
     n, bad = int(sys.argv[2]) if len(sys.argv) > 2 else 1000, 0
     q = torch.randn(2, 4, n, 64, generator=gen).to(dev, torch.float16)

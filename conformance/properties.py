@@ -231,6 +231,48 @@ def check_method_estimate(
     for name in sorted(expected):
         cmp = check_estimate(got[name].values, expected[name], name=name, context=context)
         ratio = max(ratio, cmp.ratio)
+    if spec.head_local:
+        ratio = max(ratio, check_head_map(spec, q, k, params, context=context))
+    return ratio
+
+
+def check_head_map(
+    spec: MethodSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    params: dict[str, Any],
+    *,
+    context: str = "",
+) -> float:
+    """The reference estimate's GQA head map, on any drawn shape.
+
+    From the drawn inputs' first batch row, a four-query-head, two-KV-head input: KV
+    heads `k0` and `k0` with its head dim reversed (exact in 16 bits, as different as two
+    heads), query heads the first and last drawn ones and the same two reversed. Query
+    head `h` must get, from the whole input, the estimate it gets alone with KV head
+    `h // 2` (a single-head call has no map to get wrong). Fast is compared with the
+    reference on the drawn shapes by `check_method_estimate`.
+
+    Returns:
+        The largest error / allowance ratio.
+
+    Raises:
+        AssertionError: a head whose estimate differs from its single-head estimate.
+    """
+    assert spec.estimate is not None
+    k0 = k[:1, :1]
+    k2 = torch.cat([k0, k0.flip(-1)], dim=1)
+    qa, qb = q[:1, :1], q[:1, -1:]
+    q4 = torch.cat([qa, qb, qa.flip(-1), qb.flip(-1)], dim=1)
+    whole = spec.estimate("reference", q4, k2, params)
+    ratio = 0.0
+    for h in range(4):
+        alone = spec.estimate("reference", q4[:, h:h + 1], k2[:, h // 2:h // 2 + 1], params)
+        for name, est in alone.items():
+            got = whole[name].values[:, h:h + 1]
+            cmp = check_estimate(got, est, name=f"{name} of query head {h} of 4 (2 KV heads) against it alone",
+                                 context=context)
+            ratio = max(ratio, cmp.ratio)
     return ratio
 
 

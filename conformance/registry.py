@@ -69,6 +69,11 @@ class Checks:
             against the method's definition in terms of other methods' plans, run by the
             "plan" property; raises AssertionError.
         min_heads: the fewest query heads its examples draw, past the strategies' cost cap.
+        head_local: the estimate of query head `h` depends only on `q[:, h]` and its KV
+            head `k[:, h // G]` (every part is `[B, Hq, ...]`): the estimate property
+            then also checks the reference's GQA head map on a built four-head, two-KV-head
+            input against single-head calls (`properties.check_head_map`), which a
+            wrong map (`h % Hkv` for `h // G`) cannot pass, whatever shape was drawn.
     """
 
     params: ParamsFn | None = None
@@ -80,6 +85,7 @@ class Checks:
     input_kinds: tuple[str, ...] = ("normal", "lines", "lattice", "runs")
     plan_check: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None = None
     min_heads: int = 1
+    head_local: bool = False
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,10 @@ class MethodSpec:
     @property
     def min_heads(self) -> int:
         return self.checks.min_heads
+
+    @property
+    def head_local(self) -> bool:
+        return self.checks.head_local
 
 
 def _sweep_params(method: Method) -> ParamsFn:
@@ -484,7 +494,9 @@ def _delta_kv_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     if metric == "euclidean":
         # 0 drops only identical neighbours; 1e3 leaves one anchor per chunk; 0.5, 1 and 2
         # are distances the "runs" inputs hit exactly.
-        threshold = draw(st.sampled_from([0.0, 2.0, 0.5, 1.0, 4.0, 6.0, 1e3]))
+        # The distances of the "runs" inputs (0.5, 1, 2) most often: a key exactly at
+        # the threshold must be dropped (<=), which only such a draw shows.
+        threshold = draw(st.sampled_from([0.0, 2.0, 0.5, 1.0, 4.0, 6.0, 1e3, 0.5, 1.0, 2.0, 0.5, 1.0, 2.0]))
     else:
         # 0.5: the "runs" inputs' cosine-1/2 twins sit exactly on it; 0: orthogonal keys.
         threshold = draw(st.sampled_from([-1.0, 0.0, 0.5, 0.8, 0.95, 1.0]))
@@ -545,16 +557,65 @@ def _dpxa_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     return {"cos_threshold": float(cos), "threshold": _tile_threshold(draw), "block": _tile_block(draw)}
 
 
+def _probability_bound(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> float:
+    """The `bound` of an estimate made of softmax probabilities of fp32 logits.
+
+    A probability `exp(s - m)` computed from fp32 logits errs by about `2**-24 |s - m|`
+    relative, so past logits of `2**8` the per-summand allowance (`ESTIMATE_REL = 2**-16`)
+    grows with the largest possible logit, `scale * max|q| * max|k| * D`.
+    """
+    from ..reference._checks import resolve_scale
+
+    d = q.shape[-1]
+    logit = resolve_scale(scale, d) * _max_abs(q) * _max_abs(k) * d
+    return max(1.0, logit * 2.0**-8)
+
+
+def _xattention_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                         params: dict[str, Any]) -> dict[str, Estimate]:
+    """XAttention tile weights (section 2.5), before the greedy threshold: each row of
+    tiles a distribution (sums of stride-level probabilities over its query groups), of
+    the antidiagonal scoring and of the naive ablation (section 4.3) both."""
+    from ..fast.xattention import xattention_tile_weights as fast_weights
+    from ..reference.xattention import xattention_tile_weights as reference_weights
+
+    weights = fast_weights if impl_name == "fast" else reference_weights
+    block = int(params.get("block", 128))
+    bound = _probability_bound(q, k, params.get("scale"))
+    # Both scorings on every example (the naive ablation is drawn a third of the time).
+    return {scoring: Estimate(weights(q, k, stride=int(params.get("stride", 8)), block=block, scoring=scoring,
+                                      scale=params.get("scale")), terms=1, bound=bound)
+            for scoring in ("antidiagonal", "naive")}
+
+
+def _dpxa_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                   params: dict[str, Any]) -> dict[str, Estimate]:
+    """DPXA tile weights (section 4.3), before the greedy threshold: anchor-pair masses
+    per tile, each row of tiles normalised to 1."""
+    from ..fast.dpxa import dpxa_tile_weights as fast_weights
+    from ..reference.dpxa import dpxa_tile_weights as reference_weights
+
+    weights = fast_weights if impl_name == "fast" else reference_weights
+    block = int(params.get("block", 128))
+    w = weights(q, k, cos_threshold=float(params.get("cos_threshold", 0.75)), block=block,
+                scale=params.get("scale"))
+    return {"tile_weights": Estimate(w, terms=1, bound=_probability_bound(q, k, params.get("scale")))}
+
+
 CHECKS["xattention"] = Checks(
     params=_xattention_params,
     exact_plans=False,
     tie_check=xattention_tie_check,
+    estimate=_xattention_estimate,
+    head_local=True,
 )
 
 CHECKS["dpxa"] = Checks(
     params=_dpxa_params,
     exact_plans=False,
     tie_check=dpxa_tie_check,
+    estimate=_dpxa_estimate,
+    head_local=True,
 )
 def _delta_xattention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     from hypothesis import strategies as st
@@ -718,18 +779,45 @@ def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str,
     from hypothesis import strategies as st
 
     params: dict[str, Any] = _minference_blocks(draw)
-    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 0.95, 1.0, 0.99]))
+    # Low gammas half the time: the forced lines then decide most of the plan.
+    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 0.95, 1.0, 0.99, 0.0, 0.2, 0.3, 0.5]))
     everything = [seqlen, seqlen + 7] if seqlen <= 1024 else [1000]
     params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything]))
-    params["init_columns"] = draw(st.sampled_from([1, 0, 5]))
-    params["local_diagonals"] = draw(st.sampled_from([1, 0, 7]))
+    # Mostly different forced counts, so a count applied to the wrong kind of line shows.
+    params["init_columns"], params["local_diagonals"] = draw(st.sampled_from(
+        [(1, 1), (5, 1), (1, 7), (5, 0), (0, 7), (5, 7), (0, 0)]))
+    params["scale"] = _scale(draw)
     return params
+
+
+def _flexprefill_vs_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                             params: dict[str, Any]) -> dict[str, Estimate]:
+    """Alg. 5 lines 1-3: the vertical and slash shares `a_v`, `a_s` of the last queries'
+    attention (each sums to 1 per head), before the cumulative threshold."""
+    from ..fast.kernels.last_q_estimate import last_q_scores
+    from ..reference._checks import resolve_scale
+    from ..reference.flexprefill_vs import normalized_lines
+    from ..reference.vertical_slash import approximate_attention
+
+    n = q.shape[2]
+    last_q = min(int(params.get("last_q", 64)), n)
+    if impl_name == "fast":
+        vertical, slash = last_q_scores(q, k, last_q=last_q, scale=params.get("scale"))
+        total = vertical.to(torch.float64).sum(dim=-1, keepdim=True)
+        a_v, a_s = vertical.to(torch.float64) / total, slash.to(torch.float64) / total
+    else:
+        a_hat = approximate_attention(q, k, last_q=last_q, scale=resolve_scale(params.get("scale"), q.shape[-1]))
+        a_v, a_s = normalized_lines(a_hat)
+    bound = _probability_bound(q, k, params.get("scale"))
+    return {"vertical": Estimate(a_v, terms=1, bound=bound), "slash": Estimate(a_s, terms=1, bound=bound)}
 
 
 CHECKS["flexprefill_vs"] = Checks(
     params=_flexprefill_vs_params,
     exact_plans=False,
     tie_check=flexprefill_vs_tie_check,
+    estimate=_flexprefill_vs_estimate,
+    head_local=True,
 )
 
 
@@ -756,8 +844,25 @@ def _shareprefill_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, A
     return params
 
 
+def _shareprefill_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
+                           params: dict[str, Any]) -> dict[str, Estimate]:
+    """Alg. 3 lines 2-3: `a^`, the softmax over key blocks of the last query block's
+    pooled logits (what the JS distances and the pattern choice read)."""
+    from ..fast.shareprefill import last_block_attention as fast_a_hat
+    from ..reference._checks import resolve_scale
+    from ..reference.shareprefill import last_block_attention as reference_a_hat
+
+    a_hat = fast_a_hat if impl_name == "fast" else reference_a_hat
+    bm, bn = int(params.get("block_m", 64)), int(params.get("block_n", 64))
+    scale = resolve_scale(params.get("scale"), q.shape[-1])
+    values = a_hat(q, k, block_m=bm, block_n=bn, scale=scale)
+    return {"a_hat": Estimate(values, terms=1, bound=_probability_bound(q, k, scale))}
+
+
 CHECKS["shareprefill"] = Checks(
     params=_shareprefill_params,
     exact_plans=False,
     tie_check=shareprefill_tie_check,
+    estimate=_shareprefill_estimate,
+    head_local=True,
 )

@@ -67,6 +67,7 @@ from ..reference.flexprefill_vs import (
     lines_index,
     normalized_lines,
 )
+from ..reference.flexprefill_vs import flexprefill_vs_lines as reference_flex_lines
 from ..reference.dpxa import anchor_tile_scores, dpxa_anchors
 from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
 from ..reference.sample_attention import (
@@ -281,8 +282,15 @@ def check_cover_modulo_ties(
 def flexprefill_vs_tie_check(
     q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
 ) -> None:
-    """`MethodSpec.tie_check` of the FlexPrefill-style vertical-slash (see the module doc)."""
-    del expected
+    """`MethodSpec.tie_check` of the FlexPrefill-style vertical-slash (see the module doc).
+
+    Both plans are judged against Alg. 5's definition (float64 shares of this call, the
+    forced first `init_columns` columns and `local_diagonals` diagonals): the fast plan
+    is Alg. 4 of the fast lines, the reference plan Alg. 4 of the reference lines, and
+    both line sets are valid covers up to rounding. So a difference caused by a bug in
+    the reference (its forced counts, scale, block lists) fails here instead of being
+    forgiven as a tie.
+    """
     n = q.shape[2]
     gamma = float(params.get("gamma", GAMMA))
     last_q = int(params.get("last_q", 64))
@@ -302,6 +310,16 @@ def flexprefill_vs_tie_check(
                             what="verticals")
     check_cover_modulo_ties(a_s, slashes, gamma=gamma, forced=first_lines(local_diagonals, n, cpu),
                             what="slashes")
+    ref_v, ref_s = reference_flex_lines(q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
+                                        local_diagonals=local_diagonals, scale=scale)
+    ref_rebuilt = lines_index(ref_v.cpu(), ref_s.cpu(), block_m=int(params.get("block_m", 64)),
+                              block_n=int(params.get("block_n", 64)))
+    if not ref_rebuilt.equal(expected.to("cpu")):
+        raise _fail("the reference plan is not Alg. 4 of the reference lines")
+    check_cover_modulo_ties(a_v, ref_v.cpu(), gamma=gamma, forced=first_lines(init_columns, n, cpu),
+                            what="reference verticals")
+    check_cover_modulo_ties(a_s, ref_s.cpu(), gamma=gamma, forced=first_lines(local_diagonals, n, cpu),
+                            what="reference slashes")
 
 
 # Distances of the fp32-pooled estimate differ from the float64 ones by at most ~1e-7

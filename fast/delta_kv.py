@@ -143,7 +143,7 @@ def safe_blocks(packed: PackedKV, *, block_m: int) -> tuple[torch.Tensor, torch.
     ends = torch.minimum(packed.offsets[1:], torch.full_like(starts, packed.counts.numel()))
     blocks = ((ends - starts.clamp(min=0)) // bs).clamp(min=0)
     j = torch.arange(kb, device=dev)
-    last = (starts[:, None] + (j + 1) * bs - 1).clamp(max=max(packed.counts.numel() - 1, 0))
+    last = (starts[:, None] + (j + 1) * bs - 1).clamp(min=0, max=max(packed.counts.numel() - 1, 0))
     # Timestamps grow within a segment, so a block's reach is its last entry; blocks a
     # segment does not have reach N, which no query block precedes.
     reach = torch.where(j < blocks[:, None], packed.timestamps[last].to(torch.int64), n)

@@ -217,7 +217,8 @@ def _packed_plan(modes: torch.Tensor, packing: TilePackedKV, seqlen: int) -> Blo
                                column_count=col_count, column_index=col_index).mark_valid()
     first, size = packing.tile_blocks()
     ends = (first + size).contiguous()  # [B, Hkv, T - 1], non-decreasing along the tiles
-    width = int(ends[..., -1].max())  # key blocks of the largest region
+    # Key blocks of the largest region (0 for an edited packing whose ends run backwards).
+    width = max(0, int(ends[..., -1].max()))
     blocks = torch.arange(width, device=dev)
     # The tile of every key block of a region, and whether the region has that block.
     owner = torch.searchsorted(ends, blocks.expand(*ends.shape[:2], width).contiguous(), right=True)

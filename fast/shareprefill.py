@@ -50,7 +50,7 @@ from ..reference.shareprefill import (
     js_distance,
 )
 from .flexprefill_vs import flexprefill_vs_lines, padded_lines
-from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
+from .kernels import block_column_attention, check_device_memory, check_forward_only, check_kernel_block_sizes
 from .kernels.own_columns import disjoint_columns
 from .kernels.vertical_slash_index import vertical_slash_index
 
@@ -159,6 +159,12 @@ def layer_plan(
     others = (~is_vs if with_dense else pattern == SharePattern.SHARED).nonzero().tolist()
     if others:
         qb, kb = cdiv(n, bm), cdiv(n, bn)
+        # Quadratic in tokens: a [Qb, Kb] mask per dense or shared head, its block lists
+        # (4 bytes an entry at most) and the layer's merged lists.
+        check_device_memory(f"SharePrefill's block masks and lists of {len(others)} dense or shared heads "
+                            f"([Qb, Kb] = [{qb}, {kb}])",
+                            len(others) * qb * kb * 5 + b * hq * qb * kb * 4, q.device,
+                            hint="Larger `block_m` / `block_n` or fewer heads per call fit.")
         masks = torch.ones(len(others), qb, kb, dtype=torch.bool, device=q.device)
         for i, (row, h) in enumerate(others):
             if int(pattern[row, h]) == SharePattern.SHARED:

@@ -322,6 +322,27 @@ def test_packing_edited_after_validation_cannot_read_out_of_bounds(field_name: s
         packed.validate()
 
 
+def test_ragged_kernel_bounds_segments_by_the_flat_buffer() -> None:
+    """The kernel's own clamp (no host help): segments that start at the flat buffer's end
+    (or one row before it) under a plan listing every causal block read nothing past T;
+    keys past T weigh nothing (their bias loads as -inf), so rows without any key are 0."""
+    from sparseprefill.fast.kernels.block_column import ragged_block_column_attention
+
+    (q, k, v), packed = _packed()
+    total = packed.k.shape[0]
+    q16, kf, vf = q.half(), packed.k.half(), packed.v.half()
+    plan = fast.dense_plan(q16, q16, block_m=16, block_n=16)
+    bias = torch.zeros(total)
+    segments = q.shape[0] * k.shape[1]
+    out, lse = ragged_block_column_attention(q16, kf, vf, torch.full((segments,), total, dtype=torch.int64),
+                                             plan, key_bias=bias, return_lse=True)
+    assert bool((out == 0).all()) and bool((lse == -math.inf).all())
+    out, _ = ragged_block_column_attention(q16, kf, vf, torch.full((segments,), total - 1, dtype=torch.int64),
+                                           plan, key_bias=bias)
+    # One key left: every row keeps exactly it (causal in segment space: key 0).
+    assert torch.allclose(out.float(), vf[-1].float().expand_as(out), atol=1e-3)
+
+
 @pytest.mark.parametrize("pkg", PACKAGES)
 def test_delta_kv_nan_in_v_reaches_only_rows_keeping_it(pkg: str) -> None:
     """Threshold 0: every key is its own anchor, so key 21 is kept by rows 21.. only
@@ -577,3 +598,20 @@ def test_anchor_huge_step_is_one_group(pkg: str) -> None:
     for huge in (7, 2**40, 2**63):
         got = fn(q, k, step=huge, block_m=16, block_n=16)
         assert got.validate().equal(base)
+
+
+def test_quadratic_stages_refuse_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`check_device_memory` (called where a buffer grows with the square of the tokens)
+    raises MemoryError naming the stage, its bytes and what is free; small stages and
+    CPU tensors are never checked (no driver call)."""
+    from sparseprefill.fast.kernels import check_device_memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * 2**30)
+    cuda = torch.device("cuda", 0)
+    check_device_memory("tile weights", 11 * 2**30, cuda)  # 10 free + 1 cached: fits
+    with pytest.raises(MemoryError, match=r"tile weights needs 12\.0 GiB .* only 11\.0 GiB .* larger block"):
+        check_device_memory("tile weights", 12 * 2**30, cuda, hint="A larger block fits.")
+    check_device_memory("tile weights", 2**40, torch.device("cpu"))
+    check_device_memory("small", 2**29, cuda)

@@ -1,6 +1,7 @@
 """Triton kernel families; one file each, ordered kernel -> launcher."""
 
 from ._common import (
+    check_device_memory,
     check_forward_only,
     check_kernel_block_sizes,
     check_kernel_device,
@@ -10,6 +11,7 @@ from .block_column import block_column_attention, varlen_block_column_attention
 
 __all__ = [
     "block_column_attention",
+    "check_device_memory",
     "check_forward_only",
     "check_kernel_block_sizes",
     "check_kernel_device",

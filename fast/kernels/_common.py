@@ -117,12 +117,41 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+# Stages below this many bytes are never checked (no driver call on the common path).
+MEMORY_CHECK_FLOOR = 2**30
+
+
+def check_device_memory(what: str, nbytes: int, device: torch.device, *, hint: str = "") -> None:
+    """Refuse, before allocating, a stage whose buffers cannot fit on `device`.
+
+    For the stages whose memory grows with the square of the tokens (tile weights and
+    tile lists `[B, H, T, T]`, per-block masks `[Qb, Kb]`): `nbytes` is what the stage
+    would hold at its peak. Compared with what the device can still give (free memory
+    plus what torch's caching allocator holds unused); below `MEMORY_CHECK_FLOOR` or
+    off CUDA nothing is checked.
+
+    Raises:
+        MemoryError: naming the stage, the bytes it needs, what is free, and `hint`
+            (what to change: a larger block, fewer heads per call).
+    """
+    if nbytes < MEMORY_CHECK_FLOOR or device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if nbytes > available:
+        raise MemoryError(f"{what} needs {nbytes / 2**30:.1f} GiB on {device}, but only {available / 2**30:.1f} "
+                          f"GiB of its {total / 2**30:.0f} GiB are free; nothing was allocated"
+                          + (f". {hint}" if hint else ""))
+
+
 __all__ = [
+    "MEMORY_CHECK_FLOOR",
     "K_LN2",
     "K_LOG2E",
     "LN2",
     "LOG2E",
     "MAX_HEAD_DIM",
+    "check_device_memory",
     "check_forward_only",
     "check_head_dim",
     "check_kernel_block_sizes",

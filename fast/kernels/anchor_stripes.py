@@ -35,7 +35,7 @@ import triton.language as tl
 from ...reference._checks import HALF_DTYPES, check_positive_int, check_qk
 from ...reference.plan import cdiv
 from ..capture import static_widths_active
-from ._common import check_kernel_device, dot as _dot, interpreter_active
+from ._common import check_device_memory, check_kernel_device, dot as _dot, interpreter_active
 
 # Keys per program and warps (a key tile is loaded once and reused for every group).
 _BLOCK_K = 128
@@ -189,6 +189,11 @@ def fill_stripes(
     groups = tile_count.shape[1]
     offsets = (torch.cumsum(tile_count, dim=2, dtype=torch.int32) - tile_count).contiguous()
     counts = tile_count.sum(dim=2, dtype=torch.int32).reshape(b, hq, groups)
+    # Quadratic in tokens where theta keeps most keys: G = Qb / step groups of up to N
+    # columns each (16 GiB at 512K, 32 heads, step 16, density 0.87 on the H100).
+    check_device_memory(f"AnchorAttention's stripe column lists ([B, Hq, G, width] = [{b}, {hq}, {groups}, "
+                        f"{width}])", b * hq * groups * width * 4, k.device,
+                        hint="A smaller theta (fewer stripe keys), a larger step or fewer heads per call fit.")
     index = torch.zeros(b * hq, groups, width, dtype=torch.int32, device=k.device)
     if width > 0:
         _launch(q_hi, q_lo, a_mean, k, tile_count, offsets, index, theta=theta, sm_scale=sm_scale,

@@ -296,6 +296,12 @@ def _block_column_fwd(
     # ragged, flat K/V (HAS_KV_OFFSET: Delta-KV's packed anchors), else by strides.
     if HAS_KV_OFFSET:
         kv_row = tl.load(KV_OFFSET + i_b * (num_heads // group) + i_hkv)
+        if GUARD:
+            # An edited packing's offset cannot move the segment past the flat buffer,
+            # and its keys are bounded by the rows left after its start (key_len = T):
+            # every masked read and clamped index below then stays inside [0, T).
+            kv_row = tl.minimum(tl.maximum(kv_row, 0), key_len)
+            key_len = key_len - kv_row
         k_base = K + kv_row * stride_kn
         v_base = V + kv_row * stride_vn
         x_row = kv_row * stride_xn
@@ -347,6 +353,8 @@ def _block_column_fwd(
     full_blocks = (row0_g + 1) // plan_block_n
     n_full = (count - n_masked) * SUB_N
     if GUARD:
+        # Unmasked reads end at the keys (key_len; a ragged segment's rows left in T).
+        full_blocks = tl.minimum(full_blocks, key_len // plan_block_n)
         n_full = tl.minimum(count - n_masked, full_blocks) * SUB_N
     # The next block index is loaded one step ahead so the tile loads never wait on it.
     kb_next = tl.load(p_bindex, mask=n_full > 0, other=0)

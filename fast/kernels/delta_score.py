@@ -34,7 +34,14 @@ import triton.language as tl
 from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
 from ...reference.dpxa import check_dpxa_params
 from ...reference.plan import cdiv
-from ._common import LOG2E, check_forward_only, check_kernel_device, dot as _dot, interpreter_active
+from ._common import (
+    LOG2E,
+    check_device_memory,
+    check_forward_only,
+    check_kernel_device,
+    dot as _dot,
+    interpreter_active,
+)
 from .delta_pack import keep_mask
 from .xattention_score import check_fast_block
 
@@ -194,6 +201,11 @@ def _anchor_tile_weights(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: flo
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     tiles = cdiv(n, block)
+    # Quadratic in tokens: sums and running maxima, the rescaling's temporaries and the
+    # normalised weights (5 float32 copies), then the selection's mask and lists (1 + 4).
+    check_device_memory(f"DPXA's tile scores and tile lists ([B, Hq, T, T], T = ceil(N / block) = {tiles})",
+                        b * hq * tiles * tiles * (5 * 4 + 5), q.device,
+                        hint="A larger `block` (T falls with its square) or fewer query heads per call fit.")
     _, q_pos, q_start = delta_anchor_packed(q, cos_threshold=cos_threshold, block=block)
     _, k_pos, k_start = delta_anchor_packed(k, cos_threshold=cos_threshold, block=block)
     acc = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)

@@ -30,7 +30,14 @@ import triton.language as tl
 from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
 from ...reference.plan import cdiv
 from ...reference.xattention import check_xattention_params
-from ._common import LOG2E, check_forward_only, check_kernel_device, dot as _dot, interpreter_active
+from ._common import (
+    LOG2E,
+    check_device_memory,
+    check_forward_only,
+    check_kernel_device,
+    dot as _dot,
+    interpreter_active,
+)
 
 # Largest per-launch [B, H, G, T] fp32 scratch of row-tile log-sum-exps.
 _SCRATCH_BYTES = 256 << 20
@@ -214,6 +221,11 @@ def _tile_weights(q: torch.Tensor, k: torch.Tensor, *, stride: int, block: int, 
         block_r, step_columns, warps, stages = score_config(head_dim, q.element_size())
     tiles_per_step = max(1, step_columns // gpt_pad)
     dot_f32 = interpreter_active() and q.dtype == torch.bfloat16
+    # Quadratic in tokens: the weights (and their normalised copy), then the selection's
+    # keep mask and tile lists (1 + 4 bytes a tile pair), plus the per-head-group scratch.
+    check_device_memory("XAttention's tile weights and tile lists ([B, Hq, T, T], T = ceil(N / block) = "
+                        f"{tiles})", b * hq * tiles * tiles * (2 * 4 + 5) + _SCRATCH_BYTES, q.device,
+                        hint="A larger `block` (T falls with its square) or fewer query heads per call fit.")
     weights = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
     heads_at_once = max(1, min(hq, _SCRATCH_BYTES // max(1, b * rows * tiles * 4)))
     for h0 in range(0, hq, heads_at_once):
