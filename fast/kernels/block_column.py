@@ -262,6 +262,16 @@ def _block_column_fwd(
     stride_cib, stride_cih, stride_cim, stride_cik = strides_ci
     stride_sb, stride_sh, stride_sm, stride_sn = strides_sum
     stride_xb, stride_xh, stride_xn = strides_bias
+    # Two compiled copies share a launch (see `_launch`): with V_BAD given, the copy
+    # without the non-finite step runs only where V holds no NaN / inf, the copy with
+    # it only where it does; the other copy's programs leave at once.
+    if V_BAD is not None:
+        if NONFINITE:
+            if tl.load(V_BAD) == 0:
+                return
+        else:
+            if tl.load(V_BAD) != 0:
+                return
     # Longest rows first: later query tiles list more blocks. (A tile-major 1-D grid for
     # varlen batches measured slower on the H200: 89.6 vs 83.3 ms on 4K + 16K + 60K.)
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -408,31 +418,12 @@ def _block_column_fwd(
             + i_crow.to(tl.int64) * stride_cim
         p_k_cols = k_base + o_d[:, None] * stride_kd
         p_v_cols = v_base + o_d[None, :] * stride_vd
-        # A column tile is always masked; its non-finite step (which spilled registers
-        # and cost 5x on the H100's anchor plan, docs/plan-and-kernels.md) runs only when
-        # the launcher's one-element flag says V holds a NaN or an infinity at all.
-        if NONFINITE:
-            if tl.load(V_BAD) != 0:
-                acc, l_i, m_i, poison = _column_tiles(
-                    acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
-                    p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-                    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
-                    BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, True,
-                    HAS_BIAS, HAS_MASK)
-            else:
-                acc, l_i, m_i, poison = _column_tiles(
-                    acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
-                    p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-                    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
-                    BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
-                    HAS_BIAS, HAS_MASK)
-        else:
-            acc, l_i, m_i, poison = _column_tiles(
-                acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
-                p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-                m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
-                BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
-                HAS_BIAS, HAS_MASK)
+        acc, l_i, m_i, poison = _column_tiles(
+            acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
+            p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
+            m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+            BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, NONFINITE,
+            HAS_BIAS, HAS_MASK)
 
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
     # output (a convex combination of values), so any infinity is such a row too.
@@ -847,59 +838,73 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     if has_columns and _NONFINITE:
         v_bad = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
     use_tma = head_dim == d and not ragged and call.varlen is None and tma_ok(q, k, v)
-    key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma,
-           call.varlen is None, has_columns, call.return_lse, ragged, bias is not None,
-           work is not None, sums is not None)
-    initial = _tile_config(plan.block_m, plan.block_n, d)
-    config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
-    # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
-    diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
-    while True:
-        block_m, block_n, num_warps, num_stages = config
-        k_desc: object = None
-        v_desc: object = None
-        if use_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
+    # Column plans: two copies of the kernel, one launch each; the flag on the device
+    # picks the one whose programs compute (no host sync), the other's leave at once.
+    # The copy without the non-finite step does not carry its registers (H100: the
+    # single kernel holding both column loops spilled; docs/plan-and-kernels.md).
+    def launch_copy(nonfinite: bool, launched: bool) -> bool:
+        """Launch one compiled copy (`NONFINITE=nonfinite`), falling back to smaller tiles
+        where shared memory runs out; returns True. A launch that fails for shared memory
+        never ran, so a fallback leaves what an earlier copy wrote alone (block sums are
+        zeroed only before any copy ran)."""
+        key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma,
+               call.varlen is None, has_columns, call.return_lse, ragged, bias is not None,
+               work is not None, sums is not None, nonfinite)
+        initial = _tile_config(plan.block_m, plan.block_n, d)
+        config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
+        # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
+        diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
+        while True:
+            block_m, block_n, num_warps, num_stages = config
+            k_desc: object = None
+            v_desc: object = None
+            if use_tma:
+                from triton.tools.tensor_descriptor import TensorDescriptor
 
-            k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
-            v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
-        grid = (triton.cdiv(n, block_m), b * hq)
-        try:
-            _block_column_fwd[grid](
-                q, k, v, out, lse, mask_arg,
-                plan.block_count, plan.block_index, plan.column_count, plan.column_index,
-                *((work.m, work.l, work.acc) if work is not None else (None, None, None)),
-                sums, call.kv_offsets, bias, cu_arg, k_desc, v_desc, v_bad,
-                call.sm_scale * LOG2E, call.sm_scale, n, call.key_len, plan.query_offset, d, hq, group,
-                plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
-                plan.column_index.shape[3], plan.column_group,
-                tuple(q.stride()), kstrides, vstrides, tuple(out.stride()[:3]),
-                tuple(lse.stride()[:2]) if lse is not None else _zero_strides(2), mstrides,
-                tuple(plan.block_count.stride()), tuple(plan.block_index.stride()),
-                tuple(plan.column_count.stride()), tuple(plan.column_index.stride()),
-                tuple(sums.stride()) if sums is not None else _zero_strides(4), xstrides,
-                BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n,
-                DIAG=diag, EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns,
-                DOT_F32=dot_f32(q.dtype), USE_TMA=use_tma, PREFETCH=_PREFETCH,
-                SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
-                WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
-                SKIP_COVERED=has_columns and not plan.columns_disjoint,
-                GUARD=_GUARD, NONFINITE=_NONFINITE,
-                num_warps=num_warps, num_stages=num_stages,
-            )
-        except OutOfResources:
-            # This GPU has less shared memory than the tile needs (a dense mask's tiles,
-            # or a smaller card than an H100/H200): fewer stages, then smaller tiles.
-            smaller = _smaller_config(config)
-            if smaller is None:
-                raise
-            config = smaller
-            if sums is not None:
-                sums.zero_()
-            continue
-        if config != initial:
-            _FITTED[key] = config
-        break
+                k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
+                v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
+            grid = (triton.cdiv(n, block_m), b * hq)
+            try:
+                _block_column_fwd[grid](
+                    q, k, v, out, lse, mask_arg,
+                    plan.block_count, plan.block_index, plan.column_count, plan.column_index,
+                    *((work.m, work.l, work.acc) if work is not None else (None, None, None)),
+                    sums, call.kv_offsets, bias, cu_arg, k_desc, v_desc, v_bad,
+                    call.sm_scale * LOG2E, call.sm_scale, n, call.key_len, plan.query_offset, d, hq, group,
+                    plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
+                    plan.column_index.shape[3], plan.column_group,
+                    tuple(q.stride()), kstrides, vstrides, tuple(out.stride()[:3]),
+                    tuple(lse.stride()[:2]) if lse is not None else _zero_strides(2), mstrides,
+                    tuple(plan.block_count.stride()), tuple(plan.block_index.stride()),
+                    tuple(plan.column_count.stride()), tuple(plan.column_index.stride()),
+                    tuple(sums.stride()) if sums is not None else _zero_strides(4), xstrides,
+                    BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n,
+                    DIAG=diag, EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns,
+                    DOT_F32=dot_f32(q.dtype), USE_TMA=use_tma, PREFETCH=_PREFETCH,
+                    SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
+                    WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
+                    SKIP_COVERED=has_columns and not plan.columns_disjoint,
+                    GUARD=_GUARD, NONFINITE=nonfinite,
+                    num_warps=num_warps, num_stages=num_stages,
+                )
+            except OutOfResources:
+                # This GPU has less shared memory than the tile needs (a dense mask's tiles,
+                # or a smaller card than an H100/H200): fewer stages, then smaller tiles.
+                smaller = _smaller_config(config)
+                if smaller is None:
+                    raise
+                config = smaller
+                if sums is not None and not launched:
+                    sums.zero_()
+                continue
+            if config != initial:
+                _FITTED[key] = config
+            return True
+
+    copies = (False, True) if v_bad is not None else (_NONFINITE,)
+    launched = False
+    for nonfinite in copies:
+        launched = launch_copy(nonfinite, launched)
     if state is not None and work is not state:
         assert work is not None
         for name in ("m", "l", "acc"):
