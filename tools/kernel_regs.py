@@ -142,6 +142,11 @@ def compile_variant(spec: dict[str, Any], *, arch: int | None, device: str) -> l
     out = []
     for kern in kernels:
         md = kern.metadata
+        if os.environ.get("KERNEL_REGS_DUMP"):
+            base = f"{os.environ['KERNEL_REGS_DUMP']}-{len(out)}"
+            for ext in ("ttgir", "ptx"):
+                with open(f"{base}.{ext}", "w") as fh:
+                    fh.write(kern.asm[ext])
         out.append({**ptx_resources(kern.asm["ptx"], arch or _device_arch()), "shared": md.shared,
                     "num_warps": md.num_warps, "num_stages": md.num_stages})
     return out

@@ -53,6 +53,7 @@ from ._common import (
     tma_ok,
 )
 from ._common import dot as _dot
+from .own_columns import resolve_covered_columns
 
 
 @triton.jit
@@ -237,7 +238,7 @@ def _block_column_fwd(
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
-    GUARD: tl.constexpr, NONFINITE: tl.constexpr,
+    GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -422,7 +423,7 @@ def _block_column_fwd(
             acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
             p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
             m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
-            BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, NONFINITE,
+            BLOCK_N, DOT_F32, GUARD, COL_PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, NONFINITE,
             HAS_BIAS, HAS_MASK)
 
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
@@ -501,6 +502,7 @@ def _smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, i
 
 
 _PREFETCH = os.environ.get("SPARSEPREFILL_PREFETCH", "1") == "1"
+_COL_PREFETCH = os.environ.get("SPARSEPREFILL_COL_PREFETCH", "1") == "1"
 # Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
 # clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
 # keeps NaN values out of rows that do not keep their key. Never turn them off in use.
@@ -796,7 +798,9 @@ def _zero_strides(n: int) -> tuple[int, ...]:
 
 def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch `_block_column_fwd` for one checked call (the only launch site)."""
-    q, k, v, plan = call.q, call.k, call.v, call.plan
+    q, k, v = call.q, call.k, call.v
+    # Covered columns resolved once per plan (cached on it), not in every column tile.
+    plan = resolve_covered_columns(call.plan)
     b, hq, n, d = q.shape
     ragged = call.kv_offsets is not None
     group = hq // (call.kv_offsets.shape[0] // b if call.kv_offsets is not None else k.shape[1])
@@ -884,7 +888,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
                     WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
                     SKIP_COVERED=has_columns and not plan.columns_disjoint,
-                    GUARD=_GUARD, NONFINITE=nonfinite,
+                    GUARD=_GUARD, NONFINITE=nonfinite, COL_PREFETCH=_COL_PREFETCH,
                     num_warps=num_warps, num_stages=num_stages,
                 )
             except OutOfResources:

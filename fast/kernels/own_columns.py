@@ -24,6 +24,9 @@ from ...reference.plan import BlockColumnPlan
 
 # Columns handled per vector step.
 _CHUNK = 128
+# Largest per-query-block column lists built from shared (stride-0 or grouped) ones
+# by `resolve_covered_columns`; read at call time (conformance lowers it to 0).
+DISJOINT_COLUMN_BYTES = 512 << 20
 
 
 @triton.jit
@@ -103,5 +106,39 @@ def disjoint_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
         seqlen=plan.seqlen, block_m=plan.block_m, block_n=plan.block_n,
         block_count=plan.block_count, block_index=plan.block_index,
         column_count=count, column_index=index, columns_disjoint=True,
+        query_offset=plan.query_offset,
     )
     return out.mark_valid() if plan._checked else out
+
+
+def resolve_covered_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
+    """The plan normalisation every launch of the block/column kernel goes through.
+
+    Columns that a listed block of the same query block already covers are resolved
+    at plan time, once per column row, so the kernel can skip its per-tile
+    column-in-block test (`SKIP_COVERED`, a window compare and a fallback binary
+    search in every column tile):
+
+    * plans without columns, or already `columns_disjoint`: unchanged;
+    * one column list per query block (`column_group == 1`) whose per-query-block
+      lists fit `DISJOINT_COLUMN_BYTES`: `disjoint_columns` (one Triton pass);
+    * grouped lists (`column_group > 1`): `plan.without_covered_columns()` (drops the
+      columns covered for every query block of the group; disjoint when no covered
+      column is left, else the kernel keeps its test for the rest);
+    * shared (stride-0) lists too large to give every query block its own: unchanged.
+
+    The result is cached on the plan object (like its validation), so launching the
+    same plan again costs nothing; the attention is the same (`to_dense_mask` equal).
+    """
+    if plan.columns_disjoint or plan.column_index.shape[3] == 0:
+        return plan
+    cached = plan.__dict__.get("_resolved_columns")
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    if plan.column_group == 1:
+        per_block = plan.batch * plan.num_heads * plan.num_query_blocks * plan.column_index.shape[3] * 4
+        out = plan if per_block > DISJOINT_COLUMN_BYTES else disjoint_columns(plan)
+    else:
+        out = plan.without_covered_columns()
+    object.__setattr__(plan, "_resolved_columns", out)
+    return out
