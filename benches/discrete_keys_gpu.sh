@@ -61,6 +61,43 @@ if [ "$MODE" = compare ]; then
     python "$HERE/benches/discrete_keys.py" merge "${jsons[@]}" --rows-dir /tmp/dkrows \
         --json "$OUT/compare.json" 2>&1 | tee "$OUT/table.txt"
 fi
+if [ "$MODE" = issue21 ]; then
+    # issue21 MAIN_DIR AFTER_DIR: session 2's kernel call. Each step is a `run` of one version
+    # (own process), cut at its STEP budget; rows are kept as they come.
+    #   A after, D=128: column plans, each beside a block plan of its density (blocks_like_*)
+    #   B main (correctness and before/after), D=128, column plans and dense
+    #   C after with the column-index prefetch off (SPARSEPREFILL_COL_PREFETCH=0)
+    #   D after and main, D=64
+    main=$1; after=$2; SEQ=${SEQLENS:-32768,131072}
+    layout "$HERE/$main" /tmp/L/main; layout "$HERE/$after" /tmp/L/after
+    # Workloads built on the CPU while compute-sanitizer checks the changed kernels.
+    PYTHONPATH=/tmp/L/after python "$HERE/benches/discrete_keys.py" workload --seqlens "$SEQ" \
+        > "$OUT/workload.log" 2>&1 &
+    wl=$!
+    PYTHONPATH=/tmp/L/after timeout "${STEP_SAN:-110}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python "$HERE/benches/sanitize_kernels.py" cuda 700 > "$OUT/sanitizer.txt" 2>&1
+    echo "memcheck sanitize_kernels.py: exit $?"; grep -E "ERROR SUMMARY|non-finite|ran" "$OUT/sanitizer.txt" | tail -5
+    wait $wl; cat "$OUT/workload.log"
+    COLS=vertical_slash,flexprefill_vs_0.95,anchor_attention,columns20
+    LIKE=blocks_like_vertical_slash,blocks_like_flexprefill_vs_0.95,blocks_like_anchor_attention,blocks_like_columns20
+    step() {  # LABEL DIR SECONDS ARGS...
+        local lab=$1 dir=$2 secs=$3; shift 3
+        PYTHONPATH=/tmp/L/$dir timeout "$secs" python "$HERE/benches/discrete_keys.py" run --label "$lab" \
+            --json "/tmp/dk-$lab.json" --rows-dir /tmp/dkrows --dump-dir "$OUT/ttgir" --warmup 20 --rep 100 "$@" \
+            2>&1 | grep -v Warning | tee -a "$OUT/issue21.log"
+    }
+    step after after "${STEP_A:-150}" --seqlens "$SEQ" --plans "dense,$COLS,$LIKE"
+    step main main "${STEP_B:-70}" --seqlens "$SEQ" --plans "dense,$COLS"
+    export SPARSEPREFILL_COL_PREFETCH=0; step after-nocolpf after "${STEP_C:-50}" --seqlens "$SEQ" --plans "$COLS"
+    unset SPARSEPREFILL_COL_PREFETCH; step after-d64 after "${STEP_D:-90}" --seqlens "$SEQ" --head-dim 64 --plans "dense,$COLS,$LIKE"
+    step main-d64 main "${STEP_E:-50}" --seqlens "$SEQ" --head-dim 64 --plans "$COLS"
+    for set in "main after after-nocolpf" "main-d64 after-d64"; do
+        js=(); for l in $set; do [ -f "/tmp/dk-$l.json" ] && js+=("/tmp/dk-$l.json"); done
+        [ ${#js[@]} -gt 0 ] && python "$HERE/benches/discrete_keys.py" merge "${js[@]}" --rows-dir /tmp/dkrows \
+            --json "$OUT/issue21-${set%% *}.json" 2>&1 | tee -a "$OUT/table.txt"
+    done
+    tar czf "$OUT/ttgir.tgz" -C "$OUT" ttgir && rm -rf "$OUT/ttgir"
+fi
 if [ "$MODE" = sanitize ]; then
     # compute-sanitizer memcheck on the column paths (gather and packed), small sizes.
     layout "$HERE" /tmp/L/sanitize

@@ -120,12 +120,15 @@ def resolve_covered_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
     search in every column tile):
 
     * plans without columns, or already `columns_disjoint`: unchanged;
-    * one column list per query block (`column_group == 1`) whose per-query-block
-      lists fit `DISJOINT_COLUMN_BYTES`: `disjoint_columns` (one Triton pass);
+    * one column list per query block (`column_group == 1`), stored per query block
+      or shared (stride 0) but fitting `DISJOINT_COLUMN_BYTES` once expanded:
+      `disjoint_columns` (one Triton pass);
     * grouped lists (`column_group > 1`): `plan.without_covered_columns()` (drops the
       columns covered for every query block of the group; disjoint when no covered
       column is left, else the kernel keeps its test for the rest);
-    * shared (stride-0) lists too large to give every query block its own: unchanged.
+    * shared (stride-0) lists too large to give every query block its own: unchanged
+      (fast.flexprefill_vs's plan at 128K: its in-kernel test ran at 0.46 of the block
+      path on an H100, against 0.98 resolved at 32K; docs/plan-and-kernels.md).
 
     The result is cached on the plan object (like its validation), so launching the
     same plan again costs nothing; the attention is the same (`to_dense_mask` equal).
@@ -136,8 +139,11 @@ def resolve_covered_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
     if cached is not None:
         return cached  # type: ignore[no-any-return]
     if plan.column_group == 1:
+        # Lists already stored per query block cost nothing new to resolve (columns20 at
+        # 128K: 687 MB); shared (stride-0) ones are expanded only within the budget.
         per_block = plan.batch * plan.num_heads * plan.num_query_blocks * plan.column_index.shape[3] * 4
-        out = plan if per_block > DISJOINT_COLUMN_BYTES else disjoint_columns(plan)
+        stored = plan.column_index.untyped_storage().nbytes()
+        out = plan if per_block > max(DISJOINT_COLUMN_BYTES, stored) else disjoint_columns(plan)
     else:
         out = plan.without_covered_columns()
     object.__setattr__(plan, "_resolved_columns", out)
