@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 21 (benches/discrete_keys.py): lays out each code version as an
 # importable `sparseprefill` package (no build), then profiles or times them in one run.
-#   profile: ncu on the column path (before code) + the compiled kernel's TTGIR/SASS.
+#   profile [DIR]: ncu on the column path (DIR's code, ../before by default) + ablations.
 #   compare VERSION_DIR=LABEL[:ENV=VAL,...] ...: `run` per version, then `merge`.
 # Outputs go to $OUT (at most 8 files come back).
 set -uo pipefail
@@ -18,8 +18,8 @@ layout() {  # SRC DEST: the installed layout of pyproject's package-dir mapping
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 if [ "$MODE" = profile ]; then
-    layout "$HERE/../before" /tmp/L/before
-    export PYTHONPATH=/tmp/L/before
+    layout "$HERE/${1:-../before}" /tmp/L/profiled  # profile [DIR]: the before code by default
+    export PYTHONPATH=/tmp/L/profiled
     S=$HERE/benches/discrete_keys.py
     # Warm the workload cache and the compile cache outside ncu.
     python "$S" profile --seqlens 32768,131072 2>&1 | tee "$OUT/profile.log"
@@ -36,7 +36,7 @@ if [ "$MODE" = profile ]; then
     # Cost split of the column loop (benchmark switches of the before code), 32K.
     for env in "" SPARSEPREFILL_NONFINITE=0 SPARSEPREFILL_GUARD=0 SPARSEPREFILL_PREFETCH=0; do
         lab=${env:-base}
-        env $env python "$S" run --label "before-${lab%%=*}" --seqlens 32768 \
+        env $env python "$S" run --label "profiled-${lab%%=*}" --seqlens 32768 \
             --plans anchor_attention,flexprefill_vs_0.95,columns20 --json "/tmp/abl-${lab%%=*}.json" \
             --warmup 25 --rep 150 >> "$OUT/profile.log" 2>&1
     done

@@ -224,3 +224,21 @@ def test_launch_resolves_covered_columns_once(monkeypatch: pytest.MonkeyPatch) -
     mask = plan.to_dense_mask()
     golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
     check_attention(out, lse, golden, baseline, context="resolved at the front door")
+
+
+def test_narrow_column_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Column tiles narrower than the key tiles (the `SPARSEPREFILL_COL_TILE` switch):
+    the same attention, grouped and disjoint lists, columns past several narrow tiles."""
+    from sparseprefill.fast.kernels import block_column
+
+    monkeypatch.setattr(block_column, "_COL_TILE", 16)
+    gen = torch.Generator().manual_seed(3)
+    plan = _grouped_plan(gen, 260, 64, 64, 2, b=1).without_covered_columns()
+    assert int(plan.column_count.max()) > 32
+    q = torch.randn(1, 2, 260, 32, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 1, 260, 32, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, 1, 260, 32, generator=gen).to(torch.bfloat16)
+    out, lse = fast.sparse_attention(q, k, v, plan, return_lse=True)
+    mask = plan.to_dense_mask()
+    golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
+    check_attention(out, lse, golden, baseline, context="16-key column tiles")

@@ -60,7 +60,7 @@ def offline(arch: int) -> Iterator[None]:
 
     real_fn = bc._block_column_fwd
     real_tma = bc.tma_ok
-    real_resolve = bc.resolve_covered_columns
+    real_resolve = getattr(bc, "resolve_covered_columns", None)  # absent before 2026-11-25
     compiled: list[Any] = []
 
     class _Proxy:
@@ -88,7 +88,8 @@ def offline(arch: int) -> Iterator[None]:
     finally:
         bc._block_column_fwd = real_fn
         bc.tma_ok = real_tma
-        bc.resolve_covered_columns = real_resolve
+        if real_resolve is not None:
+            bc.resolve_covered_columns = real_resolve
         real_fn.device_caches.clear()
         driver._active = saved
 
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"triton": triton.__version__, "arch": args.arch, "device": args.device,
-                       "rows": rows}, fh, indent=1)
+                   "env": {k: v for k, v in os.environ.items() if k.startswith("SPARSEPREFILL_")},
+                   "rows": rows}, fh, indent=1)
     return 0
 
 

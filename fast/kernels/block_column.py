@@ -9,11 +9,13 @@ cross the diagonal or the end of the sequence: the kernel runs the block list in
 two loops, an unmasked one and a masked one, and masks only the latter and the
 columns. A column inside a listed block (allowed by the plan format, so column
 lists can be shared) is dropped by a binary search in the block list, so no key
-counts twice. Column tiles are always masked, so the step that keeps NaN / inf values
-out of rows that skip their key would run on every one of them; the launcher passes a
-one-element flag (does V hold a non-finite value at all, `torch.aminmax`, no host
-sync) and the column loop is compiled twice, the checking copy taken only when the
-flag is set. Grouped-query attention maps query head `h` to KV head `h // G`; K
+counts twice (plans normally arrive with such columns already resolved at the front
+door, `resolve_covered_columns`). Column tiles are always masked, so the step that
+keeps NaN / inf values out of rows that skip their key would run on every one of
+them; for plans with columns the launcher computes a one-element flag (does V hold a
+non-finite value at all, `torch.aminmax`, no host sync) and launches two compiled
+copies of the kernel, with and without that step: the programs of the copy that does
+not match the flag return at once. Grouped-query attention maps query head `h` to KV head `h // G`; K
 and V are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
 
 Layout: kernel -> launcher (`block_column_attention`), which checks everything
@@ -165,9 +167,9 @@ def _column_tiles(
     """Fold the listed columns into `(acc, l_i, m_i)`, gathered `BLOCK_N` at a time.
 
     Every column tile is masked (column count, causality, covered columns), so with
-    NONFINITE each tile would also pass its V tile through registers to test it for
-    NaN / inf (`_softmax_step`); the caller compiles this loop twice and runs the
-    NONFINITE copy only when V holds a non-finite value at all.
+    NONFINITE each tile also passes its V tile through registers to test it for
+    NaN / inf (`_softmax_step`); the launcher runs that copy of the kernel only when
+    V holds a non-finite value at all.
     """
     # Sorted columns meet the sorted block list in order: `ptr` never passes the first
     # listed block a later column can fall in, so a window of WIN entries from `ptr`
@@ -238,7 +240,7 @@ def _block_column_fwd(
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
-    GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr,
+    GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr, COL_N: tl.constexpr,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -419,11 +421,13 @@ def _block_column_fwd(
             + i_crow.to(tl.int64) * stride_cim
         p_k_cols = k_base + o_d[:, None] * stride_kd
         p_v_cols = v_base + o_d[None, :] * stride_vd
+        # Column tiles may be narrower than key tiles (COL_N, a tuning switch).
         acc, l_i, m_i, poison = _column_tiles(
-            acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
+            acc, l_i, m_i, poison, b_q, tl.zeros([COL_N], dtype=tl.float32), ccount, count, p_cindex,
+            stride_cik, p_bindex, stride_bik,
             p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-            m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
-            BLOCK_N, DOT_F32, GUARD, COL_PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, NONFINITE,
+            m_row, m_d, o_m, tl.arange(0, COL_N), key_len, plan_block_n, qk_scale, sm_scale,
+            COL_N, DOT_F32, GUARD, COL_PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, NONFINITE,
             HAS_BIAS, HAS_MASK)
 
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
@@ -503,6 +507,9 @@ def _smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, i
 
 _PREFETCH = os.environ.get("SPARSEPREFILL_PREFETCH", "1") == "1"
 _COL_PREFETCH = os.environ.get("SPARSEPREFILL_COL_PREFETCH", "1") == "1"
+# Tuning switches only: the column loop's index prefetch, and its tile width (keys per
+# column tile, a power of two >= 16; 0 = the key tile's). docs/plan-and-kernels.md.
+_COL_TILE = int(os.environ.get("SPARSEPREFILL_COL_TILE", "0"))
 # Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
 # clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
 # keeps NaN values out of rows that do not keep their key. Never turn them off in use.
@@ -889,6 +896,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
                     SKIP_COVERED=has_columns and not plan.columns_disjoint,
                     GUARD=_GUARD, NONFINITE=nonfinite, COL_PREFETCH=_COL_PREFETCH,
+                    COL_N=min(block_n, _COL_TILE) if _COL_TILE else block_n,
                     num_warps=num_warps, num_stages=num_stages,
                 )
             except OutOfResources:

@@ -131,10 +131,16 @@ def resolve_covered_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
       path on an H100, against 0.98 resolved at 32K; docs/plan-and-kernels.md).
 
     The result is cached on the plan object (like its validation), so launching the
-    same plan again costs nothing; the attention is the same (`to_dense_mask` equal).
+    same plan again costs nothing (a plan edited in place afterwards must be rebuilt,
+    as for validation); the attention is the same (`to_dense_mask` equal). During
+    CUDA-graph capture a result is not cached and grouped lists are left as they are.
     """
     if plan.columns_disjoint or plan.column_index.shape[3] == 0:
         return plan
+    # Under CUDA-graph capture nothing runs until replay: a result made there is used by
+    # the captured launch that follows but never cached (its tensors are not written
+    # yet), and the grouped pass (one host sync) is left to the kernel's own test.
+    capturing = plan.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     cached = plan.__dict__.get("_resolved_columns")
     if cached is not None:
         return cached  # type: ignore[no-any-return]
@@ -144,7 +150,11 @@ def resolve_covered_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
         per_block = plan.batch * plan.num_heads * plan.num_query_blocks * plan.column_index.shape[3] * 4
         stored = plan.column_index.untyped_storage().nbytes()
         out = plan if per_block > max(DISJOINT_COLUMN_BYTES, stored) else disjoint_columns(plan)
+    elif capturing:
+        return plan
     else:
         out = plan.without_covered_columns()
+    if capturing:
+        return out
     object.__setattr__(plan, "_resolved_columns", out)
     return out
