@@ -43,6 +43,9 @@ import torch
 
 PLANS = ("dense", "sample_attention", "vertical_slash", "flexprefill_vs_0.9", "flexprefill_vs_0.95",
          "anchor_attention", "columns20")
+# "blocks_like_NAME": a random block plan with NAME's block sizes and density (the block
+# path's rate on the same kept area, for the column plans' ratio to it).
+LIKE = "blocks_like_"
 
 
 def workload(n: int, *, heads: int, kv_heads: int, head_dim: int, cache: Path) -> tuple[torch.Tensor, ...]:
@@ -56,7 +59,9 @@ def workload(n: int, *, heads: int, kv_heads: int, head_dim: int, cache: Path) -
     else:
         q, k, v = synthetic_qkv(Shape(1, heads, kv_heads, n, head_dim, torch.bfloat16),
                                 device=torch.device("cpu"))
-        torch.save((q, k, v), path)
+        part = path.with_suffix(".part")
+        torch.save((q, k, v), part)
+        os.replace(part, path)  # whole files only: another process may be waiting on it
     return tuple(t.cuda() for t in (q, k, v))
 
 
@@ -89,8 +94,33 @@ def column_plan(q: torch.Tensor, *, key_share: float = 0.02, block_share: float 
     return plan.validate()
 
 
+def block_plan_like(plan: Any, density: float, *, seed: int = 1) -> Any:
+    """A random causal block plan with `plan`'s block sizes and about `density` of the
+    causal pairs: every diagonal block, each other causal block with one probability."""
+    from sparseprefill.reference.plan import BlockColumnPlan, causal_pairs
+
+    b, h, n, bm, bn = plan.batch, plan.num_heads, plan.seqlen, plan.block_m, plan.block_n
+    qb, kb, dev = plan.num_query_blocks, plan.num_key_blocks, plan.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    first = torch.arange(kb, device=dev) * bn
+    last = plan.last_rows()
+    r0 = (torch.arange(qb, device=dev) * bm)[:, None]
+    pairs = causal_pairs(r0, last[:, None] + 1, first[None, :], (first + bn).clamp(max=n)[None, :]).double()
+    causal = pairs > 0
+    diag = causal & (first[None, :] + bn - 1 >= r0)
+    share = (density * pairs.sum() - pairs[diag].sum()).clamp(min=0) / pairs[causal & ~diag].sum().clamp(min=1)
+    keep = (torch.rand(b, h, qb, kb, generator=gen, device=dev) < share) & causal | diag
+    count = keep.sum(-1).to(torch.int32)
+    index = torch.sort(torch.where(keep, torch.arange(kb, device=dev), kb), dim=-1).values
+    index = index[..., : int(count.max())].clamp(max=kb - 1).to(torch.int32)
+    empty = torch.zeros(b, h, qb, 0, dtype=torch.int32, device=dev)
+    return BlockColumnPlan(seqlen=n, block_m=bm, block_n=bn, block_count=count, block_index=index,
+                           column_count=torch.zeros_like(count), column_index=empty,
+                           columns_disjoint=True).validate()
+
+
 def method_plans(q: torch.Tensor, k: torch.Tensor, names: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    """Each named plan in turn (one at a time on the GPU)."""
+    """Each named plan in turn (one at a time on the GPU); `blocks_like_X` right after X."""
     from sparseprefill import fast
 
     makers: dict[str, Callable[[], Any]] = {
@@ -103,7 +133,15 @@ def method_plans(q: torch.Tensor, k: torch.Tensor, names: tuple[str, ...]) -> It
         "columns20": lambda: column_plan(q),
     }
     for name in names:
-        yield name, makers[name]()
+        if name.startswith(LIKE):
+            continue
+        plan = makers[name]()
+        yield name, plan
+        if LIKE + name in names:
+            dens = float(fast.density(plan).mean())
+            like = block_plan_like(plan, dens)
+            del plan
+            yield LIKE + name, like
 
 
 def columns_per_block(plan: Any) -> float:
@@ -167,6 +205,20 @@ def run(args: argparse.Namespace) -> int:
             dens = float(fast.density(plan).mean())
             cols = columns_per_block(plan)
 
+            # Plan-time resolution of covered columns (this checkout's front door does it
+            # once per plan, cached): its cost, apart from the kernel's.
+            resolve_ms = None
+            try:
+                from sparseprefill.fast.kernels.own_columns import resolve_covered_columns
+            except ImportError:  # an older version of the package
+                resolve_covered_columns = None
+            if resolve_covered_columns is not None and plan.column_index.shape[3] and not plan.columns_disjoint:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                resolve_covered_columns(plan)
+                torch.cuda.synchronize()
+                resolve_ms = 1e3 * (time.perf_counter() - t0)
+
             def kernel(plan: Any = plan) -> Any:
                 return block_column_attention(q, k, v, plan, validate_plan=False)
 
@@ -189,8 +241,11 @@ def run(args: argparse.Namespace) -> int:
                    "kernel_ms": ms, "first_call_s": first_s,
                    "tflops": 4 * d * dens * pairs / ms / 1e9, "vs_floor": ms / (dens * cudnn_ms),
                    "cudnn_ms": cudnn_ms, "nonfinite": bad, "rel_err_vs_cudnn": err_dense,
-                   "compiled": _resources(fresh)}
+                   "compiled": _resources(fresh), "resolve_ms": resolve_ms}
             rows.append(row)
+            _write(args, rows)
+            if args.dump_dir:
+                _dump(Path(args.dump_dir), f"{args.label}-{name}-{n}-d{d}", fresh)
             if rows_dir is not None:
                 rows_dir.mkdir(parents=True, exist_ok=True)
                 torch.save(out[:, :, _sample_rows(n).to(out.device)].cpu(),
@@ -201,11 +256,32 @@ def run(args: argparse.Namespace) -> int:
             del out
         del q, k, v, ref
         torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "env": {k: v for k, v in os.environ.items()
-                                                   if k.startswith("SPARSEPREFILL_")}}
-    Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    _write(args, rows)
     return 0
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """The JSON so far (rewritten after every row, so a run cut short keeps its rows)."""
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "head_dim": args.head_dim,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("SPARSEPREFILL_")}}
+    Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def _dump(folder: Path, stem: str, kernels: list[Any]) -> None:
+    """Each fresh kernel's TTGIR (gzip), and its column loop's async waits on stdout."""
+    import gzip
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, kern in enumerate(kernels):
+        text = kern.asm.get("ttgir", "") if hasattr(kern, "asm") else ""
+        if not text:
+            continue
+        (folder / f"{stem}-{i}.ttgir.gz").write_bytes(gzip.compress(text.encode()))
+        waits = re.findall(r"async_wait[^{]*\{num = (\d+)", text)
+        print(f"  ttgir {stem}-{i}: async_wait nums {waits}", flush=True)
 
 
 def profile(args: argparse.Namespace) -> int:
@@ -231,6 +307,24 @@ def profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_workloads(args: argparse.Namespace) -> int:
+    """Fill the workload cache (CPU only), e.g. while the GPU does something else."""
+    from sparseprefill.demo import Shape, synthetic_qkv
+
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for n in (int(x) for x in args.seqlens.split(",")):
+            path = Path(args.cache) / f"sparseprefill-qkv-{n}-{args.heads}-{args.kv_heads}-{d}.pt"
+            if not path.exists():
+                t0 = time.perf_counter()
+                qkv = synthetic_qkv(Shape(1, args.heads, args.kv_heads, n, d, torch.bfloat16),
+                                    device=torch.device("cpu"))
+                part = path.with_suffix(".part")
+                torch.save(qkv, part)
+                os.replace(part, path)
+                print(f"workload N={n} D={d}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
 def merge(args: argparse.Namespace) -> int:
     runs = [json.loads(Path(p).read_text()) for p in args.inputs]
     rows = [r for run_ in runs for r in run_["rows"]]
@@ -248,8 +342,11 @@ def merge(args: argparse.Namespace) -> int:
     out = {"meta": [run_["meta"] for run_ in runs], "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
-    keys = sorted({(r["seqlen"], r["plan"]) for r in rows}, key=lambda x: (x[0], PLANS.index(x[1])
-                                                                          if x[1] in PLANS else -1))
+    def order(plan: str) -> float:
+        base = plan[len(LIKE):] if plan.startswith(LIKE) else plan
+        return (PLANS.index(base) + (0.5 if base != plan else 0.0)) if base in PLANS else -1.0
+
+    keys = sorted({(r["seqlen"], r["plan"]) for r in rows}, key=lambda x: (x[0], order(x[1])))
     head = f"{'N':>7} {'plan':<20} {'density':>7} {'cols':>6}"
     for lab in labels:
         head += f" | {lab[:12]:>12} ms {'TF/s':>5} {'floor':>5}"
@@ -267,6 +364,19 @@ def merge(args: argparse.Namespace) -> int:
             line += f" | {r['kernel_ms']:>15.2f} {r['tflops']:>5.0f} {fl if fl is not None else math.nan:>5.2f}"
         diffs_txt = [f"{k[12:]}={v:.1e}" for r in sel.values() for k, v in r.items() if k.startswith("rel_diff_vs_")]
         print(line + ("  diff " + " ".join(diffs_txt) if diffs_txt else ""))
+    # Column plans against the block path on the same kept area (same label, same N).
+    ratios = []
+    for r in rows:
+        like = next((x for x in rows if x["label"] == r["label"] and x["seqlen"] == r["seqlen"]
+                     and x["plan"] == LIKE + r["plan"]), None)
+        if like is not None:
+            r["vs_block_path"] = r["tflops"] / like["tflops"]
+            ratios.append(f"{r['label']} N={r['seqlen']} {r['plan']}: {r['tflops']:.0f} / "
+                          f"{like['tflops']:.0f} TFLOP/s = {r['vs_block_path']:.2f} of the block path")
+    if ratios:
+        print("\n".join(ratios))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
@@ -285,16 +395,23 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--cache", default="/tmp")
         p.add_argument("--json", default="/tmp/discrete_keys.json")
         p.add_argument("--rows-dir", default=None)
+        p.add_argument("--dump-dir", default=None, help="save each fresh kernel's TTGIR here")
         p.add_argument("--warmup", type=int, default=50)
         p.add_argument("--rep", type=int, default=300)
         p.add_argument("--sanitize", action="store_true",
                        help="one launch per plan, no timing and no cuDNN (for compute-sanitizer)")
+    w = sub.add_parser("workload", help="build and cache the workloads only (no GPU needed)")
+    w.add_argument("--seqlens", default="32768,131072")
+    w.add_argument("--head-dims", default="128,64")
+    w.add_argument("--heads", type=int, default=32)
+    w.add_argument("--kv-heads", type=int, default=8)
+    w.add_argument("--cache", default="/tmp")
     m = sub.add_parser("merge")
     m.add_argument("inputs", nargs="+")
     m.add_argument("--json", default=None)
     m.add_argument("--rows-dir", default=None)
     args = parser.parse_args(argv)
-    return {"run": run, "profile": profile, "merge": merge}[args.cmd](args)
+    return {"run": run, "profile": profile, "merge": merge, "workload": build_workloads}[args.cmd](args)
 
 
 if __name__ == "__main__":

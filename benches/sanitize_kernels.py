@@ -132,6 +132,12 @@ def main() -> int:
     from sparseprefill.fast.kernels import block_column_attention
 
     block_column_attention(q, k, v, plan, key_bias=bias)
+    # A NaN in V: the kernel copy with the non-finite step computes, the other leaves.
+    v_nan = v.clone()
+    v_nan[1, 0, 7, 3] = float("nan")
+    out_nan, _ = block_column_attention(q, k, v_nan, plan)
+    _sync(dev)
+    print(f"non-finite V ran; {int(out_nan.isnan().any(-1).sum())} NaN rows", flush=True)
     # Chunked prefill (query_offset) and a packed varlen batch.
     fast.sparse_attention(q[:, :, 300:], k, v, fast.dense_plan(q[:, :, 300:], k))
     fast.sparse_attention(q[:, :, 320:], k, v, plan.rows(320))

@@ -575,8 +575,8 @@ _LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("sparseprefill.fast.block_sparse", "_SCORE_BYTES", (1, 4096)),
     # Vertical-slash plans and runs heads in groups past this size.
     ("sparseprefill.fast.vertical_slash", "PLAN_BYTES", (1,)),
-    # Vertical-slash keeps shared (not disjoint) columns past this size.
-    ("sparseprefill.fast.vertical_slash", "DISJOINT_COLUMN_BYTES", (0,)),
+    # Plans keep shared (not disjoint) column lists past this size (the kernel tests them).
+    ("sparseprefill.fast.kernels.own_columns", "DISJOINT_COLUMN_BYTES", (0,)),
     # The reference works a chunk of query rows at a time.
     ("sparseprefill.reference.attention", "_CHUNK_BYTES", (1, 1 << 16)),
 )

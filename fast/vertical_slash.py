@@ -34,7 +34,7 @@ from ..reference.vertical_slash import (
 )
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 from .kernels.last_q_estimate import last_q_scores
-from .kernels.own_columns import disjoint_columns
+from .kernels.own_columns import resolve_covered_columns
 from .kernels.vertical_slash_index import (
     block_widths,
     count_blocks,
@@ -45,8 +45,6 @@ from .kernels.vertical_slash_index import (
 
 # Largest plan `vertical_slash` builds at once.
 PLAN_BYTES = 1 << 30
-# Largest per-query-block column lists `vertical_slash_plan` builds instead of shared ones.
-DISJOINT_COLUMN_BYTES = 512 << 20
 
 
 def vertical_slash_scores(
@@ -141,18 +139,16 @@ def vertical_slash_plan(
 
 
 def with_own_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
-    """Per-query-block disjoint columns when they fit in `DISJOINT_COLUMN_BYTES`.
+    """Per-query-block disjoint columns when they fit (`resolve_covered_columns`).
 
     Shared column lists keep a plan small at long N, but the kernel then tests every
     column against the block list (on an H200 at 128K with ANCHORS.md's MInference
-    lines: 43 ms against 33 ms with disjoint columns). Where the per-query-block lists
-    are affordable they are built once here, by one Triton pass (`disjoint_columns`),
-    and the kernel skips that test.
+    lines: 43 ms against 33 ms with disjoint columns). The kernel's front door does
+    this normalisation for any plan (cached on the plan); calling it here, when the
+    method builds its plan, puts its cost in the plan time rather than the first
+    kernel call.
     """
-    per_block = plan.batch * plan.num_heads * plan.num_query_blocks * plan.column_index.shape[3] * 4
-    if per_block > DISJOINT_COLUMN_BYTES or plan.column_index.shape[3] == 0:
-        return plan
-    return disjoint_columns(plan)
+    return resolve_covered_columns(plan)
 
 
 def plan_nbytes(batch: int, heads: int, seqlen: int, *, block_m: int, block_width: int,

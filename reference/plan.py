@@ -413,6 +413,74 @@ class BlockColumnPlan:
         )
         return plan.mark_valid() if self._checked else plan
 
+    def without_covered_columns(self, *, chunk_bytes: int = 64 << 20) -> BlockColumnPlan:
+        """The same attention with the columns that listed blocks already cover resolved
+        once per column row (a group of `column_group` query blocks, or one query block).
+
+        A column entry of a row is dropped when every query block of the group that
+        reads it (its position is below the block's count) lists the key block holding
+        it, or when no query block reads it; each count keeps its kept entries. The
+        result is `columns_disjoint` when no kept entry is covered for any query block
+        that reads it (always so with `column_group == 1`: then this is
+        `with_disjoint_columns`, keeping the layout). Where a group's query blocks
+        differ (one lists the column's block, another reads the column), the column
+        stays and so does the kernel's column-in-block test. The kept set of every
+        row is unchanged (`to_dense_mask` is equal).
+
+        Works `chunk_bytes` of temporaries at a time (about 24 bytes per column entry
+        per query block); the result's `column_index` is `[B, Hq, rows, W']`, `W'` the
+        longest kept row (one host sync). Expanded (stride-0) column rows become real
+        rows.
+
+        Returns:
+            self where there are no columns or they are already disjoint, else the
+            resolved plan (valid if self was checked).
+
+        Raises:
+            TypeError, ValueError: a plan that fails `validate` (checked once per plan).
+        """
+        self.ensure_valid()
+        width = self.column_index.shape[3]
+        if width == 0 or self.columns_disjoint or self.batch * self.num_heads == 0:
+            return self
+        b, h, qb, g = self.batch, self.num_heads, self.num_query_blocks, self.column_group
+        rows, dev = self.num_column_rows, self.device
+        step = max(1, chunk_bytes // max(1, b * h * g * width * 24))
+        keep_parts: list[torch.Tensor] = []
+        partial = torch.zeros((), dtype=torch.bool, device=dev)
+        o_w = torch.arange(width, device=dev)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            q0, q1 = r0 * g, min(qb, r1 * g)
+            cols = self.query_block_columns(q0, q1)
+            reads = o_w < self.column_count[:, :, q0:q1, None]
+            inside = columns_inside_blocks(self.block_count[:, :, q0:q1], self.block_index[:, :, q0:q1],
+                                           cols, block_n=self.block_n)
+            need = reads & ~inside
+            short = (r1 - r0) * g - (q1 - q0)  # the last group may be short
+            if short:
+                need = torch.cat([need, need.new_zeros(b, h, short, width)], dim=2)
+            keep_row = need.view(b, h, r1 - r0, g, width).any(dim=3)
+            keep_parts.append(keep_row)
+            kept_for = keep_row.repeat_interleave(g, dim=2)[:, :, : q1 - q0]
+            partial = partial | (reads & inside & kept_for).any()
+        keep = torch.cat(keep_parts, dim=2)
+        owner = torch.arange(qb, device=dev) // g
+        kept_before = torch.cumsum(keep.to(torch.int32), dim=3).index_select(2, owner)
+        counts = self.column_count.to(torch.int64)
+        new_counts = torch.where(counts > 0, torch.gather(kept_before, 3, (counts - 1).clamp(min=0).unsqueeze(-1))
+                                 .squeeze(-1), 0)
+        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+        new_width = int(keep.sum(dim=-1).max().item()) if keep.numel() else 0
+        column_index = torch.gather(self.column_index.expand(b, h, rows, width), 3, order[..., :new_width])
+        plan = BlockColumnPlan(
+            seqlen=self.seqlen, block_m=self.block_m, block_n=self.block_n,
+            block_count=self.block_count, block_index=self.block_index,
+            column_count=new_counts.to(torch.int32), column_index=column_index.contiguous(),
+            columns_disjoint=not bool(partial), column_group=g, query_offset=self.query_offset,
+        )
+        return plan.mark_valid() if self._checked else plan
+
     def rows(self, start: int, stop: int | None = None) -> BlockColumnPlan:
         """The plan of the query rows `[start, stop)` alone (a chunk of this plan).
 

@@ -17,7 +17,10 @@ from sparseprefill import fast, reference
 from sparseprefill.conformance.tolerance import baseline_attention, check_attention, golden_attention
 
 
-def test_columns_inside_listed_blocks_past_the_window() -> None:
+def test_columns_inside_listed_blocks_past_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The launcher would resolve these shared lists first (`resolve_covered_columns`);
+    # a zero budget keeps them shared so the kernel's own test runs.
+    monkeypatch.setattr("sparseprefill.fast.kernels.own_columns.DISJOINT_COLUMN_BYTES", 0)
     torch.manual_seed(0)
     n, bm, bn = 4096, 512, 16
     qb, kb = n // bm, n // bn
@@ -154,3 +157,88 @@ def test_nonfinite_values_through_column_tiles(value: float | None, group: int) 
         assert bool(kept) and int(nan_rows.sum()) > 0
         assert not bool(nan_rows[0].any()) and not bool(nan_rows[1, :2].any())
         assert bool(out[~nan_rows].isfinite().all())
+
+
+def _grouped_plan(gen: torch.Generator, n: int, bm: int, bn: int, group: int, b: int = 2,
+                  h: int = 2) -> reference.BlockColumnPlan:
+    """Random blocks plus each group's sorted column union, every query block reading
+    its causal prefix (columns inside its own listed blocks left in on purpose)."""
+    qb, kb = -(-n // bm), -(-n // bn)
+    blocks = torch.rand(b, h, qb, kb, generator=gen) < 0.4
+    plan = reference.BlockColumnPlan.from_masks(blocks, None, seqlen=n, block_m=bm, block_n=bn)
+    rows = -(-qb // group)
+    cm = torch.rand(b, h, rows, n, generator=gen) < 0.3
+    width = max(1, int(cm.sum(-1).max()))
+    index = torch.sort(torch.where(cm, torch.arange(n), n), dim=-1).values[..., :width]
+    last = ((torch.arange(qb) + 1) * bm - 1).clamp(max=n - 1)
+    count = (index[:, :, torch.arange(qb) // group] <= last[None, None, :, None]).sum(-1)
+    return reference.BlockColumnPlan(
+        seqlen=n, block_m=bm, block_n=bn, block_count=plan.block_count, block_index=plan.block_index,
+        column_count=count.to(torch.int32), column_index=index.clamp(max=n - 1).to(torch.int32),
+        column_group=group,
+    ).validate()
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_without_covered_columns_keeps_the_attention(group: int) -> None:
+    """Plan-time resolution of covered columns: same kept set, every dropped entry was
+    covered (or unread), disjoint exactly when no kept entry is covered for a reader."""
+    from sparseprefill.reference.plan import columns_inside_blocks
+
+    gen = torch.Generator().manual_seed(group)
+    plan = _grouped_plan(gen, 300, 32, 16, group)
+    out = plan.without_covered_columns(chunk_bytes=1)  # one group row per chunk
+    out.validate()
+    assert torch.equal(out.to_dense_mask(), plan.to_dense_mask())
+    assert out.column_group == group and out.column_index.shape[3] <= plan.column_index.shape[3]
+    assert bool((out.column_count <= plan.column_count).all())
+    reads = torch.arange(out.column_index.shape[3]) < out.column_count.unsqueeze(-1)
+    covered = reads & columns_inside_blocks(out.block_count, out.block_index, out.query_block_columns(),
+                                            block_n=out.block_n)
+    assert out.columns_disjoint == (not bool(covered.any()))
+    if group == 1:
+        assert out.columns_disjoint and out.equal(plan.with_disjoint_columns())
+    # Every query block of a group listing the block of a column: the column goes.
+    same = replace(plan, block_count=plan.block_count[:, :, :1].expand_as(plan.block_count).contiguous(),
+                   block_index=plan.block_index[:, :, :1].expand_as(plan.block_index).contiguous(),
+                   _checked=False)
+    same = replace(same, column_count=torch.minimum(same.column_count, same.column_count[:, :, :1]),
+                   _checked=False).validate()
+    resolved = same.without_covered_columns()
+    assert resolved.columns_disjoint and torch.equal(resolved.to_dense_mask(), same.to_dense_mask())
+
+
+def test_launch_resolves_covered_columns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's front door resolves a grouped plan's covered columns (cached on the
+    plan) and gives the attention of the unresolved plan run with the in-kernel test."""
+    from sparseprefill.fast.kernels import own_columns
+
+    gen = torch.Generator().manual_seed(7)
+    plan = _grouped_plan(gen, 200, 32, 16, 2, b=1)
+    q = torch.randn(1, 2, 200, 32, generator=gen).to(torch.float16)
+    k = torch.randn(1, 1, 200, 32, generator=gen).to(torch.float16)
+    v = torch.randn(1, 1, 200, 32, generator=gen).to(torch.float16)
+    out, lse = fast.sparse_attention(q, k, v, plan, return_lse=True)
+    resolved = own_columns.resolve_covered_columns(plan)
+    assert resolved is not plan and resolved is own_columns.resolve_covered_columns(plan)
+    mask = plan.to_dense_mask()
+    golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
+    check_attention(out, lse, golden, baseline, context="resolved at the front door")
+
+
+def test_narrow_column_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Column tiles narrower than the key tiles (the `SPARSEPREFILL_COL_TILE` switch):
+    the same attention, grouped and disjoint lists, columns past several narrow tiles."""
+    from sparseprefill.fast.kernels import block_column
+
+    monkeypatch.setattr(block_column, "_COL_TILE", 16)
+    gen = torch.Generator().manual_seed(3)
+    plan = _grouped_plan(gen, 260, 64, 64, 2, b=1).without_covered_columns()
+    assert int(plan.column_count.max()) > 32
+    q = torch.randn(1, 2, 260, 32, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 1, 260, 32, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, 1, 260, 32, generator=gen).to(torch.bfloat16)
+    out, lse = fast.sparse_attention(q, k, v, plan, return_lse=True)
+    mask = plan.to_dense_mask()
+    golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
+    check_attention(out, lse, golden, baseline, context="16-key column tiles")

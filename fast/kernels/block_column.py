@@ -9,11 +9,13 @@ cross the diagonal or the end of the sequence: the kernel runs the block list in
 two loops, an unmasked one and a masked one, and masks only the latter and the
 columns. A column inside a listed block (allowed by the plan format, so column
 lists can be shared) is dropped by a binary search in the block list, so no key
-counts twice. Column tiles are always masked, so the step that keeps NaN / inf values
-out of rows that skip their key would run on every one of them; the launcher passes a
-one-element flag (does V hold a non-finite value at all, `torch.aminmax`, no host
-sync) and the column loop is compiled twice, the checking copy taken only when the
-flag is set. Grouped-query attention maps query head `h` to KV head `h // G`; K
+counts twice (plans normally arrive with such columns already resolved at the front
+door, `resolve_covered_columns`). Column tiles are always masked, so the step that
+keeps NaN / inf values out of rows that skip their key would run on every one of
+them; for plans with columns the launcher computes a one-element flag (does V hold a
+non-finite value at all, `torch.aminmax`, no host sync) and launches two compiled
+copies of the kernel, with and without that step: the programs of the copy that does
+not match the flag return at once. Grouped-query attention maps query head `h` to KV head `h // G`; K
 and V are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
 
 Layout: kernel -> launcher (`block_column_attention`), which checks everything
@@ -53,6 +55,7 @@ from ._common import (
     tma_ok,
 )
 from ._common import dot as _dot
+from .own_columns import resolve_covered_columns
 
 
 @triton.jit
@@ -164,9 +167,9 @@ def _column_tiles(
     """Fold the listed columns into `(acc, l_i, m_i)`, gathered `BLOCK_N` at a time.
 
     Every column tile is masked (column count, causality, covered columns), so with
-    NONFINITE each tile would also pass its V tile through registers to test it for
-    NaN / inf (`_softmax_step`); the caller compiles this loop twice and runs the
-    NONFINITE copy only when V holds a non-finite value at all.
+    NONFINITE each tile also passes its V tile through registers to test it for
+    NaN / inf (`_softmax_step`); the launcher runs that copy of the kernel only when
+    V holds a non-finite value at all.
     """
     # Sorted columns meet the sorted block list in order: `ptr` never passes the first
     # listed block a later column can fall in, so a window of WIN entries from `ptr`
@@ -237,7 +240,7 @@ def _block_column_fwd(
     SUB_N: tl.constexpr, DIAG: tl.constexpr, EVEN_D: tl.constexpr, HAS_COLUMNS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
-    GUARD: tl.constexpr, NONFINITE: tl.constexpr,
+    GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr, COL_N: tl.constexpr,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -262,6 +265,16 @@ def _block_column_fwd(
     stride_cib, stride_cih, stride_cim, stride_cik = strides_ci
     stride_sb, stride_sh, stride_sm, stride_sn = strides_sum
     stride_xb, stride_xh, stride_xn = strides_bias
+    # Two compiled copies share a launch (see `_launch`): with V_BAD given, the copy
+    # without the non-finite step runs only where V holds no NaN / inf, the copy with
+    # it only where it does; the other copy's programs leave at once.
+    if V_BAD is not None:
+        if NONFINITE:
+            if tl.load(V_BAD) == 0:
+                return
+        else:
+            if tl.load(V_BAD) != 0:
+                return
     # Longest rows first: later query tiles list more blocks. (A tile-major 1-D grid for
     # varlen batches measured slower on the H200: 89.6 vs 83.3 ms on 4K + 16K + 60K.)
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -416,31 +429,14 @@ def _block_column_fwd(
             + i_crow.to(tl.int64) * stride_cim
         p_k_cols = k_base + o_d[:, None] * stride_kd
         p_v_cols = v_base + o_d[None, :] * stride_vd
-        # A column tile is always masked; its non-finite step (which spilled registers
-        # and cost 5x on the H100's anchor plan, docs/plan-and-kernels.md) runs only when
-        # the launcher's one-element flag says V holds a NaN or an infinity at all.
-        if NONFINITE:
-            if tl.load(V_BAD) != 0:
-                acc, l_i, m_i, poison = _column_tiles(
-                    acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
-                    p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-                    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
-                    BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, True,
-                    HAS_BIAS, HAS_MASK)
-            else:
-                acc, l_i, m_i, poison = _column_tiles(
-                    acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
-                    p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-                    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
-                    BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
-                    HAS_BIAS, HAS_MASK)
-        else:
-            acc, l_i, m_i, poison = _column_tiles(
-                acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
-                p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-                m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
-                BLOCK_N, DOT_F32, GUARD, PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, False,
-                HAS_BIAS, HAS_MASK)
+        # Column tiles may be narrower than key tiles (COL_N, a tuning switch).
+        acc, l_i, m_i, poison = _column_tiles(
+            acc, l_i, m_i, poison, b_q, tl.zeros([COL_N], dtype=tl.float32), ccount, count, p_cindex,
+            stride_cik, p_bindex, stride_bik,
+            p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
+            m_row, m_d, o_m, tl.arange(0, COL_N), key_len, plan_block_n, qk_scale, sm_scale,
+            COL_N, DOT_F32, GUARD, COL_PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, NONFINITE,
+            HAS_BIAS, HAS_MASK)
 
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
     # output (a convex combination of values), so any infinity is such a row too.
@@ -518,6 +514,10 @@ def _smaller_config(config: tuple[int, int, int, int]) -> tuple[int, int, int, i
 
 
 _PREFETCH = os.environ.get("SPARSEPREFILL_PREFETCH", "1") == "1"
+_COL_PREFETCH = os.environ.get("SPARSEPREFILL_COL_PREFETCH", "1") == "1"
+# Tuning switches only: the column loop's index prefetch, and its tile width (keys per
+# column tile, a power of two >= 16; 0 = the key tile's). docs/plan-and-kernels.md.
+_COL_TILE = int(os.environ.get("SPARSEPREFILL_COL_TILE", "0"))
 # Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
 # clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
 # keeps NaN values out of rows that do not keep their key. Never turn them off in use.
@@ -813,7 +813,9 @@ def _zero_strides(n: int) -> tuple[int, ...]:
 
 def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch `_block_column_fwd` for one checked call (the only launch site)."""
-    q, k, v, plan = call.q, call.k, call.v, call.plan
+    q, k, v = call.q, call.k, call.v
+    # Covered columns resolved once per plan (cached on it), not in every column tile.
+    plan = resolve_covered_columns(call.plan)
     b, hq, n, d = q.shape
     ragged = call.kv_offsets is not None
     group = hq // (call.kv_offsets.shape[0] // b if call.kv_offsets is not None else k.shape[1])
@@ -855,59 +857,74 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     if has_columns and _NONFINITE:
         v_bad = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
     use_tma = head_dim == d and not ragged and call.varlen is None and tma_ok(q, k, v)
-    key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma,
-           call.varlen is None, has_columns, call.return_lse, ragged, bias is not None,
-           work is not None, sums is not None)
-    initial = _tile_config(plan.block_m, plan.block_n, d)
-    config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
-    # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
-    diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
-    while True:
-        block_m, block_n, num_warps, num_stages = config
-        k_desc: object = None
-        v_desc: object = None
-        if use_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
+    # Column plans: two copies of the kernel, one launch each; the flag on the device
+    # picks the one whose programs compute (no host sync), the other's leave at once.
+    # The copy without the non-finite step does not carry its registers (H100: the
+    # single kernel holding both column loops spilled; docs/plan-and-kernels.md).
+    def launch_copy(nonfinite: bool, launched: bool) -> bool:
+        """Launch one compiled copy (`NONFINITE=nonfinite`), falling back to smaller tiles
+        where shared memory runs out; returns True. A launch that fails for shared memory
+        never ran, so a fallback leaves what an earlier copy wrote alone (block sums are
+        zeroed only before any copy ran)."""
+        key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma,
+               call.varlen is None, has_columns, call.return_lse, ragged, bias is not None,
+               work is not None, sums is not None, nonfinite)
+        initial = _tile_config(plan.block_m, plan.block_n, d)
+        config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
+        # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
+        diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
+        while True:
+            block_m, block_n, num_warps, num_stages = config
+            k_desc: object = None
+            v_desc: object = None
+            if use_tma:
+                from triton.tools.tensor_descriptor import TensorDescriptor
 
-            k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
-            v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
-        grid = (triton.cdiv(n, block_m), b * hq)
-        try:
-            _block_column_fwd[grid](
-                q, k, v, out, lse, mask_arg,
-                plan.block_count, plan.block_index, plan.column_count, plan.column_index,
-                *((work.m, work.l, work.acc) if work is not None else (None, None, None)),
-                sums, call.kv_offsets, bias, cu_arg, k_desc, v_desc, v_bad,
-                call.sm_scale * LOG2E, call.sm_scale, n, call.key_len, plan.query_offset, d, hq, group,
-                plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
-                plan.column_index.shape[3], plan.column_group,
-                tuple(q.stride()), kstrides, vstrides, tuple(out.stride()[:3]),
-                tuple(lse.stride()[:2]) if lse is not None else _zero_strides(2), mstrides,
-                tuple(plan.block_count.stride()), tuple(plan.block_index.stride()),
-                tuple(plan.column_count.stride()), tuple(plan.column_index.stride()),
-                tuple(sums.stride()) if sums is not None else _zero_strides(4), xstrides,
-                BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n,
-                DIAG=diag, EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns,
-                DOT_F32=dot_f32(q.dtype), USE_TMA=use_tma, PREFETCH=_PREFETCH,
-                SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
-                WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
-                SKIP_COVERED=has_columns and not plan.columns_disjoint,
-                GUARD=_GUARD, NONFINITE=_NONFINITE,
-                num_warps=num_warps, num_stages=num_stages,
-            )
-        except OutOfResources:
-            # This GPU has less shared memory than the tile needs (a dense mask's tiles,
-            # or a smaller card than an H100/H200): fewer stages, then smaller tiles.
-            smaller = _smaller_config(config)
-            if smaller is None:
-                raise
-            config = smaller
-            if sums is not None:
-                sums.zero_()
-            continue
-        if config != initial:
-            _FITTED[key] = config
-        break
+                k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
+                v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
+            grid = (triton.cdiv(n, block_m), b * hq)
+            try:
+                _block_column_fwd[grid](
+                    q, k, v, out, lse, mask_arg,
+                    plan.block_count, plan.block_index, plan.column_count, plan.column_index,
+                    *((work.m, work.l, work.acc) if work is not None else (None, None, None)),
+                    sums, call.kv_offsets, bias, cu_arg, k_desc, v_desc, v_bad,
+                    call.sm_scale * LOG2E, call.sm_scale, n, call.key_len, plan.query_offset, d, hq, group,
+                    plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
+                    plan.column_index.shape[3], plan.column_group,
+                    tuple(q.stride()), kstrides, vstrides, tuple(out.stride()[:3]),
+                    tuple(lse.stride()[:2]) if lse is not None else _zero_strides(2), mstrides,
+                    tuple(plan.block_count.stride()), tuple(plan.block_index.stride()),
+                    tuple(plan.column_count.stride()), tuple(plan.column_index.stride()),
+                    tuple(sums.stride()) if sums is not None else _zero_strides(4), xstrides,
+                    BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n,
+                    DIAG=diag, EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns,
+                    DOT_F32=dot_f32(q.dtype), USE_TMA=use_tma, PREFETCH=_PREFETCH,
+                    SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
+                    WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
+                    SKIP_COVERED=has_columns and not plan.columns_disjoint,
+                    GUARD=_GUARD, NONFINITE=nonfinite, COL_PREFETCH=_COL_PREFETCH,
+                    COL_N=min(block_n, _COL_TILE) if _COL_TILE else block_n,
+                    num_warps=num_warps, num_stages=num_stages,
+                )
+            except OutOfResources:
+                # This GPU has less shared memory than the tile needs (a dense mask's tiles,
+                # or a smaller card than an H100/H200): fewer stages, then smaller tiles.
+                smaller = _smaller_config(config)
+                if smaller is None:
+                    raise
+                config = smaller
+                if sums is not None and not launched:
+                    sums.zero_()
+                continue
+            if config != initial:
+                _FITTED[key] = config
+            return True
+
+    copies = (False, True) if v_bad is not None else (_NONFINITE,)
+    launched = False
+    for nonfinite in copies:
+        launched = launch_copy(nonfinite, launched)
     if state is not None and work is not state:
         assert work is not None
         for name in ("m", "l", "acc"):

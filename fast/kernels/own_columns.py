@@ -24,6 +24,9 @@ from ...reference.plan import BlockColumnPlan
 
 # Columns handled per vector step.
 _CHUNK = 128
+# Largest per-query-block column lists built from shared (stride-0 or grouped) ones
+# by `resolve_covered_columns`; read at call time (conformance lowers it to 0).
+DISJOINT_COLUMN_BYTES = 512 << 20
 
 
 @triton.jit
@@ -103,5 +106,55 @@ def disjoint_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
         seqlen=plan.seqlen, block_m=plan.block_m, block_n=plan.block_n,
         block_count=plan.block_count, block_index=plan.block_index,
         column_count=count, column_index=index, columns_disjoint=True,
+        query_offset=plan.query_offset,
     )
     return out.mark_valid() if plan._checked else out
+
+
+def resolve_covered_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
+    """The plan normalisation every launch of the block/column kernel goes through.
+
+    Columns that a listed block of the same query block already covers are resolved
+    at plan time, once per column row, so the kernel can skip its per-tile
+    column-in-block test (`SKIP_COVERED`, a window compare and a fallback binary
+    search in every column tile):
+
+    * plans without columns, or already `columns_disjoint`: unchanged;
+    * one column list per query block (`column_group == 1`), stored per query block
+      or shared (stride 0) but fitting `DISJOINT_COLUMN_BYTES` once expanded:
+      `disjoint_columns` (one Triton pass);
+    * grouped lists (`column_group > 1`): `plan.without_covered_columns()` (drops the
+      columns covered for every query block of the group; disjoint when no covered
+      column is left, else the kernel keeps its test for the rest);
+    * shared (stride-0) lists too large to give every query block its own: unchanged
+      (fast.flexprefill_vs's plan at 128K: its in-kernel test ran at 0.46 of the block
+      path on an H100, against 0.98 resolved at 32K; docs/plan-and-kernels.md).
+
+    The result is cached on the plan object (like its validation), so launching the
+    same plan again costs nothing (a plan edited in place afterwards must be rebuilt,
+    as for validation); the attention is the same (`to_dense_mask` equal). During
+    CUDA-graph capture a result is not cached and grouped lists are left as they are.
+    """
+    if plan.columns_disjoint or plan.column_index.shape[3] == 0:
+        return plan
+    # Under CUDA-graph capture nothing runs until replay: a result made there is used by
+    # the captured launch that follows but never cached (its tensors are not written
+    # yet), and the grouped pass (one host sync) is left to the kernel's own test.
+    capturing = plan.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    cached = plan.__dict__.get("_resolved_columns")
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    if plan.column_group == 1:
+        # Lists already stored per query block cost nothing new to resolve (columns20 at
+        # 128K: 687 MB); shared (stride-0) ones are expanded only within the budget.
+        per_block = plan.batch * plan.num_heads * plan.num_query_blocks * plan.column_index.shape[3] * 4
+        stored = plan.column_index.untyped_storage().nbytes()
+        out = plan if per_block > max(DISJOINT_COLUMN_BYTES, stored) else disjoint_columns(plan)
+    elif capturing:
+        return plan
+    else:
+        out = plan.without_covered_columns()
+    if capturing:
+        return out
+    object.__setattr__(plan, "_resolved_columns", out)
+    return out
