@@ -723,6 +723,9 @@ def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str,
     params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything]))
     params["init_columns"] = draw(st.sampled_from([1, 0, 5]))
     params["local_diagonals"] = draw(st.sampled_from([1, 0, 7]))
+    # Bands of lines: single lines (Alg. 5), whole key blocks (a pure-block plan), and
+    # widths that are not multiples of block_n (lines kept as columns).
+    params["line_block"] = draw(st.sampled_from([1, params["block_n"], 2 * params["block_n"], 16, 100]))
     return params
 
 

@@ -23,6 +23,7 @@ import torch
 from ..reference._checks import HALF_DTYPES, check_count, check_qk, check_qkv
 from ..reference.flexprefill_vs import (
     GAMMA,
+    LINE_BLOCK,
     check_flexprefill_vs_params,
     cover_bands,
 )
@@ -42,7 +43,7 @@ def flexprefill_vs_lines(
     last_q: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
-    line_block: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept columns and offsets (see `reference.flexprefill_vs.flexprefill_vs_lines`).
@@ -127,7 +128,7 @@ def flexprefill_vs_plan(
     block_n: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
-    line_block: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> BlockColumnPlan:
     """FlexPrefill-style vertical-slash plan (see `reference.flexprefill_vs_plan`).
@@ -158,7 +159,7 @@ def flexprefill_vs(
     block_n: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
-    line_block: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> torch.Tensor:
     """FlexPrefill-style vertical-slash sparse attention (see `reference.flexprefill_vs`).

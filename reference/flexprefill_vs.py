@@ -51,6 +51,8 @@ from .vertical_slash import approximate_attention, slash_coverage, sum_slash, su
 
 # FlexPrefill's and SharePrefill's cumulative attention threshold.
 GAMMA = 0.9
+# Lines per band of the threshold (1: single lines, Alg. 5 as written); docs/flexprefill_vs.md.
+LINE_BLOCK = 1
 
 
 def check_flexprefill_vs_params(
@@ -168,7 +170,7 @@ def flexprefill_vs_lines(
     last_q: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
-    line_block: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Alg. 5 lines 1-9: the kept key columns and diagonal offsets of every query head.
@@ -276,7 +278,7 @@ def flexprefill_vs_plan(
     block_n: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
-    line_block: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> BlockColumnPlan:
     """FlexPrefill-style vertical-slash plan (SharePrefill Alg. 5); see the module doc.
@@ -320,7 +322,7 @@ def flexprefill_vs(
     block_n: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
-    line_block: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> torch.Tensor:
     """FlexPrefill-style vertical-slash sparse attention through `flexprefill_vs_plan`.
