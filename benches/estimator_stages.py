@@ -275,7 +275,7 @@ def _flexprefill_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: A
 
 
 # Line granularity variants (issue 22): (line_block, block_m = block_n) at each gamma.
-BAND_CONFIGS = ((64, 64), (128, 128), (128, 64), (256, 128))
+BAND_CONFIGS = ((64, 64), (128, 128), (128, 64))
 BAND_GAMMAS = (0.85, 0.9, 0.95)
 
 
@@ -347,22 +347,44 @@ def peer_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: 
 
 
 def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The XAttention scoring kernel at other tile configurations (after only)."""
+    """The XAttention scoring kernel at other tile configurations and program orders (after only)."""
     from sparseprefill.fast.kernels import xattention_score as xs
 
     rows: list[dict[str, Any]] = []
-    default = xs.SCORE_CONFIGS
-    for config in ((64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3)):
+    default, order = xs.SCORE_CONFIGS, getattr(xs, "LONGEST_FIRST", None)
+    orders = (False, True) if order is not None else (None,)
+    for config in ((128, 128, 8, 3), (64, 64, 4, 2), (128, 256, 8, 2), (256, 128, 8, 2)):
         xs.SCORE_CONFIGS = (config,)
-        for stride in (8, 16):
-            try:
-                ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
-            except Exception as exc:  # noqa: BLE001
-                log(f"variant {config} s{stride}: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": f"score {config}", "ms": ms})
-            log(f"N={n} xattention s{stride} score config {config}: {ms:.3f} ms")
+        for longest in orders:
+            if longest is not None:
+                xs.LONGEST_FIRST = longest
+            label = f"score {config}" + (" longest first" if longest else "")
+            for stride in (8, 16):
+                try:
+                    ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"variant {label} s{stride}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": label, "ms": ms})
+                log(f"N={n} xattention s{stride} {label}: {ms:.3f} ms")
     xs.SCORE_CONFIGS = default
+    if order is not None:
+        xs.LONGEST_FIRST = order
+    if hasattr(xs, "KEY_SPLIT_STEPS"):
+        # Each row block's key range over several programs launched together (shared Q in L2).
+        split_default = xs.KEY_SPLIT_STEPS
+        for steps in (2, 4, 8):
+            xs.KEY_SPLIT_STEPS = steps
+            for stride in (8, 16):
+                try:
+                    ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"variant split {steps} s{stride}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                label = f"score {default[0]} key split {steps} steps"
+                rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": label, "ms": ms})
+                log(f"N={n} xattention s{stride} {label}: {ms:.3f} ms")
+        xs.KEY_SPLIT_STEPS = split_default
     return rows
 
 
@@ -526,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows += peer_rows(n, q, k, v, dense, args.peer, log)
         del q, k, v, dense
         torch.cuda.empty_cache()
+        if args.json:  # after every N, so a run cut short still leaves its rows
+            with open(args.json, "w") as out:
+                json.dump({"environment": env, "rows": rows}, out, indent=1)
     result: dict[str, Any] = {"environment": env, "rows": rows}
     if args.capture:
         result["capture"] = capture_rows(log)
