@@ -182,7 +182,9 @@ def stage_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense:
             log(f"N={n} {method} {stage}: {type(exc).__name__}: {str(exc)[:200]}")
             return
         rows.append({"seqlen": n, "method": method, "stage": stage, "ms": ms, **extra})
-        log(f"N={n} {method:28s} {stage:30s} {ms:9.3f} ms  ({time.perf_counter() - t0:.1f}s)")
+        # Density, error and recall in the log too: a run cut short still leaves them there.
+        quality = " ".join(f"{f}={extra[f]:.4g}" for f in ("density", "rel_err", "recall") if f in extra)
+        log(f"N={n} {method:28s} {stage:30s} {ms:9.3f} ms  ({time.perf_counter() - t0:.1f}s) {quality}")
 
     def plan_row(method: str, plan_fn: Callable[[], Any], run_fn: Callable[[], torch.Tensor] | None,
                  recall: bool = False) -> Any:
@@ -340,7 +342,8 @@ def peer_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: 
                     row["density"] = density
                     row["recall"] = recall
                 rows.append(row)
-                log(f"N={n} peer g{gamma} {stage}: {ms:.3f} ms")
+                log(f"N={n} peer g{gamma} {stage}: {ms:.3f} ms density={density:.4g} "
+                    f"rel_err={row.get('rel_err', float('nan')):.4g} recall={recall:.4g}")
         except Exception as exc:  # noqa: BLE001
             log(f"N={n} peer g{gamma}: {type(exc).__name__}: {str(exc)[:300]}")
     return rows
