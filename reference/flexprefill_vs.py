@@ -51,9 +51,9 @@ from .vertical_slash import approximate_attention, slash_coverage, sum_slash, su
 
 # FlexPrefill's and SharePrefill's cumulative attention threshold.
 GAMMA = 0.9
-# Lines per band of the threshold (1: single lines, Alg. 5 as written). 64, the default
-# block_n: whole key blocks, a pure-block plan; chosen by measurement, docs/flexprefill_vs.md.
-LINE_BLOCK = 64
+# Lines per band of the threshold (1: single lines, Alg. 5 as written). 128, two default
+# 64-key blocks: whole key blocks, a pure-block plan; chosen by measurement, docs/flexprefill_vs.md.
+LINE_BLOCK = 128
 
 
 def check_flexprefill_vs_params(

@@ -172,9 +172,11 @@ def test_padded_lines() -> None:
 
 def test_density_grows_with_gamma_and_empty_plan_gives_zeros() -> None:
     q, k, v = _inputs(1, 2, 1, 160, 32, seed=1, peak=4.0)
-    dens = [float(reference.density(reference.flexprefill_vs_plan(q, k, gamma=g, block_m=16,
-                                                                  block_n=16)).mean())
-            for g in (0.0, 0.5, 0.9, 1.0)]
+    dens = [float(reference.density(reference.flexprefill_vs_plan(q, k, gamma=g, block_m=16, block_n=16,
+                                                                  line_block=lb)).mean())
+            for lb in (1, 16) for g in (0.0, 0.5, 0.9, 1.0)]
+    dens_bands, dens = dens[4:], dens[:4]
+    assert dens_bands == sorted(dens_bands) and dens_bands[0] < dens_bands[-1] == 1.0
     assert dens == sorted(dens) and dens[0] < dens[-1] == 1.0
     empty = reference.flexprefill_vs_plan(q, k, gamma=0.0, init_columns=0, local_diagonals=0)
     assert int(empty.block_count.sum()) == 0 and int(empty.column_count.sum()) == 0
