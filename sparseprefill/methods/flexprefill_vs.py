@@ -72,8 +72,9 @@ METHOD = register(Method(
     sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
     chunked="the chunk's last `last_q` queries (capped at the chunk's length), as vertical-slash",
     sync=SyncStatus(
-        syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item())",
-               "counting pass: as vertical_slash"),
+        syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item()); "
+               "not with line_block a multiple of block_n (the default): band_index takes the bands",
+               "counting pass: as vertical_slash (band_index's own with whole-block bands)"),
         static_bound="N lines per head, then min(Kb, N * ...) = Kb key blocks per query block",
         note="static lines are padded to N (the counting pass walks all N offsets per query block); "
              "columns stay shared when per-block lists exceed 512 MB"),
