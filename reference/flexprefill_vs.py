@@ -73,7 +73,7 @@ def check_flexprefill_vs_params(
     check_block_size("block_n", block_n)
     check_positive_int("init_columns", init_columns, minimum=0)
     check_positive_int("local_diagonals", local_diagonals, minimum=0)
-    check_positive_int("line_block", line_block)
+    check_block_size("line_block", line_block)
 
 
 def normalized_lines(a_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
