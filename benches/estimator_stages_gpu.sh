@@ -27,4 +27,7 @@ PYTHONPATH=/tmp/es-after python3 $S --merge "$OUT/before.json" "$OUT/after.json"
 PYTHONPATH=/tmp/es-after python3 $S --tag d64 --head-dim 64 --seqlens $SEQLENS --methods flexprefill_vs xattention $peer \
   --json "$OUT/d64.json"
 PYTHONPATH=/tmp/es-after python3 $S --merge none "$OUT/d64.json" --json "$OUT/stages-d64.json" > "$OUT/stages-d64.md"
+# The kernels this table's branch changed (band_index, the scoring orders), against the reference.
+PYTHONPATH=/tmp/es-after python3 -m sparseprefill.conformance --device cuda --max-seqlen 4096 --examples 10 \
+  --methods flexprefill_vs,xattention --no-kernel --json "$OUT/conformance.json" | tail -n 6
 grep -E "\| plan \||end to end|cuDNN" "$OUT/stages.md" "$OUT/stages-d64.md"
