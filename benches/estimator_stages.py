@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -76,14 +77,15 @@ def _plan_hash(plan: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def workload(n: int, device: torch.device, cache: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    path = os.path.join(cache, f"qkv_{n}.pt")
+def workload(n: int, device: torch.device, cache: str,
+             head_dim: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    path = os.path.join(cache, f"qkv_{n}.pt" if head_dim == 128 else f"qkv_{n}_d{head_dim}.pt")
     if os.path.exists(path):
         q, k, v = torch.load(path)
     else:
         from sparseprefill.demo import Shape, synthetic_qkv
 
-        q, k, v = synthetic_qkv(Shape(1, 32, 8, n, 128, torch.bfloat16), device=torch.device("cpu"))
+        q, k, v = synthetic_qkv(Shape(1, 32, 8, n, head_dim, torch.bfloat16), device=torch.device("cpu"))
         os.makedirs(cache, exist_ok=True)
         torch.save((q, k, v), path)
     return q.to(device), k.to(device), v.to(device)
@@ -108,8 +110,57 @@ def _rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float((out.float() - exact.float()).norm() / exact.float().norm())
 
 
+# Query rows whose recall is measured: the last 64 rows before each of these fractions of N.
+RECALL_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def recall_rows(n: int) -> list[int]:
+    return [r for f in RECALL_FRACTIONS for r in range(int(n * f) - 64, int(n * f))]
+
+
+def sampled_recall(q: torch.Tensor, k: torch.Tensor, kept_keys: Callable[[int, int, int], torch.Tensor]) -> float:
+    """Mean attention mass the kept keys hold over `recall_rows` of every query head (batch 0).
+
+    `kept_keys(head, first_row, stop_row)` is bool `[stop_row - first_row, N]`, the plan's
+    keys of those rows; the exact causal softmax is computed in fp32 for those rows.
+    """
+    n, d = q.shape[2], q.shape[3]
+    group = q.shape[1] // k.shape[1]
+    rows = torch.tensor(recall_rows(n), device=q.device)
+    keys = torch.arange(n, device=q.device)
+    total = 0.0
+    for h in range(q.shape[1]):
+        s = (q[0, h, rows].float() @ k[0, h // group].float().T) / math.sqrt(d)
+        s = s.masked_fill(keys[None, :] > rows[:, None], -math.inf)
+        p = torch.softmax(s, dim=-1)
+        kept = torch.cat([kept_keys(h, int(rows[i]), int(rows[i]) + 64) for i in range(0, len(rows), 64)])
+        total += float((p * kept).sum(-1).mean())
+    return total / q.shape[1]
+
+
+def plan_kept_keys(plan: Any) -> Callable[[int, int, int], torch.Tensor]:
+    """`kept_keys` of a BlockColumnPlan (batch 0; rows of one call inside one query block
+    or a few whole ones)."""
+    n, bm, bn = plan.seqlen, plan.block_m, plan.block_n
+
+    def kept(h: int, start: int, stop: int) -> torch.Tensor:
+        out = []
+        for r in range(start, stop):
+            i = r // bm
+            mask = torch.zeros(plan.num_key_blocks * bn + 1, dtype=torch.bool, device=plan.device)
+            blocks = plan.block_index[0, h, i, : int(plan.block_count[0, h, i])].long()
+            mask[:-1].view(-1, bn)[blocks] = True
+            group = getattr(plan, "column_group", 1)
+            cols = plan.column_index[0, h, i // group, : int(plan.column_count[0, h, i])].long()
+            mask[cols] = True
+            out.append(mask[:n])
+        return torch.stack(out)
+
+    return kept
+
+
 def stage_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: torch.Tensor,
-               log: Callable[[str], None]) -> list[dict[str, Any]]:
+               log: Callable[[str], None], methods: list[str] | None = None) -> list[dict[str, Any]]:
     """Every method's plan and stages at N (whatever this version of the package has)."""
     import importlib
 
@@ -131,19 +182,26 @@ def stage_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense:
             log(f"N={n} {method} {stage}: {type(exc).__name__}: {str(exc)[:200]}")
             return
         rows.append({"seqlen": n, "method": method, "stage": stage, "ms": ms, **extra})
-        log(f"N={n} {method:28s} {stage:30s} {ms:9.3f} ms  ({time.perf_counter() - t0:.1f}s)")
+        # Density, error and recall in the log too: a run cut short still leaves them there.
+        quality = " ".join(f"{f}={extra[f]:.4g}" for f in ("density", "rel_err", "recall") if f in extra)
+        log(f"N={n} {method:28s} {stage:30s} {ms:9.3f} ms  ({time.perf_counter() - t0:.1f}s) {quality}")
 
-    def plan_row(method: str, plan_fn: Callable[[], Any], run_fn: Callable[[], torch.Tensor] | None) -> Any:
+    def plan_row(method: str, plan_fn: Callable[[], Any], run_fn: Callable[[], torch.Tensor] | None,
+                 recall: bool = False) -> Any:
         plan = plan_fn()
         extra: dict[str, Any] = {"plan_hash": _plan_hash(plan), "density": float(fast.density(plan).mean()),
                                  "syncs": _syncs(plan_fn)}
         if run_fn is not None:
             extra["rel_err"] = _rel_err(run_fn(), dense)
+        if recall:
+            extra["recall"] = sampled_recall(q, k, plan_kept_keys(plan))
         add(method, "plan", plan_fn, **extra)
         add(method, "kernel", lambda: block_column_attention(q, k, v, plan, validate_plan=False))
         return plan
 
     def guarded(section: str, fn: Callable[[], None]) -> None:
+        if methods and section not in methods:
+            return
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - one failing section leaves the others
@@ -152,6 +210,7 @@ def stage_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense:
     guarded("xattention", lambda: _xattention_rows(n, q, k, v, fast, fx, add, plan_row))
     guarded("dpxa", lambda: _dpxa_rows(q, k, v, fast, add, plan_row, rows))
     guarded("flexprefill_vs", lambda: _flexprefill_rows(q, k, v, fast, ff, add, plan_row))
+    guarded("flexprefill_vs", lambda: _flexprefill_band_rows(q, k, v, fast, ff, add, plan_row))
     for method in ("vertical_slash", "sample_attention", "anchor_attention", "minference", "block_sparse"):
         spec = METHODS[method]
         if spec.fast_plan is None:
@@ -206,14 +265,39 @@ def _flexprefill_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: A
 
     for gamma in (0.9, 0.95):
         name = f"flexprefill_vs g{gamma}"
-        plan_row(name, lambda g=gamma: fast.flexprefill_vs_plan(q, k, gamma=g),
-                 lambda g=gamma: fast.flexprefill_vs(q, k, v, gamma=g))
+        lines = {"line_block": 1} if "line_block" in inspect.signature(fast.flexprefill_vs_plan).parameters else {}
+        plan_row(name, lambda g=gamma: fast.flexprefill_vs_plan(q, k, gamma=g, **lines),
+                 lambda g=gamma: fast.flexprefill_vs(q, k, v, gamma=g, **lines), recall=True)
         add(name, "estimate (last_q_scores)", lambda: last_q_scores(q, k, last_q=64))
-        add(name, "lines (estimate + cover)", lambda g=gamma: ff.flexprefill_vs_lines(q, k, gamma=g))
-        ver, sla = ff.flexprefill_vs_lines(q, k, gamma=gamma)
+        add(name, "lines (estimate + cover)", lambda g=gamma: ff.flexprefill_vs_lines(q, k, gamma=g, **lines))
+        ver, sla = ff.flexprefill_vs_lines(q, k, gamma=gamma, **lines)
         add(name, "padded lines", lambda a=ver, b=sla: (ff.padded_lines(a), ff.padded_lines(b)))
         add(name, "index (lines_index)", lambda a=ver, b=sla: ff.lines_index(a, b))
         del ver, sla
+
+
+# Line granularity variants (issue 22): (line_block, block_m = block_n) at each gamma.
+BAND_CONFIGS = ((64, 64), (128, 128), (128, 64))
+BAND_GAMMAS = (0.85, 0.9, 0.95)
+
+
+def _flexprefill_band_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: Any, ff: Any, add: Any,
+                           plan_row: Any) -> None:
+    """flexprefill_vs with lines in bands (`line_block`), where this version has it."""
+    if "line_block" not in inspect.signature(fast.flexprefill_vs_plan).parameters:
+        return
+    for lb, blk in BAND_CONFIGS:
+        for gamma in BAND_GAMMAS:
+            p = {"gamma": gamma, "line_block": lb, "block_m": blk, "block_n": blk}
+            name = f"flexprefill_vs g{gamma} lb{lb} b{blk}"
+            plan_row(name, lambda p=p: fast.flexprefill_vs_plan(q, k, **p),
+                     lambda p=p: fast.flexprefill_vs(q, k, v, **p), recall=True)
+            lp = {"gamma": gamma, "line_block": lb}
+            add(name, "lines (estimate + cover)", lambda lp=lp: ff.flexprefill_vs_lines(q, k, **lp))
+            ver, sla = ff.flexprefill_vs_lines(q, k, **lp)
+            add(name, "index (lines_index)",
+                lambda a=ver, b=sla, lb=lb, blk=blk: ff.lines_index(a, b, block_m=blk, block_n=blk, line_block=lb))
+            del ver, sla
 
 
 def peer_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: torch.Tensor, peer: str,
@@ -235,38 +319,75 @@ def peer_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: 
             out = e2e().transpose(1, 2)
             # Its plan: per (batch, head) the unique entries `row block * T + column block`.
             tiles = (n + 127) // 128
-            kept = sum(int(((e // tiles) >= (e % tiles)).sum()) for per_b in est() for e in per_b)
+            entries = est()
+            kept = sum(int(((e // tiles) >= (e % tiles)).sum()) for per_b in entries for e in per_b)
             density = kept / (q.shape[1] * tiles * (tiles + 1) / 2)
+
+            def peer_keys(h: int, start: int, stop: int, e: Any = entries) -> torch.Tensor:
+                mine = e[0][h].long()
+                out = []
+                for r in range(start, stop):
+                    cols = mine[(mine // tiles) == r // 128] % tiles
+                    mask = torch.zeros(tiles * 128, dtype=torch.bool, device=q.device)
+                    mask.view(tiles, 128)[cols] = True
+                    out.append(mask[:n])
+                return torch.stack(out)
+
+            recall = sampled_recall(q, k, peer_keys)
             for stage, fn in (("end to end", e2e), ("estimate (get_active_blocks)", est)):
                 ms = _ms(fn)
                 row = {"seqlen": n, "method": f"FlexPrefill (MInference port) g{gamma}", "stage": stage, "ms": ms}
                 if stage == "end to end":
                     row["rel_err"] = _rel_err(out, dense)
                     row["density"] = density
+                    row["recall"] = recall
                 rows.append(row)
-                log(f"N={n} peer g{gamma} {stage}: {ms:.3f} ms")
+                log(f"N={n} peer g{gamma} {stage}: {ms:.3f} ms density={density:.4g} "
+                    f"rel_err={row.get('rel_err', float('nan')):.4g} recall={recall:.4g}")
         except Exception as exc:  # noqa: BLE001
             log(f"N={n} peer g{gamma}: {type(exc).__name__}: {str(exc)[:300]}")
     return rows
 
 
 def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The XAttention scoring kernel at other tile configurations (after only)."""
+    """The XAttention scoring kernel at other tile configurations and program orders (after only)."""
     from sparseprefill.fast.kernels import xattention_score as xs
 
     rows: list[dict[str, Any]] = []
-    default = xs.SCORE_CONFIGS
-    for config in ((64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3)):
+    default, order = xs.SCORE_CONFIGS, getattr(xs, "LONGEST_FIRST", None)
+    orders = (False, True) if order is not None else (None,)
+    for config in ((128, 128, 8, 3), (64, 64, 4, 2), (128, 256, 8, 2), (256, 128, 8, 2)):
         xs.SCORE_CONFIGS = (config,)
-        for stride in (8, 16):
-            try:
-                ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
-            except Exception as exc:  # noqa: BLE001
-                log(f"variant {config} s{stride}: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": f"score {config}", "ms": ms})
-            log(f"N={n} xattention s{stride} score config {config}: {ms:.3f} ms")
+        for longest in orders:
+            if longest is not None:
+                xs.LONGEST_FIRST = longest
+            label = f"score {config}" + (" longest first" if longest else "")
+            for stride in (8, 16):
+                try:
+                    ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"variant {label} s{stride}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": label, "ms": ms})
+                log(f"N={n} xattention s{stride} {label}: {ms:.3f} ms")
     xs.SCORE_CONFIGS = default
+    if order is not None:
+        xs.LONGEST_FIRST = order
+    if hasattr(xs, "KEY_SPLIT_STEPS"):
+        # Each row block's key range over several programs launched together (shared Q in L2).
+        split_default = xs.KEY_SPLIT_STEPS
+        for steps in (2, 4, 8):
+            xs.KEY_SPLIT_STEPS = steps
+            for stride in (8, 16):
+                try:
+                    ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"variant split {steps} s{stride}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                label = f"score {default[0]} key split {steps} steps"
+                rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": label, "ms": ms})
+                log(f"N={n} xattention s{stride} {label}: {ms:.3f} ms")
+        xs.KEY_SPLIT_STEPS = split_default
     return rows
 
 
@@ -334,7 +455,7 @@ def merge(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
             row["before_share"] = b["ms"] / dense_b[n]
         if a and n in dense:
             row["after_share"] = a["ms"] / dense[n]
-        for field in ("density", "syncs", "rel_err", "scoring_ratio"):
+        for field in ("density", "syncs", "rel_err", "recall", "scoring_ratio"):
             for tag, r in (("before", b), ("after", a)):
                 if r and field in r:
                     row[f"{tag}_{field}"] = r[field]
@@ -346,9 +467,15 @@ def merge(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
             "capture": after.get("capture", [])}
 
 
+def _num(row: dict[str, Any], field: str) -> str:
+    x = row.get(f"after_{field}", row.get(f"before_{field}"))
+    return "-" if x is None else f"{x:.4g}"
+
+
 def format_table(merged: dict[str, Any]) -> str:
-    lines = ["| N | method | stage | before ms | after ms | before / cuDNN | after / cuDNN | same plan |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| N | method | stage | before ms | after ms | before / cuDNN | after / cuDNN | same plan "
+             "| density | output error | recall |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def f(x: Any, pct: bool = False) -> str:
         if x is None:
@@ -359,7 +486,8 @@ def format_table(merged: dict[str, Any]) -> str:
         same = r.get("same_plan")
         lines.append(f"| {r['seqlen']} | {r['method']} | {r['stage']} | {f(r['before_ms'])} | {f(r['after_ms'])} | "
                      f"{f(r.get('before_share'), True)} | {f(r.get('after_share'), True)} | "
-                     f"{'-' if same is None else ('yes' if same else 'NO')} |")
+                     f"{'-' if same is None else ('yes' if same else 'NO')} | "
+                     f"{_num(r, 'density')} | {_num(r, 'rel_err')} | {_num(r, 'recall')} |")
     return "\n".join(lines)
 
 
@@ -375,11 +503,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sanitize", action="store_true",
                         help="run the kernels issue 22 changed once at N = 1000 (under compute-sanitizer)")
     parser.add_argument("--merge", nargs=2, default=None, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--methods", nargs="*", default=None,
+                        help="sections to time (xattention, dpxa, flexprefill_vs, vertical_slash, ...); all if omitted")
+    parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args(argv)
 
     if args.merge:
-        with open(args.merge[0]) as fb, open(args.merge[1]) as fa:
-            merged = merge(json.load(fb), json.load(fa))
+        with open(args.merge[1]) as fa:
+            after_run = json.load(fa)
+        if args.merge[0] == "none":  # an after-only run (e.g. the D = 64 rows)
+            before_run: dict[str, Any] = {"rows": []}
+        else:
+            with open(args.merge[0]) as fb:
+                before_run = json.load(fb)
+        merged = merge(before_run, after_run)
         if args.json:
             with open(args.json, "w") as out:
                 json.dump(merged, out, indent=1)
@@ -398,22 +535,25 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda")
     env = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-           "package": os.path.dirname(sparseprefill.__file__), "tag": args.tag}
+           "package": os.path.dirname(sparseprefill.__file__), "tag": args.tag, "head_dim": args.head_dim}
     log(str(env))
     rows: list[dict[str, Any]] = []
     for n in args.seqlens:
-        q, k, v = workload(n, dev, args.cache)
+        q, k, v = workload(n, dev, args.cache, head_dim=args.head_dim)
         ms, dense = cudnn_ms(q, k, v)
         rows.append({"seqlen": n, "method": "cuDNN SDPA", "stage": "dense", "ms": ms})
         log(f"N={n} cuDNN SDPA dense {ms:.3f} ms")
         with torch.no_grad():
-            rows += stage_rows(n, q, k, v, dense, log)
+            rows += stage_rows(n, q, k, v, dense, log, args.methods)
             if args.variants:
                 rows += variant_rows(n, q, k, log)
             if args.peer:
                 rows += peer_rows(n, q, k, v, dense, args.peer, log)
         del q, k, v, dense
         torch.cuda.empty_cache()
+        if args.json:  # after every N, so a run cut short still leaves its rows
+            with open(args.json, "w") as out:
+                json.dump({"environment": env, "rows": rows}, out, indent=1)
     result: dict[str, Any] = {"environment": env, "rows": rows}
     if args.capture:
         result["capture"] = capture_rows(log)

@@ -787,6 +787,9 @@ def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str,
     params["init_columns"], params["local_diagonals"] = draw(st.sampled_from(
         [(1, 1), (5, 1), (1, 7), (5, 0), (0, 7), (5, 7), (0, 0)]))
     params["scale"] = _scale(draw)
+    # Bands of lines: single lines (Alg. 5), whole key blocks (a pure-block plan), and
+    # widths that are not multiples of block_n (lines kept as columns).
+    params["line_block"] = draw(st.sampled_from([1, params["block_n"], 2 * params["block_n"], 16, 100]))
     return params
 
 

@@ -63,9 +63,11 @@ from ..reference.anchor_attention import (
 from ..reference.block_sparse import block_scores, mean_pooling
 from ..reference.flexprefill_vs import (
     GAMMA,
+    band_lines,
     first_lines,
     lines_index,
     normalized_lines,
+    pool_lines,
 )
 from ..reference.flexprefill_vs import flexprefill_vs_lines as reference_flex_lines
 from ..reference.dpxa import anchor_tile_scores, dpxa_anchors
@@ -296,30 +298,35 @@ def flexprefill_vs_tie_check(
     last_q = int(params.get("last_q", 64))
     init_columns = int(params.get("init_columns", 1))
     local_diagonals = int(params.get("local_diagonals", 1))
+    line_block = int(params.get("line_block", 1))
     scale = params.get("scale")
     verticals, slashes = fast_flex_lines(q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
-                                         local_diagonals=local_diagonals, scale=scale)
+                                         local_diagonals=local_diagonals, line_block=line_block, scale=scale)
     rebuilt = lines_index(verticals.cpu(), slashes.cpu(), block_m=int(params.get("block_m", 64)),
-                          block_n=int(params.get("block_n", 64)))
+                          block_n=int(params.get("block_n", 64)), line_block=line_block)
     if not rebuilt.equal(got.to("cpu")):
         raise _fail("the fast plan is not Alg. 4 of the fast lines")
     a_hat = approximate_attention(q, k, last_q=last_q, scale=resolve_scale(scale, q.shape[-1]))
     a_v, a_s = normalized_lines(a_hat)
     cpu = torch.device("cpu")
-    check_cover_modulo_ties(a_v, verticals, gamma=gamma, forced=first_lines(init_columns, n, cpu),
-                            what="verticals")
-    check_cover_modulo_ties(a_s, slashes, gamma=gamma, forced=first_lines(local_diagonals, n, cpu),
-                            what="slashes")
     ref_v, ref_s = reference_flex_lines(q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
-                                        local_diagonals=local_diagonals, scale=scale)
+                                        local_diagonals=local_diagonals, line_block=line_block, scale=scale)
     ref_rebuilt = lines_index(ref_v.cpu(), ref_s.cpu(), block_m=int(params.get("block_m", 64)),
-                              block_n=int(params.get("block_n", 64)))
+                              block_n=int(params.get("block_n", 64)), line_block=line_block)
     if not ref_rebuilt.equal(expected.to("cpu")):
         raise _fail("the reference plan is not Alg. 4 of the reference lines")
-    check_cover_modulo_ties(a_v, ref_v.cpu(), gamma=gamma, forced=first_lines(init_columns, n, cpu),
-                            what="reference verticals")
-    check_cover_modulo_ties(a_s, ref_s.cpu(), gamma=gamma, forced=first_lines(local_diagonals, n, cpu),
-                            what="reference slashes")
+    nb = cdiv(n, line_block)
+    # Both line sets must be covers; the cover is judged over bands (a band's first line
+    # stands for it; line_block = 1: single lines, Alg. 5).
+    for who, v_lines, s_lines in (("fast", verticals, slashes), ("reference", ref_v, ref_s)):
+        for shares, kept, forced_lines, what in ((a_v, v_lines, init_columns, "verticals"),
+                                                 (a_s, s_lines, local_diagonals, "slashes")):
+            bands = kept.cpu()[..., ::line_block]
+            if not torch.equal(band_lines(bands, line_block, n), kept.cpu()):
+                raise _fail(f"the {who} {what} are not whole bands of line_block={line_block} lines")
+            check_cover_modulo_ties(pool_lines(shares, line_block), bands, gamma=gamma,
+                                    forced=first_lines(cdiv(forced_lines, line_block), nb, cpu),
+                                    what=f"{who} {what}")
 
 
 # Distances of the fp32-pooled estimate differ from the float64 ones by at most ~1e-7

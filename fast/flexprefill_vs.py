@@ -5,7 +5,10 @@ MInference's vertical-slash. Lines: the fp32 scores are normalised and ranked in
 float64 with the reference's `cover_threshold` (a stable sort and a cumulative
 sum, O(N log N) per head). Index: the kept lines, padded to the longest head's
 count with the offset N (which reaches no row), go through the vertical-slash
-index kernel (Alg. 4) and per-query-block disjoint columns where they fit.
+index kernel (Alg. 4) and per-query-block disjoint columns where they fit. With
+`line_block` a multiple of `block_n` the kept bands go to `band_index` instead: one
+pass over each query block's causal key blocks, a pure-block plan (no line lists,
+no columns to gather).
 
 Float rounding: the fp32 estimate differs from the reference's float64 one in the
 last bits, so a line whose share nearly ties the last kept one, or whose cumulative
@@ -20,15 +23,15 @@ import torch
 from ..reference._checks import HALF_DTYPES, check_count, check_qk, check_qkv
 from ..reference.flexprefill_vs import (
     GAMMA,
+    LINE_BLOCK,
     check_flexprefill_vs_params,
-    cover_threshold,
-    first_lines,
+    cover_bands,
 )
 from ..reference.plan import BlockColumnPlan
 from .capture import static_widths_active
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 from .kernels.last_q_estimate import last_q_scores
-from .kernels.vertical_slash_index import vertical_slash_index
+from .kernels.vertical_slash_index import band_index, vertical_slash_index
 from .vertical_slash import with_own_columns
 
 
@@ -40,19 +43,21 @@ def flexprefill_vs_lines(
     last_q: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept columns and offsets (see `reference.flexprefill_vs.flexprefill_vs_lines`).
 
     Returns:
-        (verticals, slashes) bool `[B, Hq, N]`.
+        (verticals, slashes) bool `[B, Hq, N]` (whole bands of `line_block` lines).
 
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=1, block_n=1,
-                                init_columns=init_columns, local_diagonals=local_diagonals)
+                                init_columns=init_columns, local_diagonals=local_diagonals,
+                                line_block=line_block)
     n = shape.seqlen
     last_q = check_count("last_q", last_q, cap=n)
     init_columns = check_count("init_columns", init_columns, cap=n, minimum=0)
@@ -62,8 +67,9 @@ def flexprefill_vs_lines(
     a_s = slash.to(torch.float64)
     # Alg. 5 lines 2-3: both sums hold the same total mass (L rows of one each).
     total = a_v.sum(dim=-1, keepdim=True)
-    verticals = cover_threshold(a_v / total, gamma, first_lines(init_columns, n, q.device))
-    slashes = cover_threshold(a_s / total, gamma, first_lines(local_diagonals, n, q.device))
+    # Bands are pooled in float64 after the division, as the reference pools its shares.
+    verticals = cover_bands(a_v / total, gamma, init_columns, line_block)
+    slashes = cover_bands(a_s / total, gamma, local_diagonals, line_block)
     return verticals, slashes
 
 
@@ -88,17 +94,25 @@ def lines_index(
     *,
     block_m: int = 64,
     block_n: int = 64,
+    line_block: int = 1,
 ) -> BlockColumnPlan:
     """Alg. 4 of kept-line masks on the GPU (see `reference.flexprefill_vs.lines_index`).
 
     Args:
-        verticals, slashes: bool `[B, H, N]`.
+        verticals, slashes: bool `[B, H, N]`; with `line_block` a multiple of
+            `block_n`, unions of aligned bands of `line_block` lines (as
+            `flexprefill_vs_lines` returns them).
         block_m, block_n: query rows and keys per block.
+        line_block: the band width of the lines.
 
     Returns:
         The plan; `equal` to the reference's.
     """
     n = verticals.shape[-1]
+    if line_block % block_n == 0:
+        # A band is whole key blocks: its first column (or offset) says whether it is kept.
+        return band_index(verticals[..., ::block_n], slashes[..., ::line_block], seqlen=n,
+                          block_m=block_m, block_n=block_n, line_block=line_block).mark_valid()
     plan = vertical_slash_index(padded_lines(verticals), padded_lines(slashes), seqlen=n,
                                 block_m=block_m, block_n=block_n)
     return with_own_columns(plan.mark_valid())
@@ -114,6 +128,7 @@ def flexprefill_vs_plan(
     block_n: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> BlockColumnPlan:
     """FlexPrefill-style vertical-slash plan (see `reference.flexprefill_vs_plan`).
@@ -123,13 +138,14 @@ def flexprefill_vs_plan(
     """
     check_qk(q, k, dtypes=HALF_DTYPES)
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
-                                init_columns=init_columns, local_diagonals=local_diagonals)
+                                init_columns=init_columns, local_diagonals=local_diagonals,
+                                line_block=line_block)
     check_kernel_block_sizes(block_m, block_n)
     verticals, slashes = flexprefill_vs_lines(
         q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
-        local_diagonals=local_diagonals, scale=scale,
+        local_diagonals=local_diagonals, line_block=line_block, scale=scale,
     )
-    return lines_index(verticals, slashes, block_m=block_m, block_n=block_n)
+    return lines_index(verticals, slashes, block_m=block_m, block_n=block_n, line_block=line_block)
 
 
 def flexprefill_vs(
@@ -143,11 +159,13 @@ def flexprefill_vs(
     block_n: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> torch.Tensor:
     """FlexPrefill-style vertical-slash sparse attention (see `reference.flexprefill_vs`).
 
-    Host synchronisations: the padded line width and the index's counting pass. Inside
+    Host synchronisations: the padded line width (none with `line_block` a multiple of
+    `block_n`) and the index's counting pass. Inside
     `fast.capture.static_widths()` (`torch.ops.sparseprefill.flexprefill_vs_static`)
     and during CUDA-graph capture both use their bounds (N lines, Kb blocks): no sync,
     capture-safe (docs/serving.md).
@@ -162,7 +180,7 @@ def flexprefill_vs(
     check_forward_only(q, k, v)
     plan = flexprefill_vs_plan(
         q, k, gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
-        init_columns=init_columns, local_diagonals=local_diagonals, scale=scale,
+        init_columns=init_columns, local_diagonals=local_diagonals, line_block=line_block, scale=scale,
     )
     out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
     return out

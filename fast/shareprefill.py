@@ -149,7 +149,7 @@ def layer_plan(
     if bool(is_vs.any()):
         verticals, slashes = flexprefill_vs_lines(
             q, k, gamma=state.gamma, last_q=bm, init_columns=state.init_columns,
-            local_diagonals=state.local_diagonals, scale=scale)
+            local_diagonals=state.local_diagonals, line_block=1, scale=scale)
         verticals &= is_vs.unsqueeze(-1)
         slashes &= is_vs.unsqueeze(-1)
     else:

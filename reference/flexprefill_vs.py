@@ -26,6 +26,16 @@ below `gamma` after every line, every line is kept.
 Index: the kept lines go through MInference's Alg. 4 (`vertical_slash.vertical_slash_index`
 semantics): the key blocks a kept slash reaches in a query block, plus the kept
 columns outside them. Unlike MInference, the number of lines differs per head.
+
+Line granularity (`line_block = g`, our addition; 1 is Alg. 5 as written): lines are
+chosen in aligned bands of `g` adjacent columns (`[j g, j g + g)`) and of `g` adjacent
+diagonal offsets. A band's share is the sum of its lines' shares (`pool_lines`), the
+cumulative threshold ranks bands instead of lines (so the kept bands still hold at
+least `gamma` of the estimated mass), a band is forced if it holds a forced line, and
+a kept band keeps all its lines. When `block_n` divides `g`, a kept vertical band is
+whole key blocks and the index lists it as blocks (`lines_masks`), not columns: the
+plan is then pure blocks, as in FlexPrefill's released code, which keeps whole
+128-blocks of verticals and block diagonals (see docs/flexprefill_vs.md).
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ from .vertical_slash import approximate_attention, slash_coverage, sum_slash, su
 
 # FlexPrefill's and SharePrefill's cumulative attention threshold.
 GAMMA = 0.9
+# Lines per band of the threshold (1: single lines, Alg. 5 as written). 128, two default
+# 64-key blocks: whole key blocks, a pure-block plan; chosen by measurement, docs/flexprefill_vs.md.
+LINE_BLOCK = 128
 
 
 def check_flexprefill_vs_params(
@@ -51,6 +64,7 @@ def check_flexprefill_vs_params(
     block_n: int,
     init_columns: int,
     local_diagonals: int,
+    line_block: int = 1,
 ) -> None:
     """Raise TypeError/ValueError naming the first bad parameter."""
     check_fraction("gamma", gamma)
@@ -59,6 +73,7 @@ def check_flexprefill_vs_params(
     check_block_size("block_n", block_n)
     check_positive_int("init_columns", init_columns, minimum=0)
     check_positive_int("local_diagonals", local_diagonals, minimum=0)
+    check_block_size("line_block", line_block)
 
 
 def normalized_lines(a_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +124,45 @@ def first_lines(count: int, seqlen: int, device: torch.device) -> torch.Tensor:
     return torch.arange(seqlen, device=device) < count
 
 
+def pool_lines(shares: torch.Tensor, line_block: int) -> torch.Tensor:
+    """Band shares: the sum of every aligned group of `line_block` lines.
+
+    Args:
+        shares: float `[..., N]`, one share per column or diagonal offset.
+        line_block: lines per band (>= 1).
+
+    Returns:
+        float `[..., ceil(N / line_block)]`; band `j` holds lines `[j g, min(j g + g, N))`.
+    """
+    n = shares.shape[-1]
+    bands = cdiv(n, line_block)
+    wide = torch.zeros(*shares.shape[:-1], bands * line_block, dtype=shares.dtype, device=shares.device)
+    wide[..., :n] = shares
+    return wide.reshape(*shares.shape[:-1], bands, line_block).sum(dim=-1)
+
+
+def band_lines(kept: torch.Tensor, line_block: int, seqlen: int) -> torch.Tensor:
+    """bool `[..., Nb]` kept bands -> bool `[..., N]` kept lines (every line of a kept band)."""
+    return kept.repeat_interleave(line_block, dim=-1)[..., :seqlen]
+
+
+def cover_bands(shares: torch.Tensor, gamma: float, forced_lines: int, line_block: int) -> torch.Tensor:
+    """`cover_threshold` over bands of `line_block` lines, returned as lines.
+
+    Args:
+        shares: float64 `[B, H, N]` line shares.
+        gamma: the threshold. forced_lines: the first lines always kept.
+        line_block: lines per band; a band holding a forced line is forced.
+
+    Returns:
+        bool `[B, H, N]`: the lines of the kept bands.
+    """
+    n = shares.shape[-1]
+    bands = pool_lines(shares, line_block)
+    forced = first_lines(cdiv(forced_lines, line_block), bands.shape[-1], shares.device)
+    return band_lines(cover_threshold(bands, gamma, forced), line_block, n)
+
+
 def flexprefill_vs_lines(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,6 +171,7 @@ def flexprefill_vs_lines(
     last_q: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Alg. 5 lines 1-9: the kept key columns and diagonal offsets of every query head.
@@ -126,17 +181,20 @@ def flexprefill_vs_lines(
         gamma: cumulative share to reach, in `[0, 1]`.
         last_q: queries of the estimate (the last ones; more than N means all).
         init_columns, local_diagonals: forced first columns and nearest diagonals.
+        line_block: lines per band of the threshold (1: single lines, Alg. 5).
         scale: softmax scale, `1/sqrt(D)` if None.
 
     Returns:
-        (verticals, slashes) bool `[B, Hq, N]`: kept columns, kept offsets `row - col`.
+        (verticals, slashes) bool `[B, Hq, N]`: kept columns, kept offsets `row - col`
+        (whole aligned bands of `line_block` lines).
 
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k)
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=1, block_n=1,
-                                init_columns=init_columns, local_diagonals=local_diagonals)
+                                init_columns=init_columns, local_diagonals=local_diagonals,
+                                line_block=line_block)
     n = shape.seqlen
     # Counts past N mean "all": clamp before any arithmetic.
     last_q = check_count("last_q", last_q, cap=n)
@@ -144,9 +202,7 @@ def flexprefill_vs_lines(
     local_diagonals = check_count("local_diagonals", local_diagonals, cap=n, minimum=0)
     a_hat = approximate_attention(q, k, last_q=last_q, scale=resolve_scale(scale, shape.head_dim))
     a_v, a_s = normalized_lines(a_hat)
-    verticals = cover_threshold(a_v, gamma, first_lines(init_columns, n, q.device))
-    slashes = cover_threshold(a_s, gamma, first_lines(local_diagonals, n, q.device))
-    return verticals, slashes
+    return cover_bands(a_v, gamma, init_columns, line_block), cover_bands(a_s, gamma, local_diagonals, line_block)
 
 
 def lines_masks(
@@ -155,16 +211,20 @@ def lines_masks(
     *,
     block_m: int,
     block_n: int,
+    line_block: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Alg. 4 of MInference on kept-line masks, as dense selections.
 
     Args:
         verticals, slashes: bool `[B, H, N]`, kept columns and kept offsets.
         block_m, block_n: query rows and keys per block.
+        line_block: the lines' band width; when `block_n` divides it, key blocks whose
+            columns are all kept verticals (whole bands) are listed as blocks.
 
     Returns:
         (blocks bool `[B, H, Qb, Kb]`: the key blocks a kept slash reaches in each query
-        block; columns bool `[B, H, Qb, N]`: the kept columns), for `BlockColumnPlan.from_masks`.
+        block, and the whole-band vertical blocks; columns bool `[B, H, Qb, N]`: the kept
+        columns), for `BlockColumnPlan.from_masks` (which drops columns inside blocks).
     """
     b, h, n = verticals.shape
     qb, kb = cdiv(n, block_m), cdiv(n, block_n)
@@ -175,6 +235,11 @@ def lines_masks(
     wide = torch.zeros(b, h, qb, kb * block_n, dtype=torch.bool, device=reached.device)
     wide[..., :n] = reached
     blocks = wide.reshape(b, h, qb, kb, block_n).any(dim=-1)
+    if line_block % block_n == 0:
+        # Columns past N count as kept, so the last (partial) key block can be whole.
+        full = torch.ones(b, h, kb * block_n, dtype=torch.bool, device=verticals.device)
+        full[..., :n] = verticals
+        blocks = blocks | full.reshape(b, h, 1, kb, block_n).all(dim=-1)
     return blocks, verticals.unsqueeze(2).expand(b, h, qb, n)
 
 
@@ -184,6 +249,7 @@ def lines_index(
     *,
     block_m: int = 64,
     block_n: int = 64,
+    line_block: int = 1,
 ) -> BlockColumnPlan:
     """Alg. 4 of MInference on kept-line masks: the key blocks the kept slashes reach in
     each query block, plus the kept columns outside them (intersected with causality).
@@ -191,12 +257,15 @@ def lines_index(
     Args:
         verticals, slashes: bool `[B, H, N]`, kept columns and kept offsets.
         block_m, block_n: query rows and keys per block.
+        line_block: the lines' band width (see `lines_masks`): when `block_n` divides it,
+            whole-band verticals become block entries.
 
     Returns:
         The plan (disjoint blocks and columns).
     """
     n = verticals.shape[-1]
-    blocks, columns = lines_masks(verticals, slashes, block_m=block_m, block_n=block_n)
+    blocks, columns = lines_masks(verticals, slashes, block_m=block_m, block_n=block_n,
+                                  line_block=line_block)
     return BlockColumnPlan.from_masks(blocks, columns, seqlen=n, block_m=block_m, block_n=block_n)
 
 
@@ -210,6 +279,7 @@ def flexprefill_vs_plan(
     block_n: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> BlockColumnPlan:
     """FlexPrefill-style vertical-slash plan (SharePrefill Alg. 5); see the module doc.
@@ -221,6 +291,8 @@ def flexprefill_vs_plan(
         block_m, block_n: query rows and keys per block of the plan.
         init_columns: first columns always kept (>= 0).
         local_diagonals: nearest diagonals always kept (>= 0).
+        line_block: lines per band of the threshold (>= 1; 1 is Alg. 5's single lines);
+            a multiple of `block_n` makes the plan pure blocks.
         scale: softmax scale of the estimate, `1/sqrt(D)` if None.
 
     Returns:
@@ -231,12 +303,13 @@ def flexprefill_vs_plan(
     """
     check_qk(q, k)
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
-                                init_columns=init_columns, local_diagonals=local_diagonals)
+                                init_columns=init_columns, local_diagonals=local_diagonals,
+                                line_block=line_block)
     verticals, slashes = flexprefill_vs_lines(
         q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
-        local_diagonals=local_diagonals, scale=scale,
+        local_diagonals=local_diagonals, line_block=line_block, scale=scale,
     )
-    return lines_index(verticals, slashes, block_m=block_m, block_n=block_n)
+    return lines_index(verticals, slashes, block_m=block_m, block_n=block_n, line_block=line_block)
 
 
 def flexprefill_vs(
@@ -250,6 +323,7 @@ def flexprefill_vs(
     block_n: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
+    line_block: int = LINE_BLOCK,
     scale: float | None = None,
 ) -> torch.Tensor:
     """FlexPrefill-style vertical-slash sparse attention through `flexprefill_vs_plan`.
@@ -262,6 +336,6 @@ def flexprefill_vs(
     """
     plan = flexprefill_vs_plan(
         q, k, gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
-        init_columns=init_columns, local_diagonals=local_diagonals, scale=scale,
+        init_columns=init_columns, local_diagonals=local_diagonals, line_block=line_block, scale=scale,
     )
     return sparse_attention(q, k, v, plan, scale=scale)

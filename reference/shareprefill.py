@@ -640,7 +640,7 @@ def shareprefill_layer_plan(
     # Alg. 5 (Alg. 1 line 6), computed for every head and used for the vertical-slash ones.
     verticals, slashes = flexprefill_vs_lines(
         q, k, gamma=state.gamma, last_q=state.block_m, init_columns=state.init_columns,
-        local_diagonals=state.local_diagonals, scale=sm_scale)
+        local_diagonals=state.local_diagonals, line_block=1, scale=sm_scale)
     blocks, columns = layer_masks(verticals, slashes, state, decision)
     plan = BlockColumnPlan.from_masks(blocks, columns, seqlen=shape.seqlen, block_m=state.block_m,
                                       block_n=state.block_n)

@@ -114,7 +114,7 @@ def test_lines_on_planted_inputs() -> None:
     assert float(a_s[0, 0, 5]) == pytest.approx(0.2, abs=1e-3)
     assert float(a_s[0, 0, 3]) == pytest.approx(0.1, abs=1e-3)
     verticals, slashes = flexprefill_vs_lines(q, k, gamma=0.72, last_q=4, init_columns=0,
-                                              local_diagonals=0, scale=1.0)
+                                              local_diagonals=0, line_block=1, scale=1.0)
     # 0.2 each, ties to the lower column: 7, 55, 56 hold 0.6 < 0.72, so 57 too.
     assert verticals[0, 0].nonzero()[:, 0].tolist() == [7, 55, 56, 57]
     # 5 (.2), 4 and 6 (.15), 3 and 7 (.1) hold 0.7 < 0.72; then offset 2 (the lowest of the .05s).
@@ -138,6 +138,32 @@ def test_lines_index_is_alg4_of_the_lines() -> None:
         assert fast_index(vm, sm, block_m=bm, block_n=bn).validate().equal(want)
 
 
+def test_line_bands_by_hand() -> None:
+    """Bands pool their lines' shares, rank as one entry and keep all their lines; with
+    `block_n` dividing the band the vertical band is listed as blocks, not columns."""
+    from sparseprefill.reference.flexprefill_vs import cover_bands, pool_lines
+
+    shares = torch.tensor([[[0.05, 0.05, 0.3, 0.0, 0.2, 0.2, 0.1, 0.1]]], dtype=torch.float64)
+    torch.testing.assert_close(pool_lines(shares, 3), torch.tensor([[[0.4, 0.4, 0.2]]], dtype=torch.float64))
+    # Bands of 2: shares 0.1, 0.3, 0.4, 0.2; gamma 0.6 keeps bands 2 and 1 (lines 2-5).
+    kept = cover_bands(shares, 0.6, 0, 2)
+    assert kept.int().tolist() == [[[0, 0, 1, 1, 1, 1, 0, 0]]]
+    # One forced line forces its whole band (band 0), then the fewest others reach gamma.
+    assert cover_bands(shares, 0.45, 1, 2).int().tolist() == [[[1, 1, 0, 0, 1, 1, 0, 0]]]
+    # Blocks of 2 keys, bands of 2: vertical band 1 (columns 2, 3) is the key block 1 of
+    # every query block past it; no slash kept but offset 0.
+    verticals = torch.zeros(1, 1, 8, dtype=torch.bool)
+    verticals[..., 2:4] = True
+    slashes = torch.zeros(1, 1, 8, dtype=torch.bool)
+    slashes[..., 0] = True
+    plan = lines_index(verticals, slashes, block_m=2, block_n=2, line_block=2)
+    assert plan.column_count.sum() == 0
+    assert plan.block_mask()[0, 0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 0, 1]]
+    with_columns = lines_index(verticals, slashes, block_m=2, block_n=2, line_block=1)
+    assert torch.equal(with_columns.to_dense_mask(), plan.to_dense_mask())
+    assert int(with_columns.column_count.sum()) > 0
+
+
 def test_padded_lines() -> None:
     kept = torch.tensor([[[False, True, False, True], [False, False, False, False]]])
     assert padded_lines(kept).tolist() == [[[1, 3], [4, 4]]]
@@ -146,9 +172,11 @@ def test_padded_lines() -> None:
 
 def test_density_grows_with_gamma_and_empty_plan_gives_zeros() -> None:
     q, k, v = _inputs(1, 2, 1, 160, 32, seed=1, peak=4.0)
-    dens = [float(reference.density(reference.flexprefill_vs_plan(q, k, gamma=g, block_m=16,
-                                                                  block_n=16)).mean())
-            for g in (0.0, 0.5, 0.9, 1.0)]
+    dens = [float(reference.density(reference.flexprefill_vs_plan(q, k, gamma=g, block_m=16, block_n=16,
+                                                                  line_block=lb)).mean())
+            for lb in (1, 16) for g in (0.0, 0.5, 0.9, 1.0)]
+    dens_bands, dens = dens[4:], dens[:4]
+    assert dens_bands == sorted(dens_bands) and dens_bands[0] < dens_bands[-1] == 1.0
     assert dens == sorted(dens) and dens[0] < dens[-1] == 1.0
     empty = reference.flexprefill_vs_plan(q, k, gamma=0.0, init_columns=0, local_diagonals=0)
     assert int(empty.block_count.sum()) == 0 and int(empty.column_count.sum()) == 0
@@ -161,12 +189,16 @@ def test_density_grows_with_gamma_and_empty_plan_gives_zeros() -> None:
 
 CASES = [
     # (B, Hq, Hkv, N, D, params)
-    (2, 4, 2, 111, 64, dict(gamma=0.9, last_q=32, block_m=32, block_n=16)),
+    (2, 4, 2, 111, 64, dict(gamma=0.9, last_q=32, block_m=32, block_n=16, line_block=1)),
     (1, 2, 1, 129, 128, dict(gamma=0.95, last_q=64, block_m=64, block_n=64, init_columns=0,
-                            local_diagonals=0)),
+                            local_diagonals=0, line_block=1)),
     (1, 3, 3, 63, 32, dict(gamma=0.5, last_q=200, block_m=16, block_n=48, init_columns=5,
-                          local_diagonals=7)),
+                          local_diagonals=7, line_block=1)),
     (2, 2, 2, 1, 64, dict(gamma=0.9)),
+    # Bands of lines that are whole key blocks (a pure-block plan); narrower bands (kept as
+    # columns) are drawn by the conformance property.
+    (1, 2, 1, 111, 16, dict(gamma=0.9, last_q=32, block_m=32, block_n=16, line_block=32,
+                           init_columns=0, local_diagonals=0)),
 ]
 
 
@@ -230,7 +262,7 @@ def test_cover_tie_check_accepts_ties_and_rejects_real_differences() -> None:
 
 def test_flexprefill_vs_tie_check() -> None:
     q, k, _ = _inputs(1, 2, 1, 64, 16, seed=2, peak=3.0)
-    params: dict[str, object] = dict(gamma=0.9, last_q=8, block_m=16, block_n=16)
+    params: dict[str, object] = dict(gamma=0.9, last_q=8, block_m=16, block_n=16, line_block=1)
     plan = fast.flexprefill_vs_plan(q, k, **params)  # type: ignore[arg-type]
     flexprefill_vs_tie_check(q, k, params, plan, plan)
     wrong = fast.flexprefill_vs_plan(q, k, **{**params, "gamma": 0.0, "local_diagonals": 0})  # type: ignore[arg-type]
@@ -250,6 +282,8 @@ BAD = [
     ({"init_columns": -1}, ValueError, "init_columns"),
     ({"local_diagonals": -1}, ValueError, "local_diagonals"),
     ({"block_n": 0}, ValueError, "block_n"),
+    ({"line_block": 0}, ValueError, "line_block"),
+    ({"line_block": 2.0}, TypeError, "line_block"),
 ]
 
 

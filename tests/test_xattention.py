@@ -241,6 +241,25 @@ def test_fast_dpxa_matches_reference(case: tuple[Any, ...]) -> None:
         props.check_method_plan(METHODS["dpxa"], q, k, params, context=str(params))
 
 
+def test_scoring_program_orders_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scoring kernel's program orders (launch order, longest rows first, a row
+    block's key range split over programs) give the reference's weights; the first two
+    bit for bit (the same sums in the same order)."""
+    from sparseprefill.fast.kernels import xattention_score as xs
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 130, 16, generator=gen).half()
+    k = torch.randn(1, 1, 130, 16, generator=gen).half()
+    want = reference.xattention_tile_weights(q.double(), k.double(), stride=4, block=32)
+    got = {}
+    for longest, split in ((False, 0), (True, 0), (True, 1)):
+        monkeypatch.setattr(xs, "LONGEST_FIRST", longest)
+        monkeypatch.setattr(xs, "KEY_SPLIT_STEPS", split)
+        got[longest, split] = fast.xattention_tile_weights(q, k, stride=4, block=32)
+        torch.testing.assert_close(got[longest, split].double(), want, rtol=0, atol=1e-6)
+    assert torch.equal(got[False, 0], got[True, 0])
+
+
 def test_packed_anchors_are_positions_in_order() -> None:
     q, _, _ = _qk(2, 2, 1, 45, 32, smooth=True)
     keep, pos, start = delta_anchor_packed(q, cos_threshold=0.6, block=16)

@@ -27,7 +27,18 @@ over query blocks, and `column_count` is the number of verticals `<= r1 - 1` (a
 `searchsorted`: the causal ones are a prefix). Verticals inside a listed block
 stay in the list; the plan format allows it and the kernel skips them.
 
-Layout: kernel -> launchers (`count_blocks`, `fill_index`) -> `vertical_slash_index`.
+Bands (`band_index`, FlexPrefill-style lines of `line_block = g` adjacent columns and
+offsets, `g` a multiple of `block_n`): every vertical band is whole key blocks, so the
+plan is pure blocks. One program per (batch, head, query block) walks its causal key
+blocks `[c0, c1)` in chunks: a block is kept if its vertical band is kept, or if a
+kept slash band meets the offsets the block's causal pairs span,
+`[max(r0 - c1 + 1, 0), r1 - 1 - c0]` (a prefix count over the kept bands answers that
+in two loads). The walk is in key-block order, so the list comes out sorted; work is
+O(Kb) per query block whatever the number of bands. Counting pass, width sync (the
+bound Kb under capture or `static_widths()`), fill pass, as above.
+
+Layout: kernels -> launchers (`count_blocks`, `fill_index`, `count_band_blocks`) ->
+`vertical_slash_index`, `band_index`.
 """
 
 from __future__ import annotations
@@ -84,6 +95,44 @@ def _vertical_slash_blocks_kernel(
                 tl.store(p_bindex + pos + u, (start + u).to(tl.int32), mask=u < count)
         n_blocks += tl.sum(count, 0)
         last_prev = tl.maximum(last_prev, tl.max(last, 0))
+    if not WRITE:
+        tl.store(BLOCK_COUNT + row, n_blocks)
+
+
+@triton.jit
+def _band_blocks_kernel(
+    VBLOCK, SCOUNT, BLOCK_COUNT, BLOCK_INDEX,
+    seqlen, block_m, block_n, line_block, num_kblocks, n_bands, num_qblocks, block_width,
+    CHUNK: tl.constexpr, WRITE: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    r0 = i_m * block_m
+    r1 = tl.minimum(r0 + block_m, seqlen)
+    p_v = VBLOCK + i_bh * num_kblocks
+    p_s = SCOUNT + i_bh * (n_bands + 1)
+    row = i_bh * num_qblocks + i_m
+    p_bindex = BLOCK_INDEX + row * block_width
+    o_ch = tl.arange(0, CHUNK)
+    # Causal key blocks: first key not after the query block's last row.
+    n_causal = (r1 - 1) // block_n + 1
+    n_blocks = 0
+    for k0 in range(0, n_causal, CHUNK):
+        i_kb = k0 + o_ch
+        m_kb = i_kb < n_causal
+        c0 = i_kb * block_n
+        c1 = tl.minimum(c0 + block_n, seqlen)
+        band_lo = tl.maximum(r0 - c1 + 1, 0) // line_block
+        band_hi = tl.maximum(r1 - 1 - c0, 0) // line_block
+        kept_before = tl.load(p_s + band_lo, mask=m_kb, other=0)
+        kept_through = tl.load(p_s + band_hi + 1, mask=m_kb, other=0)
+        vertical = tl.load(p_v + i_kb, mask=m_kb, other=0)
+        keep = m_kb & ((vertical != 0) | (kept_through > kept_before))
+        count = keep.to(tl.int32)
+        if WRITE:
+            pos = n_blocks + tl.cumsum(count, 0) - count
+            tl.store(p_bindex + pos, i_kb.to(tl.int32), mask=keep)
+        n_blocks += tl.sum(count, 0)
     if not WRITE:
         tl.store(BLOCK_COUNT + row, n_blocks)
 
@@ -228,3 +277,97 @@ def vertical_slash_index(
     width = max(block_widths(block_count, bound), default=0)
     return fill_index(verticals, slashes, block_count, block_width=width, seqlen=n,
                       block_m=bm, block_n=bn)
+
+
+def _check_bands(vertical_blocks: torch.Tensor, slash_bands: torch.Tensor, *, seqlen: int, block_n: int,
+                 line_block: int) -> None:
+    for name, t, width in (("vertical_blocks", vertical_blocks, cdiv(seqlen, block_n)),
+                           ("slash_bands", slash_bands, cdiv(seqlen, line_block))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.bool:
+            raise TypeError(f"{name} must have dtype bool, got {t.dtype}")
+        if t.dim() != 3 or t.shape[:2] != vertical_blocks.shape[:2] or t.shape[2] != width:
+            raise ValueError(f"{name} must have shape [B, H, {width}], got {tuple(t.shape)}")
+        if t.device != vertical_blocks.device:
+            raise ValueError(f"{name} is on {t.device}, vertical_blocks on {vertical_blocks.device}")
+    if line_block % block_n:
+        raise ValueError(f"line_block must be a multiple of block_n={block_n}, got {line_block}")
+
+
+def count_band_blocks(vertical_blocks: torch.Tensor, slash_counts: torch.Tensor, *, seqlen: int,
+                      block_m: int, block_n: int, line_block: int) -> torch.Tensor:
+    """The counting pass of `band_index`: int32 `[B, H, Qb]` (no host sync).
+
+    Args:
+        vertical_blocks: int8 `[B, H, Kb]`, 1 where the key block's vertical band is kept.
+        slash_counts: int32 `[B, H, Nb + 1]`, kept slash bands before each band (a prefix count).
+        seqlen, block_m, block_n, line_block: as `band_index`'s.
+    """
+    b, h, kb = vertical_blocks.shape
+    qb = cdiv(seqlen, block_m)
+    block_count = torch.empty(b, h, qb, dtype=torch.int32, device=vertical_blocks.device)
+    _band_blocks_kernel[(qb, b * h)](
+        vertical_blocks, slash_counts, block_count, block_count,
+        seqlen, block_m, block_n, line_block, kb, slash_counts.shape[2] - 1, qb, 0,
+        CHUNK=_CHUNK, WRITE=False, num_warps=_NUM_WARPS,
+    )
+    return block_count
+
+
+def band_index(
+    vertical_blocks: torch.Tensor,
+    slash_bands: torch.Tensor,
+    *,
+    seqlen: int,
+    block_m: int,
+    block_n: int,
+    line_block: int,
+) -> BlockColumnPlan:
+    """Kept line bands -> a pure-block plan (see the module doc and
+    `reference.flexprefill_vs.lines_index` with `line_block` a multiple of `block_n`).
+
+    Args:
+        vertical_blocks: bool `[B, H, Kb]`, key blocks whose vertical band is kept.
+        slash_bands: bool `[B, H, ceil(N / line_block)]`, kept bands of `line_block`
+            diagonal offsets (band `j` holds offsets `[j g, j g + g)`).
+        seqlen: N. block_m, block_n: query rows and keys per block.
+        line_block: the band width, a multiple of `block_n`.
+
+    Returns:
+        The plan: sorted block lists as wide as the fullest query block needs (one host
+        synchronisation; Kb under capture or `static_widths()`), no columns.
+
+    Raises:
+        TypeError, ValueError: wrong dtypes, shapes or devices, or `line_block` not a
+            multiple of `block_n`.
+    """
+    n = check_positive_int("seqlen", seqlen)
+    bm = check_block_size("block_m", block_m)
+    bn = check_block_size("block_n", block_n)
+    g = check_positive_int("line_block", line_block)
+    _check_bands(vertical_blocks, slash_bands, seqlen=n, block_n=bn, line_block=g)
+    b, h, kb = vertical_blocks.shape
+    qb = cdiv(n, bm)
+    dev = vertical_blocks.device
+    vblocks = vertical_blocks.to(torch.int8).contiguous()
+    counts = torch.zeros(b, h, slash_bands.shape[2] + 1, dtype=torch.int32, device=dev)
+    counts[..., 1:] = torch.cumsum(slash_bands, dim=-1)
+    block_count = count_band_blocks(vblocks, counts, seqlen=n, block_m=bm, block_n=bn, line_block=g)
+    width = max(block_widths(block_count, kb), default=0)
+    block_index = torch.empty(b, h, qb, width, dtype=torch.int32, device=dev)
+    if width > 0:
+        _band_blocks_kernel[(qb, b * h)](
+            vblocks, counts, block_count, block_index,
+            n, bm, bn, g, kb, slash_bands.shape[2], qb, width,
+            CHUNK=_CHUNK, WRITE=True, num_warps=_NUM_WARPS,
+        )
+    return BlockColumnPlan(
+        seqlen=n,
+        block_m=bm,
+        block_n=bn,
+        block_count=block_count,
+        block_index=block_index,
+        column_count=torch.zeros(b, h, qb, dtype=torch.int32, device=dev),
+        column_index=torch.zeros(b, h, qb, 0, dtype=torch.int32, device=dev),
+    )

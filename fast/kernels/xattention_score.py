@@ -68,10 +68,24 @@ def _row_tile_lse_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     BLOCK_R: tl.constexpr, GPT_PAD: tl.constexpr, TILES_PER_STEP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, TERMS: tl.constexpr, DOT_F32: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TERMS: tl.constexpr, DOT_F32: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    SPLIT: tl.constexpr, tiles_per_split,
 ):
-    i_r = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    if SPLIT:
+        # Grid (key splits, heads, row blocks): the programs of one row block, each on
+        # `tiles_per_split` key tiles, are launched together and read the same query rows
+        # (shared in L2); the row log-sum-exp is left to `_tile_weight_kernel`.
+        i_split = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_r = tl.num_programs(2) - 1 - tl.program_id(2)
+    elif LONGEST_FIRST:
+        # Grid (heads, row blocks), launched head-fastest from the last row block: the
+        # longest causal rows of every head start first, the short ones fill the tail.
+        i_bh = tl.program_id(0)
+        i_r = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        i_r = tl.program_id(0)
+        i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = head0 + i_bh % num_heads
     i_hkv = i_h // group
@@ -94,7 +108,12 @@ def _row_tile_lse_kernel(
     # Key tiles after the last row's tile are invisible to every row here.
     last_row = tl.minimum(i_r * BLOCK_R + BLOCK_R, num_rows) - 1
     last_tile = last_row // groups_per_tile
-    for t0 in range(0, last_tile + 1, TILES_PER_STEP):
+    t_begin = 0
+    t_stop = last_tile + 1
+    if SPLIT:
+        t_begin = i_split * tiles_per_split
+        t_stop = tl.minimum(t_stop, t_begin + tiles_per_split)
+    for t0 in range(t_begin, t_stop, TILES_PER_STEP):
         c_tile = t0 + c_tile_off
         c_start = c_tile * block + c_g * stride
         c_end = tl.minimum(tl.minimum(c_start + stride, c_tile * block + block), seqlen)
@@ -128,9 +147,10 @@ def _row_tile_lse_kernel(
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.math.exp2(m_i - m_shift) + tl.sum(tl.math.exp2(t_lse - m_shift[:, None]), 1)
         m_i = m_new
-    # l_i > 0 unless a group has no finite score: its lse is then -inf, its weights NaN.
-    row_lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    tl.store(ROW_LSE + i_bh.to(tl.int64) * num_rows + o_r, row_lse, mask=m_r)
+    if not SPLIT:
+        # l_i > 0 unless a group has no finite score: its lse is then -inf, its weights NaN.
+        row_lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(ROW_LSE + i_bh.to(tl.int64) * num_rows + o_r, row_lse, mask=m_r)
 
 
 @triton.jit
@@ -138,7 +158,7 @@ def _tile_weight_kernel(
     TILE_LSE, ROW_LSE, W,
     seqlen, num_heads, head0, block, stride, groups_per_tile, num_rows, num_tiles,
     stride_wb, stride_wh, stride_wi,
-    GPT_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    GPT_PAD: tl.constexpr, BLOCK_T: tl.constexpr, ROW_FROM_TILES: tl.constexpr,
 ):
     i_q = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -148,8 +168,25 @@ def _tile_weight_kernel(
     rows = i_q * groups_per_tile + o_g
     start, _ = _group_bounds(rows, seqlen, block, stride, groups_per_tile)
     m_g = (o_g < groups_per_tile) & (start < seqlen)
-    row_lse = tl.load(ROW_LSE + i_bh.to(tl.int64) * num_rows + rows, mask=m_g, other=0.0)
     p_lse = TILE_LSE + i_bh.to(tl.int64) * num_rows * num_tiles + rows.to(tl.int64)[:, None] * num_tiles
+    if ROW_FROM_TILES:
+        # Split rows (`SPLIT`): each group's log-sum-exp over its tiles' log-sum-exps.
+        m_i = tl.full([GPT_PAD], float("-inf"), dtype=tl.float32)
+        for j0 in range(0, i_q + 1, BLOCK_T):
+            o_t = j0 + tl.arange(0, BLOCK_T)
+            t_lse = tl.load(p_lse + o_t[None, :], mask=m_g[:, None] & (o_t <= i_q)[None, :], other=float("-inf"))
+            m_i = tl.maximum(m_i, tl.max(t_lse, 1))
+        m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+        l_i = tl.zeros([GPT_PAD], dtype=tl.float32)
+        for j0 in range(0, i_q + 1, BLOCK_T):
+            o_t = j0 + tl.arange(0, BLOCK_T)
+            t_lse = tl.load(p_lse + o_t[None, :], mask=m_g[:, None] & (o_t <= i_q)[None, :], other=float("-inf"))
+            l_i += tl.sum(tl.math.exp2(t_lse - m_shift[:, None]), 1)
+        row_lse = tl.where(l_i > 0.0, m_shift + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        # Padding groups (past the tile or N) load -inf tiles: 0 keeps them out of the sums.
+        row_lse = tl.where(m_g, row_lse, 0.0)
+    else:
+        row_lse = tl.load(ROW_LSE + i_bh.to(tl.int64) * num_rows + rows, mask=m_g, other=0.0)
     p_w = W + i_b.to(tl.int64) * stride_wb + i_h.to(tl.int64) * stride_wh + i_q.to(tl.int64) * stride_wi
     for j0 in range(0, i_q + 1, BLOCK_T):
         o_t = j0 + tl.arange(0, BLOCK_T)
@@ -190,6 +227,18 @@ def check_xattention_inputs(
 # tiles.
 SCORE_CONFIGS = ((128, 128, 8, 3), (64, 64, 4, 2))
 SHARED_BYTES = 227 * 1024
+# Program order of `_row_tile_lse_kernel`: row blocks in launch order (False), or the
+# longest causal rows of every head first (True). H100, 32K, bench workload, the 128 x 128
+# tiles: stride 16 1.248 -> 1.089 ms, stride 8 2.042 -> 1.845 ms (benches/results/
+# h100-estimator-stages-issue22-2026-11-25.txt; docs/xattention.md). Same results bit for bit.
+LONGEST_FIRST = True
+# CUDA's limit on the second and third grid dimensions.
+_MAX_GRID_Y = 65535
+# Key steps per program when a row block's key range is split over several programs
+# launched together (0: one program per row block). Meant to share the query rows in L2
+# (the ncu profile of 2026-11-25: DRAM-bound, tensor pipe 25%) and to spread the work
+# at 8K-32K; not yet timed on a GPU (docs/xattention.md), so off by default.
+KEY_SPLIT_STEPS = 0
 
 
 def score_config(head_dim: int, itemsize: int) -> tuple[int, int, int, int]:
@@ -232,18 +281,27 @@ def _tile_weights(q: torch.Tensor, k: torch.Tensor, *, stride: int, block: int, 
         hl = min(heads_at_once, hq - h0)
         tile_lse = torch.empty(b * hl, rows, tiles, dtype=torch.float32, device=q.device)
         row_lse = torch.empty(b * hl, rows, dtype=torch.float32, device=q.device)
-        _row_tile_lse_kernel[(triton.cdiv(rows, block_r), b * hl)](
+        row_blocks = triton.cdiv(rows, block_r)
+        longest = LONGEST_FIRST and row_blocks <= _MAX_GRID_Y
+        split = KEY_SPLIT_STEPS > 0 and row_blocks <= _MAX_GRID_Y and b * hl <= _MAX_GRID_Y
+        tiles_per_split = max(1, KEY_SPLIT_STEPS) * tiles_per_step
+        if split:
+            grid: tuple[int, ...] = (cdiv(tiles, tiles_per_split), b * hl, row_blocks)
+        else:
+            grid = (b * hl, row_blocks) if longest else (row_blocks, b * hl)
+        _row_tile_lse_kernel[grid](
             q, k, tile_lse, row_lse,
             qk_scale, n, d, hl, h0, group, block, stride, per_tile, rows, tiles,
             *q.stride(), *k.stride(),
             BLOCK_R=block_r, GPT_PAD=gpt_pad, TILES_PER_STEP=tiles_per_step, HEAD_DIM=head_dim,
-            TERMS=terms, DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
+            TERMS=terms, DOT_F32=dot_f32, LONGEST_FIRST=longest, SPLIT=split, tiles_per_split=tiles_per_split,
+            num_warps=warps, num_stages=stages,
         )
         _tile_weight_kernel[(tiles, b * hl)](
             tile_lse, row_lse, weights,
             n, hl, h0, block, stride, per_tile, rows, tiles,
             weights.stride(0), weights.stride(1), weights.stride(2),
-            GPT_PAD=gpt_pad, BLOCK_T=32, num_warps=4,
+            GPT_PAD=gpt_pad, BLOCK_T=32, ROW_FROM_TILES=split, num_warps=4,
         )
         del tile_lse, row_lse
     return weights / weights.sum(dim=-1, keepdim=True)

@@ -19,11 +19,11 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
                              comm: Any) -> BlockColumnPlan:
     from .. import distributed as D
     from ..reference._checks import check_count
-    from ..reference.flexprefill_vs import GAMMA, check_flexprefill_vs_params, cover_threshold, first_lines
+    from ..reference.flexprefill_vs import GAMMA, LINE_BLOCK, check_flexprefill_vs_params, cover_bands
 
     p = {"gamma": GAMMA, "last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 1, "local_diagonals": 1,
-         **params}
-    unknown = set(p) - {"gamma", "last_q", "block_m", "block_n", "init_columns", "local_diagonals"}
+         "line_block": LINE_BLOCK, **params}
+    unknown = set(p) - {"gamma", "last_q", "block_m", "block_n", "init_columns", "local_diagonals", "line_block"}
     if unknown:
         raise TypeError(f"flexprefill_vs got unexpected parameters {sorted(unknown)}")
     check_flexprefill_vs_params(**p)
@@ -43,15 +43,17 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     vertical = layout.unshard(comm.all_gather(vertical_local, lengths, 2, "estimate"))
     comm.all_reduce(slash, "estimate")
     total = vertical.sum(dim=-1, keepdim=True)
-    verticals = cover_threshold(vertical / total, p["gamma"], first_lines(init_columns, n, device))
-    slashes = cover_threshold(slash / total, p["gamma"], first_lines(local_diagonals, n, device))
+    verticals = cover_bands(vertical / total, p["gamma"], init_columns, p["line_block"])
+    slashes = cover_bands(slash / total, p["gamma"], local_diagonals, p["line_block"])
     if impl == "fast":
         from ..fast.flexprefill_vs import lines_index as fast_lines_index
 
-        return fast_lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
+        return fast_lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"],
+                                line_block=p["line_block"])
     from ..reference.flexprefill_vs import lines_index
 
-    plan: BlockColumnPlan = lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"])
+    plan: BlockColumnPlan = lines_index(verticals, slashes, block_m=p["block_m"], block_n=p["block_n"],
+                                        line_block=p["line_block"])
     return plan
 
 
@@ -70,8 +72,9 @@ METHOD = register(Method(
     sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
     chunked="the chunk's last `last_q` queries (capped at the chunk's length), as vertical-slash",
     sync=SyncStatus(
-        syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item())",
-               "counting pass: as vertical_slash"),
+        syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item()); "
+               "not with line_block a multiple of block_n (the default): band_index takes the bands",
+               "counting pass: as vertical_slash (band_index's own with whole-block bands)"),
         static_bound="N lines per head, then min(Kb, N * ...) = Kb key blocks per query block",
         note="static lines are padded to N (the counting pass walks all N offsets per query block); "
              "columns stay shared when per-block lists exceed 512 MB"),

@@ -140,7 +140,8 @@ def run_shareprefill_suite(
 
             def flex_plan() -> BlockColumnPlan:
                 return fast.flexprefill_vs_plan(q, k, gamma=state.gamma, last_q=state.block_m,
-                                                block_m=state.block_m, block_n=state.block_n, scale=scale)
+                                                block_m=state.block_m, block_n=state.block_n, line_block=1,
+                                                scale=scale)
 
             fplan = flex_plan()
             est_ms = timed(flex_plan)
