@@ -101,9 +101,10 @@ SALIENCE_MIN_ROWS = 24
 # Key lags of the salience autocorrelation and query lags of the residual correlation.
 SALIENCE_LAGS = (1, 4)
 QUERY_LAGS = (1, 16)
-# Whether the fit moves the measured salience's weight to the vertical share (off: the
-# salience stays as measured, the vertical share is a prediction of the fit).
-FIT_SALIENCE_SCALE = False
+# Whether the fit moves the measured salience's weight to the vertical share (damped; off:
+# the salience stays as measured and the vertical share is a prediction of the fit, which
+# with the measured salience came out 1.5-5x too heavy: docs/workload.md).
+FIT_SALIENCE_SCALE = True
 # Keys of the moving mean taken off the key effect before its statistics.
 SALIENCE_TREND = 257
 # Salience channels at most (a GQA group larger than this shares them modulo).
@@ -117,8 +118,8 @@ WORKLOADS = ("synthetic", "calibrated")
 DEFAULT_CALIBRATION = Path(__file__).parent / "workloads" / "smollm2-8k.json"
 # Floor of a share in the log-ratio updates (a share of 1e-6 is "none").
 _SHARE_FLOOR = 1e-6
-_WEIGHT_MIN = -8.0
-_WEIGHT_MAX = 30.0
+_WEIGHT_MIN = -30.0
+_WEIGHT_MAX = 60.0
 
 
 # -- statistics --------------------------------------------------------------------------
