@@ -139,7 +139,7 @@ def _ms(fn: Any, rep: int) -> float:
 def measure_source(q: Any, k: Any, v: Any, source: str, methods: list[str], targets: list[float], *,
                    rep: int = 40, deadline: float = math.inf, log: Any = print,
                    peers: bool = False, backend: str = "fast",
-                   timer: Any = None) -> list[dict[str, Any]]:
+                   timer: Any = None, on_method: Any = None) -> list[dict[str, Any]]:
     """Points of one input on the GPU: the oracle (last 4096 rows), every method's sweep
     (density, recall; untimed), then per target the least-density point reaching it timed
     end to end and split into estimate+plan / kernel, cuDNN SDPA in the same run."""
@@ -198,6 +198,8 @@ def measure_source(q: Any, k: Any, v: Any, source: str, methods: list[str], targ
             log(f"{source} {name} {point['params']}: recall {point['recall_mean']:.3f} density "
                 f"{point['density']:.4f} e2e {e2e:.2f} ms ({base.ms / e2e:.2f}x cuDNN)")
         points += [m[0] for m in mine]
+        if on_method is not None:
+            on_method(points)
         if not mine:
             log(f"{source} {name}: no recall (changes the keys), left out")
     if peers:
@@ -213,10 +215,13 @@ def measure_source(q: Any, k: Any, v: Any, source: str, methods: list[str], targ
         points += peer_points(q, k, v, source, targets, base.ms, dense=dense, rep=rep, log=log)
         del dense
         torch.cuda.empty_cache()
-    for p in points:
-        p["params"] = {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
-                       for k, v in p["params"].items()}
-    return points
+    return _plain(points)
+
+
+def _plain(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Points with JSON-ready params (plans' pattern objects as text)."""
+    return [{**p, "params": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+                             for k, v in p["params"].items()}} for p in points]
 
 
 def run_measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -254,14 +259,18 @@ def run_measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             q, k, v = workload.calibrated_qkv(shape, device=dev, calibration=cal)
             source = f"calibrated ({cal.source}), N={n}, Hq={args.q_heads}, Hkv={args.kv_heads}"
         print(f"{source}: inputs in {time.perf_counter() - started:.1f} s", flush=True)
+        def save(mine: list[dict[str, Any]], done: list[dict[str, Any]] = list(points)) -> None:
+            if args.points_json is not None:
+                args.points_json.parent.mkdir(parents=True, exist_ok=True)
+                args.points_json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                        "points": done + _plain(mine)}, indent=1))
+
         points += measure_source(q, k, v, source, methods, args.targets, rep=args.rep, deadline=deadline,
-                                 log=lambda line: print(line, flush=True), peers=args.peer is not None)
+                                 log=lambda line: print(line, flush=True), peers=args.peer is not None,
+                                 on_method=save)
+        save([])
         del q, k, v
         torch.cuda.empty_cache()
-        if args.points_json is not None:
-            args.points_json.parent.mkdir(parents=True, exist_ok=True)
-            args.points_json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "points": points},
-                                                   indent=1))
     return points
 
 

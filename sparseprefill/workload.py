@@ -839,10 +839,12 @@ def fit_layer(
     if shared:
         # Heavy far keys come from the measured salience (no planted vertical keys); its runs
         # along the keys from the group's mean autocorrelation.
-        kv = [replace(x, vertical_fraction=0.0, **dict(zip(("salience_run", "salience_jitter"), runs_from_correlation(
+        runs = [runs_from_correlation(
             sum(target.salience_ac[h][0] for h in range(j * group, (j + 1) * group)) / group,
             sum(target.salience_ac[h][1] for h in range(j * group, (j + 1) * group)) / group,
-            SALIENCE_LAGS)))) for j, x in enumerate(kv)]
+            SALIENCE_LAGS) for j in range(hkv)]
+        kv = [replace(x, vertical_fraction=0.0, salience_run=runs[j][0], salience_jitter=runs[j][1])
+              for j, x in enumerate(kv)]
     if target.keep:
         kv = fit_keys(kv, target.keep, shape, seed=seed)
     n = shape.seqlen
