@@ -105,6 +105,8 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sources = list(dict.fromkeys(p["source"] for p in points))
+    if not sources:
+        return
     fig, axes = plt.subplots(1, len(sources), figsize=(6.5 * len(sources), 4.8), squeeze=False)
     for ax, source in zip(axes[0], sources):
         mine = [p for p in points if p["source"] == source]
@@ -260,15 +262,17 @@ def run_measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             source = f"calibrated ({cal.source}), N={n}, Hq={args.q_heads}, Hkv={args.kv_heads}"
         print(f"{source}: inputs in {time.perf_counter() - started:.1f} s", flush=True)
         def save(mine: list[dict[str, Any]], done: list[dict[str, Any]] = list(points)) -> None:
+            # Every source so far plus this one's points (after each method: a run cut short keeps them).
             if args.points_json is not None:
                 args.points_json.parent.mkdir(parents=True, exist_ok=True)
                 args.points_json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                         "points": done + _plain(mine)}, indent=1))
 
-        points += measure_source(q, k, v, source, methods, args.targets, rep=args.rep, deadline=deadline,
-                                 log=lambda line: print(line, flush=True), peers=args.peer is not None,
-                                 on_method=save)
-        save([])
+        new = measure_source(q, k, v, source, methods, args.targets, rep=args.rep, deadline=deadline,
+                             log=lambda line: print(line, flush=True), peers=args.peer is not None,
+                             on_method=save)
+        save(new)
+        points += new
         del q, k, v
         torch.cuda.empty_cache()
     return points
