@@ -25,7 +25,10 @@ from sparseprefill import workload
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--qkv", type=Path, required=True, help="capture (sparseprefill eval capture)")
+    parser.add_argument("--qkv", type=Path, default=None, help="capture (sparseprefill eval capture)")
+    parser.add_argument("--join", type=Path, nargs="+", default=None,
+                        help="instead of fitting: join these calibrations (one layer each, e.g. fitted in "
+                             "parallel processes) into --calibration, layers in order")
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="captured layers (default all)")
     parser.add_argument("--max-seqlen", type=int, default=None, help="fit on this prefix only")
     parser.add_argument("--predict", action="store_true",
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=128, help="query rows of every statistic")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--calibration", type=Path, default=None, help="write the fit here")
-    parser.add_argument("--json", type=Path, required=True, help="write the report here")
+    parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--stats-only", action="store_true",
                         help="only the captured statistics of every chosen layer (no fit)")
     args = parser.parse_args(argv)
@@ -42,6 +45,17 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
+    if args.join is not None:
+        parts = [workload.Calibration.from_json(json.loads(path.read_text())) for path in args.join]
+        layers = tuple(sorted((lp for part in parts for lp in part.layers), key=lambda lp: lp.layer))
+        joined = workload.Calibration(source=parts[0].source, layers=layers, rule=parts[0].rule)
+        if args.calibration is None:
+            parser.error("--join needs --calibration (where to write the joined fit)")
+        args.calibration.write_text(json.dumps(joined.to_json(), indent=1))
+        print(f"joined layers {[lp.layer for lp in layers]} into {args.calibration}")
+        return 0
+    if args.qkv is None or args.json is None:
+        parser.error("--qkv and --json are needed unless --join")
     data = torch.load(args.qkv, map_location="cpu")
     if args.stats_only:
         stats = {}

@@ -7,6 +7,14 @@ setting that reaches a mean recall target at the least end-to-end time.
         --targets 0.95 0.90 --json benches/results/h100-equal-recall-32k-2026-11-25.json \\
         --png docs/img/equal-recall-32k.png
 
+Or measured in one pass on the GPU (`--measure`): every method's sweep untimed (density
+and recall from the fast backend), then only the point that each target picks timed
+(small `do_bench` counts), cuDNN SDPA in the same run; sources: a capture (`--qkv`, its
+layers as the batch) and the calibrated workload at each `--seqlens` N:
+
+    python benches/equal_recall.py --measure --qkv qkv3.pt --seqlens 32768 131072 \
+        --points-json $OUT/points.json --json $OUT/equal-recall.json --png $OUT/equal-recall.png
+
 Per (source, method, target): the point with mean recall >= target and the least e2e
 time (without GPU times: the least density), its density, time split (estimate+plan,
 kernel), speedup over cuDNN SDPA of the same run and the ratio of its time to the floor
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,6 +105,8 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sources = list(dict.fromkeys(p["source"] for p in points))
+    if not sources:
+        return
     fig, axes = plt.subplots(1, len(sources), figsize=(6.5 * len(sources), 4.8), squeeze=False)
     for ax, source in zip(axes[0], sources):
         mine = [p for p in points if p["source"] == source]
@@ -121,14 +132,176 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _ms(fn: Any, rep: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=max(5, rep // 5), rep=rep, return_mode="median"))
+
+
+def measure_source(q: Any, k: Any, v: Any, source: str, methods: list[str], targets: list[float], *,
+                   rep: int = 40, deadline: float = math.inf, log: Any = print,
+                   peers: bool = False, backend: str = "fast",
+                   timer: Any = None, on_method: Any = None) -> list[dict[str, Any]]:
+    """Points of one input on the GPU: the oracle (last 4096 rows), every method's sweep
+    (density, recall; untimed), then per target the least-density point reaching it timed
+    end to end and split into estimate+plan / kernel, cuDNN SDPA in the same run."""
+    import time
+    from dataclasses import asdict
+
+    from sparseprefill import bench, fast
+    from sparseprefill.compare import _oracle_tail, measure, sweep
+    from sparseprefill.methods import METHODS
+
+    n = int(q.shape[2])
+    impl: Any = fast
+    if backend != "fast":
+        from sparseprefill import reference as impl
+    clock = timer if timer is not None else (lambda fn: _ms(fn, rep))
+    base = bench.cudnn_row(q, k, v, log=log)
+    shares = sorted({0.5, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, *targets})
+    tail = min(n, 4096)
+    dens = _oracle_tail(q, k, tail, shares)
+    points: list[dict[str, Any]] = [
+        {"method": "oracle", "params": {"share": s, "rows": f"last {tail}"}, "source": source, "seqlen": n,
+         "density": d, "recall_mean": s, "gpu": {}} for s, d in zip(shares, dens)]
+    log(f"{source}: cuDNN {base.ms:.2f} ms; oracle density at 0.9 / 0.95: "
+        f"{dens[shares.index(0.9)]:.4f} / {dens[shares.index(0.95)]:.4f}")
+    for name in methods:
+        if time.perf_counter() > deadline:
+            log(f"{source}: out of time before {name}")
+            break
+        spec = METHODS[name]
+        mine = []
+        for params in sweep(spec, n):
+            point = measure(spec, params, q, k, v, None, backend=backend, scale=None, source=source)
+            if point.recall_mean is None:
+                break  # methods that change the keys: no recall, not in this table
+            mine.append(({k: v for k, v in asdict(point).items()
+                          if k in ("method", "params", "source", "seqlen", "density", "recall_mean", "recall_min")},
+                         params))
+        picks = []
+        for target in targets:
+            ok = [m for m in mine if m[0]["recall_mean"] >= target]
+            if ok:
+                pick = min(ok, key=lambda m: m[0]["density"])
+                if all(pick is not p for p in picks):
+                    picks.append(pick)
+        for point, params in picks:
+            call = spec.call_params(params, q)
+            e2e = clock(lambda: spec.run_fn(backend)(q, k, v, **call))
+            gpu = {"e2e_ms": e2e, "cudnn_ms": base.ms, "speedup_vs_cudnn": base.ms / e2e,
+                   "floor_ms": point["density"] * base.ms}
+            plan_fn = spec.plan_fn(backend)
+            plan = plan_fn(q, k, **call)
+            gpu["estimate_plan_ms"] = clock(lambda: plan_fn(q, k, **call))
+            gpu["kernel_ms"] = clock(lambda: impl.sparse_attention(q, k, v, plan))
+            del plan
+            point["gpu"] = gpu
+            log(f"{source} {name} {point['params']}: recall {point['recall_mean']:.3f} density "
+                f"{point['density']:.4f} e2e {e2e:.2f} ms ({base.ms / e2e:.2f}x cuDNN)")
+        points += [m[0] for m in mine]
+        if on_method is not None:
+            on_method(points)
+        if not mine:
+            log(f"{source} {name}: no recall (changes the keys), left out")
+    if peers:
+        import torch
+        import torch.nn.functional as F
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from peers import peer_points
+
+        g = q.shape[1] // k.shape[1]
+        dense = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                               is_causal=True)
+        points += peer_points(q, k, v, source, targets, base.ms, dense=dense, rep=rep, log=log)
+        del dense
+        torch.cuda.empty_cache()
+    return _plain(points)
+
+
+def _plain(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Points with JSON-ready params (plans' pattern objects as text)."""
+    return [{**p, "params": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+                             for k, v in p["params"].items()}} for p in points]
+
+
+def run_measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The `--measure` sources (see the module doc)."""
+    import time
+
+    import torch
+
+    from sparseprefill import workload
+    from sparseprefill.demo import Shape
+    from sparseprefill.methods import METHODS
+
+    deadline = time.perf_counter() + args.budget_s
+    methods = args.methods or [m for m in METHODS if m != "dense"]
+    dev = torch.device("cuda")
+    points: list[dict[str, Any]] = []
+    jobs: list[tuple[str, int | None]] = []
+    if args.qkv is not None:
+        jobs.append(("captured", None))
+    jobs += [("calibrated", n) for n in args.seqlens]
+    cal = workload.load_calibration(args.calibration)
+    for kind, n in jobs:
+        if time.perf_counter() > deadline:
+            print(f"out of time before {kind} {n}", flush=True)
+            break
+        started = time.perf_counter()
+        if kind == "captured":
+            data = torch.load(args.qkv, map_location="cpu")
+            n_cap = int(data["q"][0].shape[2])
+            q, k, v = workload.capture_qkv(args.qkv, Shape(1, 1, 1, n_cap, 64, torch.bfloat16), device=dev)
+            source = f"captured {args.qkv.name} (layers {list(data['layers'])}), N={n_cap}"
+        else:
+            assert n is not None
+            shape = Shape(1, args.q_heads, args.kv_heads, n, 128, torch.bfloat16)
+            q, k, v = workload.calibrated_qkv(shape, device=dev, calibration=cal)
+            source = f"calibrated ({cal.source}), N={n}, Hq={args.q_heads}, Hkv={args.kv_heads}"
+        print(f"{source}: inputs in {time.perf_counter() - started:.1f} s", flush=True)
+        def save(mine: list[dict[str, Any]], done: list[dict[str, Any]] = list(points)) -> None:
+            # Every source so far plus this one's points (after each method: a run cut short keeps them).
+            if args.points_json is not None:
+                args.points_json.parent.mkdir(parents=True, exist_ok=True)
+                args.points_json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                        "points": done + _plain(mine)}, indent=1))
+
+        new = measure_source(q, k, v, source, methods, args.targets, rep=args.rep, deadline=deadline,
+                             log=lambda line: print(line, flush=True), peers=args.peer is not None,
+                             on_method=save)
+        save(new)
+        points += new
+        del q, k, v
+        torch.cuda.empty_cache()
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("compare_json", type=Path, nargs="+", help="`sparseprefill compare --json` outputs")
+    parser.add_argument("compare_json", type=Path, nargs="*", help="`sparseprefill compare --json` outputs")
     parser.add_argument("--targets", type=float, nargs="+", default=[0.95, 0.90])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--measure", action="store_true", help="measure on the GPU instead of reading JSON")
+    parser.add_argument("--qkv", type=Path, default=None, help="with --measure: a capture as one source")
+    parser.add_argument("--seqlens", type=int, nargs="*", default=[], help="with --measure: calibrated N")
+    parser.add_argument("--calibration", type=Path, default=None, help="default: the shipped fit")
+    parser.add_argument("--q-heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--rep", type=int, default=40, help="do_bench rep (ms) of each timed point")
+    parser.add_argument("--budget-s", type=float, default=math.inf, help="start no new method after this")
+    parser.add_argument("--peer", default=None,
+                        help="with --measure: also run the peers (benches/peers.py), this folder first on sys.path")
+    parser.add_argument("--points-json", type=Path, default=None, help="with --measure: every point")
     args = parser.parse_args(argv)
     points = []
+    if args.measure:
+        if args.peer:
+            sys.path.insert(0, os.path.abspath(args.peer))
+        points = run_measure(args)
     for path in args.compare_json:
         points += json.loads(path.read_text())["points"]
     rows = equal_recall(points, args.targets)

@@ -93,6 +93,22 @@ VERTICAL_FRACTION = 0.005
 RUN_JITTER = 0.3
 RUN_LENGTHS = (1.0, 4.0, 16.0)
 RULES = ("fixed-logits", "sink-log")
+# Shared structure of the far field (`score_structure`): per-key salience quantiles are
+# stored at these probabilities (relative to the median), interpolated in normal scores.
+SALIENCE_PROBS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.995, 0.999, 0.9995)
+# Keys seen by fewer sampled far rows than this are left out of the salience estimate.
+SALIENCE_MIN_ROWS = 24
+# Key lags of the salience autocorrelation and query lags of the residual correlation.
+SALIENCE_LAGS = (1, 4)
+QUERY_LAGS = (1, 16)
+# Whether the fit moves the measured salience's weight to the vertical share (damped; off:
+# the salience stays as measured and the vertical share is a prediction of the fit, which
+# with the measured salience came out 1.5-5x too heavy: docs/workload.md).
+FIT_SALIENCE_SCALE = True
+# Keys of the moving mean taken off the key effect before its statistics.
+SALIENCE_TREND = 257
+# Salience channels at most (a GQA group larger than this shares them modulo).
+SALIENCE_CHANNELS = 8
 # Fits and the layer workloads are made at this head size: the scores are calibrated, not D
 # (a capture at D = 64 is fitted by a D = 128 workload with the same score statistics).
 FIT_HEAD_DIM = 128
@@ -102,8 +118,8 @@ WORKLOADS = ("synthetic", "calibrated")
 DEFAULT_CALIBRATION = Path(__file__).parent / "workloads" / "smollm2-8k.json"
 # Floor of a share in the log-ratio updates (a share of 1e-6 is "none").
 _SHARE_FLOOR = 1e-6
-_WEIGHT_MIN = -8.0
-_WEIGHT_MAX = 30.0
+_WEIGHT_MIN = -30.0
+_WEIGHT_MAX = 60.0
 
 
 # -- statistics --------------------------------------------------------------------------
@@ -126,6 +142,12 @@ class Stats:
     keep: list[list[float]] = field(default_factory=list)
     slash_offsets: list[list[int]] = field(default_factory=list)
     bands: list[list[float]] = field(default_factory=list)
+    # Shared far-field structure per query head (`score_structure`); empty when not measured.
+    salience: list[list[float]] = field(default_factory=list)
+    salience_ac: list[list[float]] = field(default_factory=list)
+    salience_group: list[float] = field(default_factory=list)
+    residual: list[float] = field(default_factory=list)
+    query_ac: list[list[float]] = field(default_factory=list)
 
     def shares(self, h: int) -> dict[str, float]:
         """The five disjoint shares of head `h`."""
@@ -160,6 +182,7 @@ def attention_stats(
     scale: float | None = None,
     rows: int = 256,
     with_keep: bool = True,
+    with_structure: bool = True,
 ) -> Stats:
     """Structure statistics of one layer's attention (batch 0; see the module doc).
 
@@ -168,6 +191,7 @@ def attention_stats(
         scale: softmax scale, `1/sqrt(D)` if None.
         rows: query rows sampled evenly over the sequence.
         with_keep: also measure Delta-KV keep ratios per KV head.
+        with_structure: also measure the far field's shared structure (`score_structure`).
 
     Returns:
         A `Stats`.
@@ -236,10 +260,110 @@ def attention_stats(
         mean = diag_mean[j * group:(j + 1) * group].mean(0)
         offsets.append([int(x) for x in mean.topk(min(SLASH_OFFSETS, n + 1)).indices.tolist() if x >= LOCAL])
     keep = keep_ratios(k) if with_keep else []
+    structure = score_structure(q, k, scale=sm_scale) if with_structure else {}
     return Stats(seqlen=n, rows=int(idx.numel()), sink=sink.tolist(), local=local.tolist(),
                  vertical=vertical.tolist(), slash=slash.tolist(), rest=rest.tolist(),
                  profile=profile.tolist(), oracle=oracle.tolist(), keep=keep,
-                 slash_offsets=offsets, bands=bands.tolist())
+                 slash_offsets=offsets, bands=bands.tolist(), **structure)
+
+
+def _lag_corr(x: torch.Tensor, lag: int) -> float:
+    """Autocorrelation of a 1-D sequence at `lag` (0 if too short or constant)."""
+    c = x - x.mean()
+    var = float((c * c).mean())
+    if c.numel() <= lag or var <= 0.0:
+        return 0.0
+    return float((c[lag:] * c[:-lag]).mean()) / var
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Pearson correlation of two 1-D sequences (0 if either is constant)."""
+    x, y = a - a.mean(), b - b.mean()
+    den = float(x.norm() * y.norm())
+    return float((x * y).sum()) / den if den > 0 else 0.0
+
+
+def score_structure(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
+                    base_rows: int = 64) -> dict[str, list[Any]]:
+    """Shared structure of the far field (`i - j >= LOCAL`, not sink) of every query head,
+    from the scores themselves (batch 0, float64):
+
+    * the scores of `base_rows` rows spread over the last three quarters of the sequence, and of
+      the rows 1 and 16 after each, minus each row's far mean, split into a key effect
+      (`salience`: the mean over the rows that see key j, keys seen by at least
+      `SALIENCE_MIN_ROWS` rows) and a residual;
+    * `salience`: the key effect's quantiles at `SALIENCE_PROBS` minus its median, shrunk by
+      the share of its variance that the finite row count adds (`residual^2 / rows`);
+    * `salience_ac`: its autocorrelation along the keys at `SALIENCE_LAGS` (runs of heavy
+      keys), corrected for that noise; `salience_group`: its correlation with the mean key
+      effect of the GQA group (how much the group's heads share heavy keys);
+    * `residual`: the residual's standard deviation (per-query variation, nats);
+    * `query_ac`: the residual's correlation between rows `QUERY_LAGS` apart (queries in runs).
+
+    Returns a dict of per-query-head lists; empty lists when N is too short
+    (`N < 2 LOCAL + 64`).
+    """
+    from .reference._checks import check_qk, resolve_scale
+
+    shape = check_qk(q, k)
+    n, hq, hkv = shape.seqlen, shape.q_heads, shape.kv_heads
+    out: dict[str, list[Any]] = {"salience": [], "salience_ac": [], "salience_group": [], "residual": [],
+                                 "query_ac": []}
+    if n < 2 * LOCAL + 64:
+        return out
+    sm = resolve_scale(scale, shape.head_dim)
+    top = n - 1 - max(QUERY_LAGS)
+    base = sample_rows(top - n // 4, base_rows) + n // 4
+    rows = torch.unique(torch.cat([base, *(base + lag for lag in QUERY_LAGS)]))
+    where = {int(r): i for i, r in enumerate(rows.tolist())}
+    keys = torch.arange(n)
+    far = ((rows[:, None] - keys[None, :]) >= LOCAL) & (keys[None, :] >= SINK_KEYS)  # [R, N]
+    cnt = far.sum(0)
+    ok = cnt >= SALIENCE_MIN_ROWS
+    group = hq // hkv
+    probs = torch.tensor(SALIENCE_PROBS, dtype=torch.float64)
+    cols = []
+    for h in range(hq):
+        s = torch.matmul(q[0, h, rows].to(torch.float64), k[0, h // group].to(torch.float64).T) * sm
+        r = torch.where(far, s, 0.0)
+        r = torch.where(far, r - r.sum(1, keepdim=True) / far.sum(1, keepdim=True).clamp(min=1), 0.0)
+        col = r.sum(0) / cnt.clamp(min=1)
+        resid = torch.where(far, r - col[None, :], 0.0)
+        res_var = float((resid * resid).sum() / far.sum())
+        # Detrended: minus its moving mean over SALIENCE_TREND keys (a smooth trend along the
+        # keys is the distance profile's, which the generator draws apart).
+        c = col[ok]
+        pad = SALIENCE_TREND // 2
+        trend = torch.nn.functional.avg_pool1d(
+            torch.nn.functional.pad(c[None, None], (pad, pad), mode="replicate"), SALIENCE_TREND, 1)[0, 0]
+        c = c - trend[:c.numel()]
+        noise_var = float((res_var / cnt[ok].double()).mean())
+        shrink = math.sqrt(max(0.1, 1.0 - noise_var / max(float(c.var()), 1e-12)))
+        quant = (torch.quantile(c, probs) - c.median()) * shrink
+        out["salience"].append([float(x) for x in quant])
+        out["salience_ac"].append([min(0.99, max(0.0, _lag_corr(c, lag) / shrink ** 2)) for lag in SALIENCE_LAGS])
+        out["residual"].append(math.sqrt(res_var))
+        corr = []
+        ib = torch.tensor([where[b] for b in base.tolist()])
+        m = far[ib].to(torch.float64)
+        for lag in QUERY_LAGS:
+            il = torch.tensor([where[b + lag] for b in base.tolist()])
+            x, y = resid[ib], resid[il]
+            x = (x - (x * m).sum(1, keepdim=True) / m.sum(1, keepdim=True)) * m
+            y = (y - (y * m).sum(1, keepdim=True) / m.sum(1, keepdim=True)) * m
+            den = x.norm(dim=1) * y.norm(dim=1)
+            good = den > 0
+            val = float(((x * y).sum(1)[good] / den[good]).mean()) if bool(good.any()) else 0.0
+            corr.append(max(0.0, val))
+        out["query_ac"].append(corr)
+        cols.append(c)
+    for h in range(hq):
+        # Mean correlation with the group's other heads (1 without any): the shared part.
+        j = h // group
+        others = [cols[o] for o in range(j * group, (j + 1) * group) if o != h]
+        out["salience_group"].append(
+            max(0.0, min(1.0, sum(_corr(cols[h], o) for o in others) / len(others))) if others else 1.0)
+    return out
 
 
 def _oracle_rows(p: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -280,6 +404,14 @@ class HeadParams:
     profile: tuple[float, ...] = ()
     slash: float = 1.0
     noise: float = 1.0
+    # Shared far-field structure (empty salience: none). Key salience z_j, in nats, at
+    # SALIENCE_PROBS of its distribution; its weight; its correlation with the group's
+    # shared salience; the queries' noise in runs (`run_length`, `jitter` as the keys').
+    salience: tuple[float, ...] = ()
+    salience_scale: float = 1.0
+    salience_group: float = 1.0
+    query_run: float = 1.0
+    query_jitter: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -290,6 +422,9 @@ class KVParams:
     run_length: float = 1.0
     key_offset: float = 0.0
     vertical_fraction: float = VERTICAL_FRACTION
+    # Runs of the salience sequence along the keys (heavy keys come in runs).
+    salience_run: float = 1.0
+    salience_jitter: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -323,7 +458,8 @@ class Calibration:
         """
         layers = []
         for item in data["layers"]:
-            heads = tuple(HeadParams(**{**h, "profile": tuple(h["profile"])}) for h in item["heads"])
+            heads = tuple(HeadParams(**{**h, "profile": tuple(h["profile"]),
+                                        "salience": tuple(h.get("salience", ()))}) for h in item["heads"])
             kv = tuple(KVParams(**{**j, "slash_offsets": tuple(j["slash_offsets"])}) for j in item["kv"])
             if not heads or not kv or len(heads) % len(kv):
                 raise ValueError(f"layer {item['layer']}: {len(heads)} query heads for {len(kv)} KV heads")
@@ -360,6 +496,7 @@ class _Layout:
     rotary: slice
     slash: slice
     noise: slice
+    salience: slice
 
 
 # Channels per part at head_dim 128, after 0: sink, 1: vertical, 2: key offset: rotary
@@ -367,15 +504,17 @@ class _Layout:
 _PARTS_128 = (80, 20, 25)
 
 
-def _layout(head_dim: int) -> _Layout:
+def _layout(head_dim: int, salience: int = 0) -> _Layout:
     # Below D = 128 every part shrinks in proportion (fewer rotary pairs: a coarser
     # profile; fewer slash and noise channels: a noisier slash). Above 128 the extra
-    # channels stay zero, so the score distribution is that of D = 128.
+    # channels stay zero, so the score distribution is that of D = 128. `salience`
+    # channels, when asked for, come off the end of the noise part.
     usable = min(head_dim, 128) - 3
     rot = max(2, (_PARTS_128[0] * usable // 125) // 2 * 2)
     slash = max(2, _PARTS_128[1] * usable // 125)
+    end = 3 + usable - salience
     return _Layout(rotary=slice(3, 3 + rot), slash=slice(3 + rot, 3 + rot + slash),
-                   noise=slice(3 + rot + slash, 3 + usable))
+                   noise=slice(3 + rot + slash, end), salience=slice(end, 3 + usable))
 
 
 def _frequencies(pairs: int) -> torch.Tensor:
@@ -425,11 +564,14 @@ def rotary_weights(profile: Sequence[float], seqlen: int, pairs: int) -> torch.T
     return weights
 
 
-def _runs(gen: torch.Generator, rows: int, n: int, dims: int, run_length: Sequence[float]) -> torch.Tensor:
-    """Key contents `[rows, n, dims]` in runs: a run shares one Gaussian vector, each key adds
-    jitter `RUN_JITTER`; a new run starts with probability `1 / run_length[row]`."""
+def _runs(gen: torch.Generator, rows: int, n: int, dims: int, run_length: Sequence[float],
+          jitter: Sequence[float] | None = None) -> torch.Tensor:
+    """Contents `[rows, n, dims]` in runs: a run shares one Gaussian vector, each position
+    adds jitter (`jitter[row]`, default `RUN_JITTER`); a new run starts with probability
+    `1 / run_length[row]`. Unit variance; the correlation at lag L is
+    `(1 - jitter^2) (1 - 1 / run_length)^L`."""
     base = torch.randn(rows, n, dims, generator=gen, dtype=torch.float64)
-    jitter = torch.randn(rows, n, dims, generator=gen, dtype=torch.float64)
+    noise = torch.randn(rows, n, dims, generator=gen, dtype=torch.float64)
     start_p = torch.tensor([1.0 / max(1.0, r) for r in run_length], dtype=torch.float64)
     starts = torch.rand(rows, n, generator=gen, dtype=torch.float64) < start_p[:, None]
     starts[:, 0] = True
@@ -437,7 +579,35 @@ def _runs(gen: torch.Generator, rows: int, n: int, dims: int, run_length: Sequen
     # The run's vector is the base vector at the run's first position.
     first_pos = torch.cummax(torch.where(starts, pos, 0), dim=1).values
     shared = torch.gather(base, 1, first_pos[..., None].expand(rows, n, dims))
-    return shared * math.sqrt(1 - RUN_JITTER ** 2) + jitter * RUN_JITTER
+    jit = torch.tensor([RUN_JITTER] * rows if jitter is None else list(jitter), dtype=torch.float64)[:, None, None]
+    return shared * torch.sqrt(1 - jit ** 2) + noise * jit
+
+
+def runs_from_correlation(c_short: float, c_long: float, lags: tuple[int, int]) -> tuple[float, float]:
+    """`(run_length, jitter)` of `_runs` whose correlation is `c_short` at `lags[0]` and
+    `c_long` at `lags[1]` (`(1 - jitter^2) (1 - 1/run)^L`), clipped to a valid model."""
+    c0, c1 = max(1e-3, min(0.99, c_short)), max(0.0, min(0.99, c_long))
+    if c0 <= 1e-3:
+        return 1.0, 1.0
+    r = (max(c1, 1e-6) / c0) ** (1.0 / (lags[1] - lags[0])) if c1 < c0 else 0.999
+    r = max(0.0, min(0.999, r))
+    w = min(0.99, c0 / max(r ** lags[0], 1e-6))
+    return 1.0 / (1.0 - r), math.sqrt(1.0 - w)
+
+
+def _normal_icdf(p: torch.Tensor) -> torch.Tensor:
+    return math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)
+
+
+def salience_values(quantiles: Sequence[float], latent: torch.Tensor) -> torch.Tensor:
+    """Map standard-normal `latent` values to the salience distribution given by its
+    `quantiles` at `SALIENCE_PROBS` (linear in normal scores, flat beyond the ends)."""
+    t = _normal_icdf(torch.tensor(SALIENCE_PROBS, dtype=torch.float64))
+    vals = torch.tensor(list(quantiles), dtype=torch.float64)
+    x = latent.clamp(float(t[0]), float(t[-1]))
+    i = torch.searchsorted(t, x.contiguous()).clamp(1, len(t) - 1)
+    t0, t1 = t[i - 1], t[i]
+    return vals[i - 1] + (x - t0) / (t1 - t0) * (vals[i] - vals[i - 1])
 
 
 def generate_layer(
@@ -470,11 +640,12 @@ def generate_layer(
         raise ValueError(f"{len(heads)} head and {len(kv)} KV parameters for q_heads={hq}, kv_heads={hkv}")
     if d < 16:
         raise ValueError(f"head_dim must be >= 16, got {d}")
-    lay = _layout(d)
+    group = hq // hkv
+    sal = min(group, SALIENCE_CHANNELS) if any(p.salience for p in heads) else 0
+    lay = _layout(d, sal)
     gen = torch.Generator().manual_seed(seed)
     f64 = torch.float64
     scale = 1.0 / math.sqrt(d)
-    group = hq // hkv
     sink_shift = math.log(n / fit_seqlen) if rule == "sink-log" and fit_seqlen else 0.0
     rows = b * hkv
     k = torch.zeros(rows, n, d, dtype=f64)
@@ -502,7 +673,26 @@ def generate_layer(
             k[r, :, lay.slash] += codes[r, o:o + n]
     dn = lay.noise.stop - lay.noise.start
     k[..., lay.noise] = _runs(gen, rows, n, dn, [kv[r % hkv].run_length for r in range(rows)])
-    x = torch.randn(b, hq, n, dn, generator=gen, dtype=f64)
+    if all(p.query_run <= 1.0 and p.query_jitter >= 1.0 for p in heads):
+        x = torch.randn(b, hq, n, dn, generator=gen, dtype=f64)
+    else:  # queries in runs: nearby queries' noise correlated, so they favour the same keys
+        x = _runs(gen, b * hq, n, dn, [heads[r % hq].query_run for r in range(b * hq)],
+                  [heads[r % hq].query_jitter for r in range(b * hq)]).view(b, hq, n, dn)
+    if sal:
+        # Key salience: per KV head a shared latent sequence in runs, per salience channel t
+        # (query head t of the group) its own part, mixed by that head's group correlation,
+        # mapped through the head's salience quantiles. Channel t is query head t's alone.
+        kvr = [kv[r % hkv] for r in range(rows)]
+        shared = _runs(gen, rows, n, 1, [x.salience_run for x in kvr], [x.salience_jitter for x in kvr])[..., 0]
+        own = _runs(gen, rows * sal, n, 1, [kvr[r // sal].salience_run for r in range(rows * sal)],
+                    [kvr[r // sal].salience_jitter for r in range(rows * sal)]).view(rows, sal, n)
+        for r in range(rows):
+            for t in range(sal):
+                hp = heads[(r % hkv) * group + t]
+                if hp.salience:
+                    c = max(0.0, min(1.0, hp.salience_group))
+                    latent = math.sqrt(c) * shared[r] + math.sqrt(1.0 - c) * own[r, t]
+                    k[r, :, lay.salience.start + t] = salience_values(hp.salience, latent)
     k = k.view(b, hkv, n, d)
     codes = codes.view(b, hkv, n + reach, ds)
     for h, p in enumerate(heads):
@@ -515,6 +705,8 @@ def generate_layer(
             q[:, h, :, lay.rotary] = turned * (weights / scale).repeat_interleave(2)
         q[:, h, :, lay.slash] = codes[:, j, :n] * (p.slash / (ds * scale))
         q[:, h, :, lay.noise] = x[:, h] * (p.noise / (math.sqrt(dn) * scale))
+        if sal and p.salience:
+            q[:, h, :, lay.salience.start + (h % group) % sal] = p.salience_scale / scale
     return q, k, v
 
 
@@ -641,7 +833,18 @@ def fit_layer(
         The fitted `LayerParams`.
     """
     hq, hkv = shape.q_heads, shape.kv_heads
+    group = hq // hkv
+    shared = bool(target.salience)
     kv = [KVParams(slash_offsets=tuple(o)) for o in target.slash_offsets]
+    if shared:
+        # Heavy far keys come from the measured salience (no planted vertical keys); its runs
+        # along the keys from the group's mean autocorrelation.
+        runs = [runs_from_correlation(
+            sum(target.salience_ac[h][0] for h in range(j * group, (j + 1) * group)) / group,
+            sum(target.salience_ac[h][1] for h in range(j * group, (j + 1) * group)) / group,
+            SALIENCE_LAGS) for j in range(hkv)]
+        kv = [replace(x, vertical_fraction=0.0, salience_run=runs[j][0], salience_jitter=runs[j][1])
+              for j, x in enumerate(kv)]
     if target.keep:
         kv = fit_keys(kv, target.keep, shape, seed=seed)
     n = shape.seqlen
@@ -655,13 +858,23 @@ def fit_layer(
         base = math.log(per_key[-1])
         # Scores log(p) reproduce the probabilities p exactly: the profile's and the sink's
         # against the same far-field base.
-        heads.append(HeadParams(
-            sink=min(_WEIGHT_MAX, math.log(max(target.sink[h], 1e-6)) - base),
-            vertical=1.0, profile=tuple(min(_WEIGHT_MAX, math.log(x) - base) for x in per_key),
-            slash=1.0, noise=1.0))
+        extra: dict[str, Any] = {}
+        lift = 0.0
+        if shared:
+            run, jitter = runs_from_correlation(target.query_ac[h][0], target.query_ac[h][1], QUERY_LAGS)
+            extra = {"salience": tuple(target.salience[h]), "salience_group": target.salience_group[h],
+                     "query_run": run, "query_jitter": jitter, "noise": target.residual[h]}
+            # Every non-sink key's mass is raised by E[exp(noise + salience)]: so is the sink's start.
+            grid = salience_values(target.salience[h], _normal_icdf(torch.linspace(0.0005, 0.9995, 999,
+                                                                                  dtype=torch.float64)))
+            lift = target.residual[h] ** 2 / 2 + math.log(float(torch.exp(grid).mean()))
+        heads.append(HeadParams(**{
+            "sink": min(_WEIGHT_MAX, math.log(max(target.sink[h], 1e-6)) - base + (lift if shared else 0.0)),
+            "vertical": 1.0, "profile": tuple(min(_WEIGHT_MAX, math.log(x) - base) for x in per_key),
+            "slash": 1.0, "noise": 1.0, **extra}))
     for it in range(iterations):
         q, k, _ = generate_layer(heads, kv, replace(shape, batch=1), seed=seed)
-        got = attention_stats(q, k, rows=rows, with_keep=False)
+        got = attention_stats(q, k, rows=rows, with_keep=False, with_structure=False)
         new = []
         for h, p in enumerate(heads):
             profile = tuple(
@@ -669,13 +882,20 @@ def fit_layer(
                 for b, w in enumerate(p.profile)
             )
             ratio = got.oracle[h][1] / max(target.oracle[h][1], 1e-9)
-            new.append(HeadParams(
+            # With measured salience its weight carries the vertical share (damped: the
+            # share answers steeply); else the planted vertical keys' weight does.
+            sal_step = max(0.8, min(1.25, (max(target.vertical[h], _SHARE_FLOOR)
+                                           / max(got.vertical[h], _SHARE_FLOOR)) ** 0.3))
+            new.append(replace(
+                p,
+                salience_scale=p.salience_scale * sal_step if p.salience and FIT_SALIENCE_SCALE else p.salience_scale,
                 sink=min(_WEIGHT_MAX, max(_WEIGHT_MIN, p.sink + _log_ratio(target.sink[h], got.sink[h]))),
                 vertical=min(_WEIGHT_MAX, max(_WEIGHT_MIN, p.vertical + _log_ratio(target.vertical[h], got.vertical[h]))),
                 profile=profile,
                 slash=min(_WEIGHT_MAX, max(_WEIGHT_MIN, p.slash + _log_ratio(target.slash[h], got.slash[h]))),
                 # The noise sets how concentrated the rest is: tuned once the shares settle.
-                noise=(p.noise if it < iterations // 2 - 1
+                # (from the second round when the structure was measured: the start is close).
+                noise=(p.noise if it < (1 if p.salience else iterations // 2 - 1)
                        else min(8.0, max(0.05, p.noise * max(0.7, min(1.4, ratio ** 0.7))))),
             ))
         heads = new

@@ -284,3 +284,63 @@ def test_equal_recall_picks_the_fastest_point_reaching_the_target() -> None:
     assert rows[("a", 0.95)]["oracle_density"] == pytest.approx(0.04)
     assert rows[("b", 0.95)]["reached"] is False and rows[("b", 0.95)]["best_recall"] == 0.8
     assert "not reached" in mod.format_rows(list(rows.values()))
+
+
+def test_runs_from_correlation_round_trip() -> None:
+    # (1 - jitter^2) (1 - 1/run)^L at two lags gives back run and jitter.
+    run, jitter = 20.0, 0.4
+    c = [(1 - jitter ** 2) * (1 - 1 / run) ** lag for lag in (1, 16)]
+    got_run, got_jitter = workload.runs_from_correlation(c[0], c[1], (1, 16))
+    assert got_run == pytest.approx(run, rel=1e-6) and got_jitter == pytest.approx(jitter, rel=1e-6)
+    assert workload.runs_from_correlation(0.0, 0.0, (1, 4)) == (1.0, 1.0)  # no correlation: iid
+
+
+def test_salience_values_follow_the_quantiles() -> None:
+    quant = [-3.0, -2.0, -1.0, -0.5, -0.2, 0.0, 0.3, 1.0, 2.0, 4.0, 5.0, 7.0, 8.0]
+    z = torch.randn(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    vals = workload.salience_values(quant, z)
+    probs = torch.tensor(workload.SALIENCE_PROBS, dtype=torch.float64)
+    got = torch.quantile(vals[:100_000], probs[3:10])
+    assert torch.allclose(got, torch.tensor(quant[3:10], dtype=torch.float64), atol=0.15)
+    assert float(vals.max()) <= 8.0 and float(vals.min()) >= -3.0
+
+
+def test_score_structure_measures_planted_salience_and_runs() -> None:
+    # Heavy keys shared by every query (salience) in long runs, queries in runs: the
+    # measurement finds the salience's upper quantiles, its key autocorrelation and the
+    # queries' residual correlation; without them it finds none of the three.
+    n = 2048
+    quant = tuple(2.0 * x for x in (-3.1, -2.3, -1.6, -1.3, -0.7, 0.0, 0.7, 1.3, 1.6, 2.3, 2.6, 3.1, 3.3))
+    shared = HeadParams(sink=0.0, profile=(0.0,), slash=0.0, noise=0.5, salience=quant, query_run=50.0,
+                        query_jitter=0.2)
+    plain = HeadParams(sink=0.0, profile=(0.0,), slash=0.0, noise=0.5)
+    kv = [KVParams(vertical_fraction=0.0, salience_run=6.0, salience_jitter=0.3)]
+    q, k, _ = _layer([shared], kv, n)
+    got = workload.score_structure(q, k)
+    q0, k0, _ = _layer([plain], [KVParams(vertical_fraction=0.0)], n)
+    none = workload.score_structure(q0, k0)
+    i99 = workload.SALIENCE_PROBS.index(0.99)
+    assert got["salience"][0][i99] == pytest.approx(quant[i99], rel=0.35)
+    assert none["salience"][0][i99] < 0.5 * quant[i99]
+    assert got["salience_ac"][0][0] > 0.6 > none["salience_ac"][0][0] + 0.3
+    assert got["query_ac"][0][0] > 0.6 > none["query_ac"][0][0] + 0.3
+    assert got["residual"][0] == pytest.approx(0.5, rel=0.3)
+    # Too short for the far field: nothing measured.
+    assert workload.score_structure(q[:, :, :200], k[:, :, :200])["salience"] == []
+
+
+def test_generate_layer_with_salience_is_deterministic_and_round_trips(tmp_path: Path) -> None:
+    quant = tuple(float(x) for x in range(-6, 7))
+    heads = [HeadParams(salience=quant, salience_group=0.5, query_run=4.0, query_jitter=0.5)] * 2
+    kv = [KVParams(vertical_fraction=0.0)]
+    a = _layer(heads, kv, 512, d=64)
+    b = _layer(heads, kv, 512, d=64)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # The two heads of the group have their own salience channels, half shared.
+    lay = workload._layout(64, 2)
+    ch = a[1][0, 0, :, lay.salience]
+    assert 0.3 < workload._corr(ch[:, 0], ch[:, 1]) < 0.7
+    cal = workload.Calibration("t", (workload.LayerParams(0, 512, tuple(heads), tuple(kv)),))
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cal.to_json()))
+    assert workload.load_calibration(path) == cal
