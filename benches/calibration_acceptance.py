@@ -111,9 +111,17 @@ def _one(args: argparse.Namespace, argv: list[str] | None, start: float, data: d
     """Both workloads of one set of query heads of one layer; the item of the JSON."""
     q, k, v = data["q"][i][:, qh], data["k"][i][:, kv_heads], data["v"][i][:, kv_heads]
     n = int(q.shape[2])
-    shape = Shape(1, len(qh), len(kv_heads), n, workload.FIT_HEAD_DIM, torch.float64)
-    gq, gk, gv = workload.generate_layer([lp.heads[h] for h in qh], [lp.kv[j] for j in kv_heads], shape,
-                                         seed=args.seed, fit_seqlen=lp.seqlen, rule=cal.rule)
+    # The twin is the fit's own realization: the whole layer generated at its shape and seed,
+    # the chosen heads taken from it (a head generated alone is another draw of its random
+    # parts, whose statistics vary from draw to draw: docs/workload.md).
+    group = len(lp.heads) // len(lp.kv)
+    shape = Shape(1, len(lp.heads), len(lp.kv), n, workload.FIT_HEAD_DIM, torch.float64)
+    fq, fk, fv = workload.generate_layer(list(lp.heads), list(lp.kv), shape, seed=args.seed, fit_seqlen=lp.seqlen,
+                                         rule=cal.rule)
+    if any(h // group != j for h, j in zip(qh, kv_heads)) and len(kv_heads) == len(qh):
+        raise ValueError(f"query heads {qh} do not match KV heads {kv_heads}")
+    gq, gk, gv = fq[:, qh], fk[:, kv_heads], fv[:, kv_heads]
+    del fq, fk, fv
     points: list[workload.CurvePoint] = []
     oracle = {}
     runs = (("captured", (q, k, v), float(data["scale"][i])),
