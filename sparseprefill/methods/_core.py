@@ -210,6 +210,13 @@ class Method:
         extras: `(impl_name, q, k, v, params, view) -> {name: float}`, numbers `compare`
             reports beside density and recall (a scoring ratio, a keep ratio, tiles computed),
             given the call's `MethodView`; None: none.
+        calibration: `N -> [params, ...]`, the grid `sparseprefill calibrate` searches per
+            layer and head (a wider grid of the main knob than `sweep`, its other parameters
+            fixed); None: `sweep`.
+        coupled_heads: "" when a head's plan depends on that head's q, k and knob values
+            alone (calibrate then reads every head's recall from one scalar run per grid
+            point); else one line saying how heads interact (SharePrefill's clusters), and
+            calibrate measures the chosen per-head config as a whole.
     """
 
     name: str
@@ -234,6 +241,8 @@ class Method:
     random_params: Callable[[int], Params] | None = None
     ablations: tuple[Ablation, ...] = ()
     extras: Callable[..., dict[str, float]] | None = None
+    calibration: Callable[[int], list[Params]] | None = None
+    coupled_heads: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -296,6 +305,12 @@ class Method:
         if self.sweep is None:
             return [self.demo_params(seqlen)]
         return [dict(p) for p in self.sweep(seqlen)]
+
+    def calibration_params(self, seqlen: int) -> list[Params]:
+        """The grid `sparseprefill calibrate` searches at `seqlen` (`calibration`, else the sweep)."""
+        if self.calibration is None:
+            return self.sweep_params(seqlen)
+        return [dict(p) for p in self.calibration(seqlen)]
 
     def call_params(self, params: Mapping[str, Any], q: torch.Tensor) -> Params:
         """The keyword arguments of a call on `q` (`prepare` applied, if any)."""

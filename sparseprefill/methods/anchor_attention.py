@@ -183,6 +183,7 @@ METHOD = register(Method(
     fast_run=fast.anchor_attention,
     defaults=defaults,
     sweep=lambda n: [{**defaults(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
+    calibration=lambda n: [{**defaults(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0, 20.0)],
     ablations=(Ablation("theta x step", lambda n: [{"theta": t, "step": s, "block_m": 128, "block_n": 128}
                                                    for t in (6.0, 9.0, 12.0, 15.0) for s in (1, 4, 16)],
                         about="the paper's theta against the group size step (docs/anchor_attention.md)"),),

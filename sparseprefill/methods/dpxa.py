@@ -9,7 +9,7 @@ import torch
 from .. import fast, reference
 from ..reference.dpxa import check_dpxa_params
 from ..reference.plan import BlockColumnPlan, cdiv
-from ._common import EVIDENCE_BLOCK, TILE_SWEEP, keyword_check, tile_block, tile_grid, tiles_computed
+from ._common import EVIDENCE_BLOCK, TILE_CALIBRATION, TILE_SWEEP, keyword_check, tile_block, tile_grid, tiles_computed
 from ._core import Ablation, Method, MethodView, SyncStatus, register
 from .xattention import tile_suite
 
@@ -54,6 +54,8 @@ METHOD = register(Method(
     fast_run=fast.dpxa,
     defaults=lambda n: {"cos_threshold": 0.75, "threshold": 0.9, "block": tile_block(n)},
     sweep=lambda n: [{"cos_threshold": 0.75, "threshold": t, "block": tile_block(n)} for t in TILE_SWEEP],
+    calibration=lambda n: [{"cos_threshold": 0.75, "threshold": t, "block": tile_block(n)}
+                           for t in TILE_CALIBRATION],
     ablations=(
         *(Ablation(f"cos{c}", tile_grid(cos_threshold=c), about="delta anchors at this cosine")
           for c in (0.72, 0.75, 0.78)),

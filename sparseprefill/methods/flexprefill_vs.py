@@ -10,7 +10,7 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from ._common import keyword_check
+from ._common import MASS_CALIBRATION, keyword_check
 from ..reference.flexprefill_vs import check_flexprefill_vs_params
 from ._core import DistributedEstimate, Method, SyncStatus, register
 
@@ -68,6 +68,7 @@ METHOD = register(Method(
     fast_run=fast.flexprefill_vs,
     defaults=lambda n: {"gamma": 0.9},
     sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
+    calibration=lambda n: [{"gamma": g} for g in MASS_CALIBRATION],
     chunked="the chunk's last `last_q` queries (capped at the chunk's length), as vertical-slash",
     sync=SyncStatus(
         syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item())",

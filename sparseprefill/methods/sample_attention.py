@@ -12,6 +12,7 @@ import torch
 from .. import bench, fast, reference
 from ..reference._checks import check_block_size
 from ..reference.plan import BlockColumnPlan, cdiv
+from ._common import MASS_CALIBRATION
 from ._core import Ablation, BenchSuite, DistributedEstimate, Method, MethodView, SyncStatus, register
 
 
@@ -218,6 +219,7 @@ METHOD = register(Method(
     # Section 5.4's 32K setting; 64-token blocks below 4K so short prompts keep several blocks.
     defaults=lambda n: {"alpha_c": 0.95, "alpha_s": 0.95, "chunk_n": 1, "block_size": 128 if n >= 4096 else 64},
     sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
+    calibration=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in MASS_CALIBRATION],
     ablations=ABLATIONS,
     extras=extras,
     sync=SyncStatus(
