@@ -217,6 +217,11 @@ class Method:
             alone (calibrate then reads every head's recall from one scalar run per grid
             point); else one line saying how heads interact (SharePrefill's clusters), and
             calibrate measures the chosen per-head config as a whole.
+        knobs: the parameters of the method's main knob(s) that take a per-head value as
+            well as a scalar: a list/tuple of Hq numbers or a 1-D tensor `[Hq]`, element `h`
+            for query head `h` (`reference._checks.per_head`, docs/architecture.md
+            "Per-head knobs"). Empty: no per-head knob (dense; MInference, whose config
+            is already per head).
     """
 
     name: str
@@ -243,10 +248,13 @@ class Method:
     extras: Callable[..., dict[str, float]] | None = None
     calibration: Callable[[int], list[Params]] | None = None
     coupled_heads: str = ""
+    knobs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise ValueError(f"a method's name must be a Python identifier, got {self.name!r}")
+        if not isinstance(self.knobs, tuple) or not all(isinstance(n, str) for n in self.knobs):
+            raise TypeError(f"{self.name}: knobs must be a tuple of parameter names, got {self.knobs!r}")
         if (self.reference_plan is None) != (self.fast_plan is None):
             raise ValueError(f"{self.name}: give both plan functions or neither")
         if self.reference_plan is None and (self.reference_run is None or self.fast_run is None
@@ -268,6 +276,10 @@ class Method:
             assert self.reference_plan is not None and self.fast_plan is not None
             object.__setattr__(self, "reference_run", _plan_runner(self.name, "reference", self.reference_plan))
             object.__setattr__(self, "fast_run", _plan_runner(self.name, "fast", self.fast_plan))
+        unknown = [n for n in self.knobs if n not in self.parameters()]
+        if unknown:
+            raise ValueError(f"{self.name}: knobs {unknown} are not parameters of its functions "
+                             f"{list(self.parameters())}")
 
     @property
     def plan_based(self) -> bool:

@@ -46,6 +46,7 @@ def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
 METHOD = register(Method(
     check=keyword_check(check_dpxa_params),
     name="dpxa",
+    knobs=("threshold",),
     notes="DPXA: delta anchors of Q and K per tile, anchor-pair tile scores, XAttention's greedy "
           "selection (thesis sec. 4.3)",
     reference_plan=reference.dpxa_plan,

@@ -210,6 +210,7 @@ def tile_suite(method: str) -> BenchSuite:
 
 METHOD = register(Method(
     name="xattention",
+    knobs=("threshold",),
     notes="XAttention: antidiagonal stride-level scores, row softmax summed into tiles, greedy "
           "threshold selection (thesis sec. 2.5)",
     reference_plan=reference.xattention_plan,
