@@ -658,6 +658,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-error", type=float, default=None, help="largest relative output error")
     parser.add_argument("--granularity", choices=("head", "layer"), default="head",
                         help="one setting per head (default) or per layer (unserved heads dense either way)")
+    parser.add_argument("--grid", type=json.loads, default=None,
+                        help='JSON list of parameter dicts searched instead of the method\'s calibration grid '
+                             '(one method only), e.g. \'[{"threshold": 0.9}, {"threshold": 0.95}]\'')
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="captured layers to use (default all)")
     parser.add_argument("--max-seqlen", type=int, default=None, help="use only the first tokens of each capture")
     parser.add_argument("--rows", type=int, default=512, help="query rows sampled per layer (default 512)")
@@ -693,6 +696,13 @@ def run(args: argparse.Namespace) -> int:
                     raise ValueError(f"method {name!r} has no plan or no grid to calibrate"
                                      " (MInference: use `sparseprefill search`)")
             jobs = [(METHODS[name], None) for name in names]
+            if args.grid is not None:
+                if len(names) != 1:
+                    raise ValueError("--grid needs exactly one --method")
+                if not isinstance(args.grid, list) or not args.grid or not all(isinstance(p, dict) for p in args.grid):
+                    raise ValueError(f"--grid must be a non-empty JSON list of parameter dicts, got {args.grid!r}")
+                for point in args.grid:
+                    METHODS[names[0]].check_params(point)
     except (TypeError, ValueError, OSError) as err:
         print(f"sparseprefill calibrate: {err}", file=sys.stderr)
         return 2
@@ -719,7 +729,7 @@ def run(args: argparse.Namespace) -> int:
                                               share=args.share))
                 continue
             res = calibrate_layer(method, group, truths[layer], target, granularity=args.granularity,
-                                  impl=impl, share=args.share, log=sys.stderr)
+                                  impl=impl, share=args.share, log=sys.stderr, grid=args.grid)
             layers[layer] = res.spec
             results.append(res)
         if config is None:

@@ -507,6 +507,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="default: cuda if available, else cpu")
         p.add_argument("--json", type=Path, default=None, help="also write the results here")
         if model:
+            p.add_argument("--config", type=Path, nargs="+", default=None, metavar="FILE",
+                           help="`sparseprefill calibrate` configs: each file's method runs with its "
+                                "per-layer, per-head config (and is added to --methods)")
             p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                            help="model dtype")
 
@@ -598,7 +601,16 @@ def run(args: argparse.Namespace) -> int:
         size = args.out.stat().st_size / 2**20
         print(f"saved layers {data['layers']} at N={args.seqlen} to {args.out} ({size:.1f} MiB)")
         return 0
-    methods: list[str | None] = [None, *_methods(args)]
+    names = _methods(args) if args.methods or not args.config else []
+    if args.config:
+        from .calibrate import config_method, load_config
+
+        args.params = dict(args.params or {})
+        for path in args.config:
+            name = config_method(path)
+            args.params[name] = load_config(path, method=name)
+            names = [*dict.fromkeys([*names, name])]
+    methods: list[str | None] = [None, *names]
     backend = _backend(args)
     if task == "passkey":
         cells = passkey_grid(model, tokenizer, methods, lengths=args.lengths, depths=args.depths,
