@@ -180,7 +180,8 @@ def sample_rows(seqlen: int, count: int, *, seed: int = 0) -> torch.Tensor:
     edges = torch.linspace(0, seqlen, count + 1).floor().to(torch.int64)
     width = (edges[1:] - edges[:-1]).clamp(min=1)
     rows = edges[:-1] + (torch.rand(count, generator=gen) * width).floor().to(torch.int64)
-    return torch.unique(rows.clamp(max=seqlen - 1))
+    out: torch.Tensor = torch.unique(rows.clamp(max=seqlen - 1))
+    return out
 
 
 def row_truth(cap: LayerCapture, rows: torch.Tensor, *, shares: Sequence[float] = DEFAULT_SHARES,
@@ -211,7 +212,7 @@ def row_truth(cap: LayerCapture, rows: torch.Tensor, *, shares: Sequence[float] 
         p = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
         probs[:, :, start:start + step] = p.reshape(b, hq, -1, n).to(torch.float32)
         if vg is not None and out is not None:
-            out[:, :, start:start + step] = torch.matmul(p, vg).reshape(b, hq, -1, dv)
+            out[:, :, start:start + step] = torch.matmul(p, vg).reshape(b, hq, p.shape[-2], -1)
         cum = torch.sort(p, dim=-1, descending=True).values.cumsum(dim=-1)
         below = (cum.unsqueeze(-1) < want - 1e-12).sum(dim=-2)  # [b, hkv, g, rows, S]
         need = torch.minimum(below + 1, (pos + 1)[:, None]).to(torch.float64)
@@ -257,7 +258,7 @@ def plan_density(plan: Any, cols: torch.Tensor | None = None) -> torch.Tensor:
     # Row r keeps the keys <= r of its query block's set: a prefix count of that set.
     prefix = cols.to(torch.int32).cumsum(dim=-1)  # [B, Hq, Qb, N]
     rows = torch.arange(n, device=cols.device)
-    kept = prefix[:, :, rows // bm, rows].to(torch.float64).sum(dim=-1)
+    kept: torch.Tensor = prefix[:, :, rows // bm, rows].to(torch.float64).sum(dim=-1)
     return kept / (n * (n + 1) / 2)
 
 
@@ -685,6 +686,7 @@ def run(args: argparse.Namespace) -> int:
         if args.rows < 1:
             raise ValueError(f"--rows must be >= 1, got {args.rows}")
         shares = tuple(sorted({*DEFAULT_SHARES, float(args.share)}))
+        jobs: list[tuple[Any, dict[int, Any] | None]]
         if args.eval is not None:
             jobs = [(METHODS[config_method(path)], load_config(path)) for path in args.eval]
         else:

@@ -279,7 +279,7 @@ class SparsePrefillAttention:
         if isinstance(config, (str, os.PathLike)):
             from ..calibrate import load_config
 
-            config = load_config(config, method=self.method)
+            config = load_config(os.fspath(config), method=self.method)
         self._config = config
         self._per_layer = isinstance(config, Mapping) and any(isinstance(key, int) for key in config)
         self._resolved: dict[tuple[int | None, int], list[Choice] | None] = {}
