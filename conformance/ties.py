@@ -49,7 +49,7 @@ from ..fast.flexprefill_vs import flexprefill_vs_lines as fast_flex_lines
 from ..fast.sample_attention import sample_attention_selection as fast_selection
 from ..fast.shareprefill import decide_layer as fast_decide
 from ..fast.vertical_slash import vertical_slash_lines as fast_lines
-from ..reference._checks import resolve_scale
+from ..reference._checks import per_head, resolve_scale
 from ..reference.anchor_attention import (
     STEP,
     THETA,
@@ -231,7 +231,7 @@ def check_cover_modulo_ties(
     scores: torch.Tensor,
     kept: torch.Tensor,
     *,
-    gamma: float,
+    gamma: float | torch.Tensor,
     forced: torch.Tensor,
     share_tolerance: float = SHARE_TOLERANCE,
     mass_tolerance: float = MASS_TOLERANCE,
@@ -247,7 +247,8 @@ def check_cover_modulo_ties(
     Args:
         scores: float `[..., L]` shares (float64 from the reference).
         kept: bool `[..., L]` selection to judge.
-        gamma: the threshold. forced: bool broadcastable to `scores`.
+        gamma: the threshold: a float, or a tensor broadcastable to `scores.shape[:-1]`
+            (per head). forced: bool broadcastable to `scores`.
         share_tolerance, mass_tolerance: the rounding margins.
         what: name for messages.
 
@@ -284,7 +285,8 @@ def flexprefill_vs_tie_check(
     """`MethodSpec.tie_check` of the FlexPrefill-style vertical-slash (see the module doc)."""
     del expected
     n = q.shape[2]
-    gamma = float(params.get("gamma", GAMMA))
+    gamma = params.get("gamma", GAMMA)
+    heads_gamma = _heads(gamma, q.shape[1])
     last_q = int(params.get("last_q", 64))
     init_columns = int(params.get("init_columns", 1))
     local_diagonals = int(params.get("local_diagonals", 1))
@@ -298,9 +300,9 @@ def flexprefill_vs_tie_check(
     a_hat = approximate_attention(q, k, last_q=last_q, scale=resolve_scale(scale, q.shape[-1]))
     a_v, a_s = normalized_lines(a_hat)
     cpu = torch.device("cpu")
-    check_cover_modulo_ties(a_v, verticals, gamma=gamma, forced=first_lines(init_columns, n, cpu),
+    check_cover_modulo_ties(a_v, verticals, gamma=heads_gamma, forced=first_lines(init_columns, n, cpu),
                             what="verticals")
-    check_cover_modulo_ties(a_s, slashes, gamma=gamma, forced=first_lines(local_diagonals, n, cpu),
+    check_cover_modulo_ties(a_s, slashes, gamma=heads_gamma, forced=first_lines(local_diagonals, n, cpu),
                             what="slashes")
 
 
@@ -434,8 +436,13 @@ def tile_weight_tolerance(q: torch.Tensor, k: torch.Tensor, scale: float | None)
     return 1e-5 * (1.0 + sm_scale * q_max * k_max)
 
 
+def _heads(value: object, heads: int) -> torch.Tensor:
+    """A checked knob (a scalar or one value per head) as float64 `[heads]` on the CPU."""
+    return per_head(value, "knob", heads, float)
+
+
 def check_greedy_modulo_ties(
-    weights: torch.Tensor, keep: torch.Tensor, *, threshold: float, tolerance: float, what: str
+    weights: torch.Tensor, keep: torch.Tensor, *, threshold: object, tolerance: float, what: str
 ) -> None:
     """`keep` is the greedy threshold selection of `weights` up to ties and rounding.
 
@@ -448,6 +455,7 @@ def check_greedy_modulo_ties(
     Args:
         weights: float64 `[B, H, T, T]`, rows summing to 1 over `j <= i`.
         keep: bool `[B, H, T, T]`.
+        threshold: one for every head, or one per head (H values).
 
     Raises:
         AssertionError: naming the first (b, h, query tile) that breaks a rule.
@@ -467,21 +475,21 @@ def check_greedy_modulo_ties(
 
     first((keep & ~causal).any(-1), "a non-causal tile is kept")
     first((forced & ~keep).any(-1), "the first or the diagonal tile is missing")
-    if threshold >= 1.0:
-        first((causal & ~keep).any(-1), "threshold 1 must keep every causal tile")
-        return
+    tau = _heads(threshold, weights.shape[1])[None, :, None]  # [1, H, 1] against rows [B, H, T]
+    full = tau >= 1.0
+    first(full & (causal & ~keep).any(-1), "threshold 1 must keep every causal tile")
     inf = torch.tensor(math.inf, dtype=torch.float64)
     kept_free = keep & free
     dropped = free & ~keep
     lightest_kept = torch.where(kept_free, weights, inf).amin(-1)
     heaviest_dropped = torch.where(dropped, weights, -inf).amax(-1)
-    first(heaviest_dropped - lightest_kept > tolerance,
+    first(~full & (heaviest_dropped - lightest_kept > tolerance),
           f"a dropped tile outweighs a kept one by more than {tolerance:.3g}")
     total = torch.where(keep, weights, 0.0).sum(-1)
-    first(dropped.any(-1) & (total < threshold - tolerance),
+    first(~full & dropped.any(-1) & (total < tau - tolerance),
           f"tiles were dropped before the kept weight reached threshold {threshold}")
     without_last = total - torch.where(kept_free.any(-1), lightest_kept, 0.0)
-    first(kept_free.any(-1) & (without_last >= threshold + tolerance),
+    first(~full & kept_free.any(-1) & (without_last >= tau + tolerance),
           f"a tile was kept after the kept weight had reached threshold {threshold}")
 
 
@@ -499,7 +507,7 @@ def xattention_tie_check(
         q, k, stride=int(params.get("stride", 8)), block=int(params.get("block", 128)),
         scoring=str(params.get("scoring", "antidiagonal")), scale=scale,
     )
-    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=params.get("threshold", 0.9),
                              tolerance=tile_weight_tolerance(q, k, scale), what="xattention tiles")
 
 
@@ -521,7 +529,7 @@ def dpxa_tie_check(
     sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
     scores = anchor_tile_scores(q.cpu(), k.cpu(), q_anchors, k_anchors, block=block, scale=sm_scale)
     weights = scores / scores.sum(dim=-1, keepdim=True)
-    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=params.get("threshold", 0.9),
                              tolerance=tile_weight_tolerance(q, k, scale), what="dpxa tiles")
 # Relative error budget of the fast anchor path's decision quantity (see `anchor_margin`).
 ANCHOR_RELATIVE_MARGIN = 2.0**-12
@@ -563,7 +571,7 @@ def anchor_attention_tie_check(
     """`MethodSpec.tie_check` of anchor attention (see the module doc)."""
     from ..reference.block_sparse import mean_pooling
 
-    theta = float(params.get("theta", THETA))
+    theta = _heads(params.get("theta", THETA), q.shape[1])[:, None, None]  # [Hq, 1, 1] per query head
     step = int(params.get("step", STEP))
     bm, bn = int(params.get("block_m", 128)), int(params.get("block_n", 128))
     q, k = q.cpu(), k.cpu()
@@ -604,18 +612,19 @@ def anchor_attention_tie_check(
         at = tuple(int(i) for i in bad.nonzero()[0].tolist())
         b, h, grp, j = at
         rows = slice(grp * step, min(qb, (grp + 1) * step))
-        closest = float((diff[b, h, rows, j] - theta).abs().min())
+        closest = float((diff[b, h, rows, j] - theta[h]).abs().min())
         raise _fail(f"stripe key {j} of group {grp} at (b, h) {(b, h)}: reference keeps it "
                     f"{bool(ref_sets[at])}, fast {bool(got_sets[at])}; the nearest difference is "
-                    f"{closest:.3g} from theta={theta} (beyond the margin)")
+                    f"{closest:.3g} from theta={float(theta[h])} (beyond the margin)")
 def check_threshold_topk(
-    scores: torch.Tensor, kept: torch.Tensor, *, alpha: float, tolerance: float, what: str
+    scores: torch.Tensor, kept: torch.Tensor, *, alpha: float | torch.Tensor, tolerance: float, what: str
 ) -> None:
     """`kept` is a SampleAttention threshold top-k of `scores` (Alg. 1 lines 6-9), up to ties.
 
     Args:
         scores: float `[B, H, L]`, non-negative. kept: bool `[B, H, L]`.
-        alpha: the CRA threshold. tolerance: the allowed error of a score or a sum.
+        alpha: the CRA threshold, a float or `[H]` (per head). tolerance: the allowed
+            error of a score or a sum.
         what: name for messages.
 
     Raises:
@@ -661,8 +670,9 @@ def sample_attention_tie_check(
                                             scale=params.get("scale"))
     rows = sum(stop - start for start, stop in sampled_rows(n, chunk_n, block_size))
     tol = sample_tolerance(rows)
-    check_threshold_topk(column, columns, alpha=alpha_c, tolerance=tol, what="column blocks")
-    check_threshold_topk(slash, slashes, alpha=alpha_s, tolerance=tol, what="slash blocks")
+    heads = q.shape[1]
+    check_threshold_topk(column, columns, alpha=_heads(alpha_c, heads), tolerance=tol, what="column blocks")
+    check_threshold_topk(slash, slashes, alpha=_heads(alpha_s, heads), tolerance=tol, what="slash blocks")
 
 
 def _head(plan: BlockColumnPlan, h: int) -> BlockColumnPlan:

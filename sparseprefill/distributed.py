@@ -312,12 +312,16 @@ def _standin(batch: int, heads: int, seqlen: int, head_dim: int, like: torch.Ten
     return torch.zeros((), dtype=like.dtype, device=like.device).expand(batch, heads, seqlen, head_dim)
 
 
-def _slice_head_params(params: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
-    """Per-head parameters (MInference's per-head config) cut to the heads `[start, stop)`."""
+def _slice_head_params(params: dict[str, Any], start: int, stop: int,
+                       knobs: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Per-head parameters (MInference's per-head config, a per-head knob of `knobs`) cut
+    to the heads `[start, stop)`."""
     out = dict(params)
     for key, value in params.items():
         if isinstance(value, MInferenceConfig):
             out[key] = MInferenceConfig(tuple(layer[start:stop] for layer in value.layers))
+        elif key in knobs and isinstance(value, (list, tuple, torch.Tensor)):
+            out[key] = value[start:stop]
     return out
 
 
@@ -375,7 +379,7 @@ def _head_call(spec: Method, params: Mapping[str, Any] | None, q: torch.Tensor,
     b, hq, n, d = q.shape
     standin = _standin(b, hq * comm.world, n, d, q)
     full = spec.call_params(dict(params or {}), standin)
-    return _slice_head_params(full, comm.rank * hq, (comm.rank + 1) * hq)
+    return _slice_head_params(full, comm.rank * hq, (comm.rank + 1) * hq, spec.knobs)
 
 
 def head_parallel_plan(
