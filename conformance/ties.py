@@ -89,7 +89,7 @@ from ..reference.vertical_slash import (
     INIT_COLUMNS,
     LOCAL_DIAGONALS,
     approximate_attention,
-    kept_lines,
+    line_counts,
     vertical_slash_index,
     vertical_slash_scores,
 )
@@ -126,13 +126,16 @@ def _fail(message: str) -> AssertionError:
 
 
 def check_topk_modulo_ties(
-    scores: torch.Tensor, picked: torch.Tensor, *, count: int, forced: int, tolerance: float, what: str
+    scores: torch.Tensor, picked: torch.Tensor, *, count: int | torch.Tensor, forced: int, tolerance: float,
+    what: str
 ) -> None:
     """`picked` is a top-`count` of `scores` with indices `< forced` kept, up to ties.
 
     Args:
-        scores: float `[B, H, L]`. picked: int `[B, H, count]`, distinct indices.
-        count: the expected number of picks. forced: indices always kept.
+        scores: float `[B, H, L]`. picked: int `[B, H, count]`, distinct indices (per-head
+            counts: `[B, H, max count]`, each head's list padded with L).
+        count: the expected number of picks, an int or int64 `[H]` per head.
+        forced: indices always kept.
         tolerance: how much a dropped score may exceed a kept one.
         what: name for messages.
 
@@ -140,12 +143,16 @@ def check_topk_modulo_ties(
         AssertionError: wrong count, a forced index missing, or a dropped score
             above a kept one by more than `tolerance`.
     """
-    if picked.shape[-1] != count:
-        raise _fail(f"{what}: {picked.shape[-1]} picked, expected {count}")
+    counts = torch.as_tensor(count, dtype=torch.int64).cpu().expand(scores.shape[1])
+    width = int(counts.max()) if counts.numel() else 0
+    if picked.shape[-1] != width:
+        raise _fail(f"{what}: {picked.shape[-1]} picked, expected {width}")
     scores = rank_nan_last(scores.to(torch.float64).cpu())
-    keep = torch.zeros(scores.shape, dtype=torch.bool).scatter_(-1, picked.cpu().to(torch.int64), True)
-    if int(keep.sum(dim=-1).min()) != count:
-        raise _fail(f"{what}: picked indices are not distinct")
+    b, h, length = scores.shape
+    keep = torch.zeros(b, h, length + 1, dtype=torch.bool).scatter_(-1, picked.cpu().to(torch.int64), True)
+    keep = keep[..., :length]
+    if not torch.equal(keep.sum(dim=-1), counts.expand(b, h)):
+        raise _fail(f"{what}: picked indices are not distinct, or not {count} per head")
     is_forced = torch.arange(scores.shape[-1]) < forced
     if not bool(keep[..., is_forced].all()):
         raise _fail(f"{what}: a forced index (< {forced}) is missing")
@@ -182,9 +189,12 @@ def vertical_slash_tie_check(
         raise _fail("the fast plan is not Alg. 4 of the fast lines")
     vertical, slash = vertical_slash_scores(q, k, last_q=last_q, scale=scale)
     tol = line_tolerance(min(last_q, n))
-    check_topk_modulo_ties(vertical, verticals, count=kept_lines(params["vertical_size"], init_columns, n),
+    hq, cpu = q.shape[1], torch.device("cpu")
+    check_topk_modulo_ties(vertical, verticals,
+                           count=line_counts(params["vertical_size"], init_columns, n, "vertical_size", hq, cpu),
                            forced=init_columns, tolerance=tol, what="verticals")
-    check_topk_modulo_ties(slash, slashes, count=kept_lines(params["slash_size"], local_diagonals, n),
+    check_topk_modulo_ties(slash, slashes,
+                           count=line_counts(params["slash_size"], local_diagonals, n, "slash_size", hq, cpu),
                            forced=local_diagonals, tolerance=tol, what="slashes")
 
 
@@ -193,7 +203,7 @@ def block_sparse_tie_check(
 ) -> None:
     """`MethodSpec.tie_check` of block-sparse (see the module doc)."""
     del expected
-    top_k = int(params["top_k"])
+    top_k = _heads(params["top_k"], q.shape[1]).to(torch.int64)  # per query head
     bs = int(params.get("block_size", 64))
     got = got.to("cpu").validate()
     if bool((got.column_count != 0).any()):
@@ -204,9 +214,9 @@ def block_sparse_tie_check(
     diagonal = torch.eye(nb, dtype=torch.bool)
     if not bool(keep[..., diagonal].all()):
         raise _fail("a diagonal block is missing")
-    want = torch.clamp(torch.arange(1, nb + 1), max=top_k)
+    want = torch.minimum(torch.arange(1, nb + 1), top_k[:, None])
     if not torch.equal(keep.sum(dim=-1), want.expand(keep.shape[:-1])):
-        raise _fail(f"block counts differ from min(top_k={top_k}, i + 1)")
+        raise _fail(f"block counts differ from min(top_k={top_k.tolist()}, i + 1)")
     causal = torch.ones(nb, nb, dtype=torch.bool).tril_()
     free = causal & ~diagonal
     inf = torch.tensor(float("inf"), dtype=torch.float64)

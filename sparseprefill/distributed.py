@@ -838,14 +838,15 @@ def reduce_scatter(partial: torch.Tensor, comm: Comm) -> torch.Tensor:
     return total
 
 
-def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int], *, count: int,
-                        forced: int, comm: Comm) -> torch.Tensor:
+def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int], *,
+                        count: int | torch.Tensor, forced: int, comm: Comm) -> torch.Tensor:
     """`reference.vertical_slash.argtopk` of scores partitioned over ranks.
 
     Args:
         values: `[B, H, m]` this rank's complete scores; ids: int64 `[m]`, ascending,
             their global indices; lengths: every rank's `m`.
-        count, forced: as `argtopk`.
+        count, forced: as `argtopk` (a per-head count, int64 `[H]`, pads each head's
+            list with `sum(lengths)`, the index past the last).
 
     Returns:
         int32 `[B, H, count]` sorted ascending, on every rank: each rank's best
@@ -854,6 +855,10 @@ def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequen
     """
     ranked = rank_nan_last(values).clone()
     ranked[..., ids < forced] = math.inf
+    per_head_count = count if isinstance(count, torch.Tensor) else None
+    if per_head_count is not None:
+        count = int(per_head_count.max()) if per_head_count.numel() else 0
+    assert isinstance(count, int)
     take = [min(count, m) for m in lengths]
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :take[comm.rank]]
     cand_val = torch.gather(ranked, -1, order)
@@ -864,6 +869,10 @@ def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequen
     by_id = torch.sort(all_id, dim=-1).indices
     all_val, all_id = torch.gather(all_val, -1, by_id), torch.gather(all_id, -1, by_id)
     top = torch.sort(all_val, dim=-1, descending=True, stable=True).indices[..., :count]
+    if per_head_count is not None:
+        from .reference.vertical_slash import pad_to_counts
+
+        return pad_to_counts(torch.gather(all_id, -1, top), per_head_count, sum(lengths))
     return torch.sort(torch.gather(all_id, -1, top), dim=-1).values.to(torch.int32)
 
 
