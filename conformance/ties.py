@@ -358,13 +358,13 @@ def check_decisions_modulo_margin(
             if c == NOISE:
                 allowed = {SharePattern.VERTICAL_SLASH}
             else:
-                sparse_ok = outcomes(float(d_sparse[row, h]), state.delta)
+                sparse_ok = outcomes(float(d_sparse[row, h]), state.head_value("delta", h))
                 if state.pivot(c, row) is None:
                     first = c not in dense_now
                     allowed = {SharePattern.DENSE if ok and first else SharePattern.VERTICAL_SLASH
                                for ok in sparse_ok}
                 else:
-                    sim_ok = outcomes(float(d_sim[row, h]), state.tau)
+                    sim_ok = outcomes(float(d_sim[row, h]), state.head_value("tau", h))
                     allowed = {SharePattern.SHARED if a and s else SharePattern.VERTICAL_SLASH
                                for a in sparse_ok for s in sim_ok}
             if pick not in allowed:
@@ -424,9 +424,10 @@ def shareprefill_tie_check(
         raise _fail("the fast plan is not the plan of the fast decisions and Alg. 5 lines")
     a_v, a_s = normalized_lines(approximate_attention(q, k, last_q=ref_state.block_m, scale=scale))
     n, cpu = q.shape[2], torch.device("cpu")
-    check_cover_modulo_ties(a_v, verticals, gamma=ref_state.gamma,
+    gamma = _heads(ref_state.gamma, q.shape[1])
+    check_cover_modulo_ties(a_v, verticals, gamma=gamma,
                             forced=first_lines(ref_state.init_columns, n, cpu), what="verticals")
-    check_cover_modulo_ties(a_s, slashes, gamma=ref_state.gamma,
+    check_cover_modulo_ties(a_s, slashes, gamma=gamma,
                             forced=first_lines(ref_state.local_diagonals, n, cpu), what="slashes")
 # -- XAttention / DPXA: greedy threshold selection of tiles ----------------------
 
@@ -448,7 +449,10 @@ def tile_weight_tolerance(q: torch.Tensor, k: torch.Tensor, scale: float | None)
 
 def _heads(value: object, heads: int) -> torch.Tensor:
     """A checked knob (a scalar or one value per head) as float64 `[heads]` on the CPU."""
-    return per_head(value, "knob", heads, float)
+    def as_float(x: object) -> float:
+        assert isinstance(x, (int, float))
+        return float(x)
+    return per_head(value, "knob", heads, as_float)
 
 
 def check_greedy_modulo_ties(
