@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_count, check_qk, check_qkv
+from ..reference._checks import HALF_DTYPES, PerHead, check_count, check_qk, check_qkv, per_head
 from ..reference.flexprefill_vs import (
     GAMMA,
     check_flexprefill_vs_params,
+    check_gamma,
     cover_threshold,
     first_lines,
 )
@@ -36,7 +37,7 @@ def flexprefill_vs_lines(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    gamma: float = GAMMA,
+    gamma: PerHead = GAMMA,
     last_q: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
@@ -57,13 +58,14 @@ def flexprefill_vs_lines(
     last_q = check_count("last_q", last_q, cap=n)
     init_columns = check_count("init_columns", init_columns, cap=n, minimum=0)
     local_diagonals = check_count("local_diagonals", local_diagonals, cap=n, minimum=0)
+    heads_gamma = per_head(gamma, "gamma", shape.q_heads, check_gamma, device=q.device)
     vertical, slash = last_q_scores(q, k, last_q=last_q, scale=scale)
     a_v = vertical.to(torch.float64)
     a_s = slash.to(torch.float64)
     # Alg. 5 lines 2-3: both sums hold the same total mass (L rows of one each).
     total = a_v.sum(dim=-1, keepdim=True)
-    verticals = cover_threshold(a_v / total, gamma, first_lines(init_columns, n, q.device))
-    slashes = cover_threshold(a_s / total, gamma, first_lines(local_diagonals, n, q.device))
+    verticals = cover_threshold(a_v / total, heads_gamma, first_lines(init_columns, n, q.device))
+    slashes = cover_threshold(a_s / total, heads_gamma, first_lines(local_diagonals, n, q.device))
     return verticals, slashes
 
 
@@ -108,7 +110,7 @@ def flexprefill_vs_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    gamma: float = GAMMA,
+    gamma: PerHead = GAMMA,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,
@@ -121,9 +123,10 @@ def flexprefill_vs_plan(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    check_qk(q, k, dtypes=HALF_DTYPES)
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
                                 init_columns=init_columns, local_diagonals=local_diagonals)
+    per_head(gamma, "gamma", shape.q_heads, check_gamma)
     check_kernel_block_sizes(block_m, block_n)
     verticals, slashes = flexprefill_vs_lines(
         q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
@@ -137,7 +140,7 @@ def flexprefill_vs(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    gamma: float = GAMMA,
+    gamma: PerHead = GAMMA,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,

@@ -159,7 +159,7 @@ def method_schema(name: str, fn: Callable[..., torch.Tensor]) -> tuple[str, tupl
         if adapter is not None:
             typed = (adapter.schema, False)
         elif knob is not None:
-            typed = (knob, False)
+            typed = (knob, type(None) in typing.get_args(hints.get(p.name)))
         else:
             typed = _schema_type(hints.get(p.name))
         if typed is None:

@@ -175,6 +175,7 @@ def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
 METHOD = register(Method(
     check=keyword_check(check_anchor_params),
     name="anchor_attention",
+    knobs=("theta",),
     notes="AnchorAttention: initial block + group window as anchor, difference-aware stripes "
           "per group of step query blocks, stripe pass resuming the anchor state",
     reference_plan=reference.anchor_attention_plan,

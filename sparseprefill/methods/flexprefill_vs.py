@@ -18,8 +18,8 @@ from ._core import DistributedEstimate, Method, SyncStatus, register
 def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: float | None,
                              comm: Any) -> BlockColumnPlan:
     from .. import distributed as D
-    from ..reference._checks import check_count
-    from ..reference.flexprefill_vs import GAMMA, check_flexprefill_vs_params, cover_threshold, first_lines
+    from ..reference._checks import check_count, per_head
+    from ..reference.flexprefill_vs import GAMMA, check_flexprefill_vs_params, check_gamma, cover_threshold, first_lines
 
     p = {"gamma": GAMMA, "last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 1, "local_diagonals": 1,
          **params}
@@ -35,6 +35,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     local_diagonals = check_count("local_diagonals", p["local_diagonals"], cap=n, minimum=0)
     sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
     device = shard.q.device
+    gamma = per_head(p["gamma"], "gamma", shard.q.shape[1], check_gamma, device=device)
     # Alg. 5 line 1: the last queries' softmax over every rank's keys (as vertical-slash).
     q_last = D.gather_rows(shard, torch.arange(n - last_q, n, device=device), comm)
     vertical_local, slash = D.distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
@@ -43,8 +44,8 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     vertical = layout.unshard(comm.all_gather(vertical_local, lengths, 2, "estimate"))
     comm.all_reduce(slash, "estimate")
     total = vertical.sum(dim=-1, keepdim=True)
-    verticals = cover_threshold(vertical / total, p["gamma"], first_lines(init_columns, n, device))
-    slashes = cover_threshold(slash / total, p["gamma"], first_lines(local_diagonals, n, device))
+    verticals = cover_threshold(vertical / total, gamma, first_lines(init_columns, n, device))
+    slashes = cover_threshold(slash / total, gamma, first_lines(local_diagonals, n, device))
     if impl == "fast":
         from ..fast.flexprefill_vs import lines_index as fast_lines_index
 
@@ -60,6 +61,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
 METHOD = register(Method(
     check=keyword_check(check_flexprefill_vs_params),
     name="flexprefill_vs",
+    knobs=("gamma",),
     notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
           "estimated mass",
     reference_plan=reference.flexprefill_vs_plan,

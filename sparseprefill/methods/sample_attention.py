@@ -19,7 +19,9 @@ from ._core import Ablation, BenchSuite, DistributedEstimate, Method, MethodView
 def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: float | None,
                                comm: Any) -> BlockColumnPlan:
     from .. import distributed as D
-    from ..reference.sample_attention import arg_topk, find_k, merge_index, resolve_params, sampled_rows
+    from ..reference._checks import per_head
+    from ..reference.sample_attention import arg_topk, check_alpha_c, check_alpha_s, find_k, merge_index
+    from ..reference.sample_attention import resolve_params, sampled_rows
 
     p = dict(params)
     unknown = set(p) - {"alpha_c", "alpha_s", "chunk_n", "block_size", "settings"}
@@ -33,6 +35,8 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     layout.check_blocks(bs, bs)
     device = shard.q.device
     b, hq, kb = shard.batch, shard.q_heads, cdiv(n, bs)
+    a_c = per_head(a_c, "alpha_c", hq, check_alpha_c, device=device)
+    a_s = per_head(a_s, "alpha_s", hq, check_alpha_s, device=device)
     sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
     # Alg. 1 line 2: the sampled rows, wherever they live.
     rows = torch.cat([torch.arange(a, z, device=device) for a, z in sampled_rows(n, c_n, bs)])
@@ -211,6 +215,7 @@ ABLATIONS = tuple(Ablation(f"chunk_n {c}, block {b}", alpha_grid(c, b)) for b in
 
 METHOD = register(Method(
     name="sample_attention",
+    knobs=("alpha_c", "alpha_s"),
     notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
     reference_plan=reference.sample_attention_plan,
     fast_plan=fast.sample_attention_plan,

@@ -171,6 +171,7 @@ def _suite(seqlens: list[int], *, flex: bool = True, **kwargs: Any) -> list[benc
 METHOD = register(Method(
     check=keyword_check(check_share_params),
     name="shareprefill",
+    knobs=("gamma", "tau", "delta"),
     notes="SharePrefill (one layer, fresh state: first head per cluster dense, others Alg. 5); "
           "layers share pivots through SharePrefillState",
     reference_plan=reference.shareprefill_plan,
