@@ -259,7 +259,8 @@ def plan_density(plan: Any, cols: torch.Tensor | None = None) -> torch.Tensor:
     prefix = cols.to(torch.int32).cumsum(dim=-1)  # [B, Hq, Qb, N]
     rows = torch.arange(n, device=cols.device)
     kept: torch.Tensor = prefix[:, :, rows // bm, rows].to(torch.float64).sum(dim=-1)
-    return kept / (n * (n + 1) / 2)
+    share: torch.Tensor = kept / (n * (n + 1) / 2)
+    return share
 
 
 # -- configs ---------------------------------------------------------------------------------
