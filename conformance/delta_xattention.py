@@ -77,7 +77,7 @@ def delta_xattention_structure_check(q: torch.Tensor, k: torch.Tensor, v: torch.
     if not torch.equal(modes_r, modes_f):
         scoring = {name: params[name] for name in ("stride", "block", "scoring", "scale") if name in params}
         weights_f = fast.xattention_tile_weights(q, k, **scoring)
-        selected_f = fast.select_tiles(weights_f, float(params.get("threshold", 0.9)))
+        selected_f = fast.select_tiles(weights_f, params.get("threshold", 0.9))
         top = float(params.get("exact_top", 0.1))
         exact_f = fast.exact_tiles(weights_f, selected_f, top)
         again = tile_modes(selected_f, exact_f, str(params.get("unselected", "skip"))).cpu()
@@ -85,7 +85,7 @@ def delta_xattention_structure_check(q: torch.Tensor, k: torch.Tensor, v: torch.
             raise AssertionError("fast.delta_xattention_tiles is not tile_modes of its own steps")
         weights = reference.xattention_tile_weights(q, k, **scoring)
         tol = tile_weight_tolerance(q, k, params.get("scale"))
-        check_greedy_modulo_ties(weights, selected_f, threshold=float(params.get("threshold", 0.9)),
+        check_greedy_modulo_ties(weights, selected_f, threshold=params.get("threshold", 0.9),
                                  tolerance=tol, what="DeltaXAttention selection")
         check_top_modulo_ties(weights, selected_f, exact_f, top, tolerance=tol)
     ref = _packing(reference, k, v, params)

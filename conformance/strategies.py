@@ -542,6 +542,46 @@ def draw_method_params(draw: Draw, spec: MethodSpec, seqlen: int) -> dict[str, A
     return dict(spec.params(draw, seqlen))
 
 
+def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], seqlen: int,
+                        heads: int) -> tuple[dict[str, Any], str]:
+    """Some of the time, give each of the method's per-head knobs (`Method.knobs`) one value
+    per query head: values the method's own strategy draws (`spec.params`, once per head),
+    the drawn scalar among them, as a list, a tuple or a float64/int64 tensor.
+
+    A head's value that the method refuses beside the other parameters (a Delta-KV
+    threshold below 0 under the Euclidean metric) falls back to the drawn scalar.
+
+    Returns:
+        (the parameters, a note for the failure message: the knobs made per head).
+    """
+    knobs = [name for name in spec.method.knobs if params.get(name) is not None]
+    if not knobs or not draw(st.booleans()):
+        return params, ""
+    out = dict(params)
+    redraws = [spec.params(draw, seqlen) for _ in range(heads)]
+    for name in knobs:
+        if not draw(st.booleans()) and len(knobs) > 1:
+            continue
+        values = [r.get(name) for r in redraws]
+        for h, value in enumerate(values):
+            if value is None or isinstance(value, bool) or type(value) is not type(params[name]):
+                values[h] = params[name]
+                continue
+            try:
+                spec.method.check_params({**params, name: value})
+            except (TypeError, ValueError):
+                values[h] = params[name]
+        values[draw(st.integers(0, heads - 1))] = params[name]
+        form = draw(st.sampled_from(["list", "tuple", "tensor"]))
+        if form == "tensor":
+            dtype = torch.int64 if isinstance(params[name], int) else torch.float64
+            out[name] = torch.tensor(values, dtype=dtype)
+        else:
+            out[name] = values if form == "list" else tuple(values)
+    changed = {name: out[name] for name in knobs if out[name] is not params[name]}
+    return out, (f" per-head {changed}" if changed else "")
+
+
 def method_blocks(params: dict[str, Any]) -> tuple[int, int]:
     """Plan block sizes a method's parameters lead to (128 x 128 when it names none)."""
     bm = params.get("block_m", params.get("block_size", 128))

@@ -49,7 +49,7 @@ from ..fast.flexprefill_vs import flexprefill_vs_lines as fast_flex_lines
 from ..fast.sample_attention import sample_attention_selection as fast_selection
 from ..fast.shareprefill import decide_layer as fast_decide
 from ..fast.vertical_slash import vertical_slash_lines as fast_lines
-from ..reference._checks import resolve_scale
+from ..reference._checks import per_head, resolve_scale
 from ..reference.anchor_attention import (
     STEP,
     THETA,
@@ -92,7 +92,7 @@ from ..reference.vertical_slash import (
     INIT_COLUMNS,
     LOCAL_DIAGONALS,
     approximate_attention,
-    kept_lines,
+    line_counts,
     vertical_slash_index,
     vertical_slash_scores,
 )
@@ -129,13 +129,16 @@ def _fail(message: str) -> AssertionError:
 
 
 def check_topk_modulo_ties(
-    scores: torch.Tensor, picked: torch.Tensor, *, count: int, forced: int, tolerance: float, what: str
+    scores: torch.Tensor, picked: torch.Tensor, *, count: int | torch.Tensor, forced: int, tolerance: float,
+    what: str
 ) -> None:
     """`picked` is a top-`count` of `scores` with indices `< forced` kept, up to ties.
 
     Args:
-        scores: float `[B, H, L]`. picked: int `[B, H, count]`, distinct indices.
-        count: the expected number of picks. forced: indices always kept.
+        scores: float `[B, H, L]`. picked: int `[B, H, count]`, distinct indices (per-head
+            counts: `[B, H, max count]`, each head's list padded with L).
+        count: the expected number of picks, an int or int64 `[H]` per head.
+        forced: indices always kept.
         tolerance: how much a dropped score may exceed a kept one.
         what: name for messages.
 
@@ -143,12 +146,16 @@ def check_topk_modulo_ties(
         AssertionError: wrong count, a forced index missing, or a dropped score
             above a kept one by more than `tolerance`.
     """
-    if picked.shape[-1] != count:
-        raise _fail(f"{what}: {picked.shape[-1]} picked, expected {count}")
+    counts = torch.as_tensor(count, dtype=torch.int64).cpu().expand(scores.shape[1])
+    width = int(counts.max()) if counts.numel() else 0
+    if picked.shape[-1] != width:
+        raise _fail(f"{what}: {picked.shape[-1]} picked, expected {width}")
     scores = rank_nan_last(scores.to(torch.float64).cpu())
-    keep = torch.zeros(scores.shape, dtype=torch.bool).scatter_(-1, picked.cpu().to(torch.int64), True)
-    if int(keep.sum(dim=-1).min()) != count:
-        raise _fail(f"{what}: picked indices are not distinct")
+    b, h, length = scores.shape
+    keep = torch.zeros(b, h, length + 1, dtype=torch.bool).scatter_(-1, picked.cpu().to(torch.int64), True)
+    keep = keep[..., :length]
+    if not torch.equal(keep.sum(dim=-1), counts.expand(b, h)):
+        raise _fail(f"{what}: picked indices are not distinct, or not {count} per head")
     is_forced = torch.arange(scores.shape[-1]) < forced
     if not bool(keep[..., is_forced].all()):
         raise _fail(f"{what}: a forced index (< {forced}) is missing")
@@ -185,9 +192,12 @@ def vertical_slash_tie_check(
         raise _fail("the fast plan is not Alg. 4 of the fast lines")
     vertical, slash = vertical_slash_scores(q, k, last_q=last_q, scale=scale)
     tol = line_tolerance(min(last_q, n))
-    check_topk_modulo_ties(vertical, verticals, count=kept_lines(params["vertical_size"], init_columns, n),
+    hq, cpu = q.shape[1], torch.device("cpu")
+    check_topk_modulo_ties(vertical, verticals,
+                           count=line_counts(params["vertical_size"], init_columns, n, "vertical_size", hq, cpu),
                            forced=init_columns, tolerance=tol, what="verticals")
-    check_topk_modulo_ties(slash, slashes, count=kept_lines(params["slash_size"], local_diagonals, n),
+    check_topk_modulo_ties(slash, slashes,
+                           count=line_counts(params["slash_size"], local_diagonals, n, "slash_size", hq, cpu),
                            forced=local_diagonals, tolerance=tol, what="slashes")
 
 
@@ -196,7 +206,7 @@ def block_sparse_tie_check(
 ) -> None:
     """`MethodSpec.tie_check` of block-sparse (see the module doc)."""
     del expected
-    top_k = int(params["top_k"])
+    top_k = _heads(params["top_k"], q.shape[1]).to(torch.int64)  # per query head
     bs = int(params.get("block_size", 64))
     got = got.to("cpu").validate()
     if bool((got.column_count != 0).any()):
@@ -207,9 +217,9 @@ def block_sparse_tie_check(
     diagonal = torch.eye(nb, dtype=torch.bool)
     if not bool(keep[..., diagonal].all()):
         raise _fail("a diagonal block is missing")
-    want = torch.clamp(torch.arange(1, nb + 1), max=top_k)
+    want = torch.minimum(torch.arange(1, nb + 1), top_k[:, None])
     if not torch.equal(keep.sum(dim=-1), want.expand(keep.shape[:-1])):
-        raise _fail(f"block counts differ from min(top_k={top_k}, i + 1)")
+        raise _fail(f"block counts differ from min(top_k={top_k.tolist()}, i + 1)")
     causal = torch.ones(nb, nb, dtype=torch.bool).tril_()
     free = causal & ~diagonal
     inf = torch.tensor(float("inf"), dtype=torch.float64)
@@ -234,7 +244,7 @@ def check_cover_modulo_ties(
     scores: torch.Tensor,
     kept: torch.Tensor,
     *,
-    gamma: float,
+    gamma: float | torch.Tensor,
     forced: torch.Tensor,
     share_tolerance: float = SHARE_TOLERANCE,
     mass_tolerance: float = MASS_TOLERANCE,
@@ -250,7 +260,8 @@ def check_cover_modulo_ties(
     Args:
         scores: float `[..., L]` shares (float64 from the reference).
         kept: bool `[..., L]` selection to judge.
-        gamma: the threshold. forced: bool broadcastable to `scores`.
+        gamma: the threshold: a float, or a tensor broadcastable to `scores.shape[:-1]`
+            (per head). forced: bool broadcastable to `scores`.
         share_tolerance, mass_tolerance: the rounding margins.
         what: name for messages.
 
@@ -294,7 +305,8 @@ def flexprefill_vs_tie_check(
     forgiven as a tie.
     """
     n = q.shape[2]
-    gamma = float(params.get("gamma", GAMMA))
+    gamma = params.get("gamma", GAMMA)
+    heads_gamma = _heads(gamma, q.shape[1])
     last_q = int(params.get("last_q", 64))
     init_columns = int(params.get("init_columns", 1))
     local_diagonals = int(params.get("local_diagonals", 1))
@@ -324,7 +336,7 @@ def flexprefill_vs_tie_check(
             bands = kept.cpu()[..., ::line_block]
             if not torch.equal(band_lines(bands, line_block, n), kept.cpu()):
                 raise _fail(f"the {who} {what} are not whole bands of line_block={line_block} lines")
-            check_cover_modulo_ties(pool_lines(shares, line_block), bands, gamma=gamma,
+            check_cover_modulo_ties(pool_lines(shares, line_block), bands, gamma=heads_gamma,
                                     forced=first_lines(cdiv(forced_lines, line_block), nb, cpu),
                                     what=f"{who} {what}")
 
@@ -371,13 +383,13 @@ def check_decisions_modulo_margin(
             if c == NOISE:
                 allowed = {SharePattern.VERTICAL_SLASH}
             else:
-                sparse_ok = outcomes(float(d_sparse[row, h]), state.delta)
+                sparse_ok = outcomes(float(d_sparse[row, h]), state.head_value("delta", h))
                 if state.pivot(c, row) is None:
                     first = c not in dense_now
                     allowed = {SharePattern.DENSE if ok and first else SharePattern.VERTICAL_SLASH
                                for ok in sparse_ok}
                 else:
-                    sim_ok = outcomes(float(d_sim[row, h]), state.tau)
+                    sim_ok = outcomes(float(d_sim[row, h]), state.head_value("tau", h))
                     allowed = {SharePattern.SHARED if a and s else SharePattern.VERTICAL_SLASH
                                for a in sparse_ok for s in sim_ok}
             if pick not in allowed:
@@ -437,9 +449,10 @@ def shareprefill_tie_check(
         raise _fail("the fast plan is not the plan of the fast decisions and Alg. 5 lines")
     a_v, a_s = normalized_lines(approximate_attention(q, k, last_q=ref_state.block_m, scale=scale))
     n, cpu = q.shape[2], torch.device("cpu")
-    check_cover_modulo_ties(a_v, verticals, gamma=ref_state.gamma,
+    gamma = _heads(ref_state.gamma, q.shape[1])
+    check_cover_modulo_ties(a_v, verticals, gamma=gamma,
                             forced=first_lines(ref_state.init_columns, n, cpu), what="verticals")
-    check_cover_modulo_ties(a_s, slashes, gamma=ref_state.gamma,
+    check_cover_modulo_ties(a_s, slashes, gamma=gamma,
                             forced=first_lines(ref_state.local_diagonals, n, cpu), what="slashes")
 # -- XAttention / DPXA: greedy threshold selection of tiles ----------------------
 
@@ -459,8 +472,16 @@ def tile_weight_tolerance(q: torch.Tensor, k: torch.Tensor, scale: float | None)
     return 1e-5 * (1.0 + sm_scale * q_max * k_max)
 
 
+def _heads(value: object, heads: int) -> torch.Tensor:
+    """A checked knob (a scalar or one value per head) as float64 `[heads]` on the CPU."""
+    def as_float(x: object) -> float:
+        assert isinstance(x, (int, float))
+        return float(x)
+    return per_head(value, "knob", heads, as_float)
+
+
 def check_greedy_modulo_ties(
-    weights: torch.Tensor, keep: torch.Tensor, *, threshold: float, tolerance: float, what: str
+    weights: torch.Tensor, keep: torch.Tensor, *, threshold: object, tolerance: float, what: str
 ) -> None:
     """`keep` is the greedy threshold selection of `weights` up to ties and rounding.
 
@@ -473,6 +494,7 @@ def check_greedy_modulo_ties(
     Args:
         weights: float64 `[B, H, T, T]`, rows summing to 1 over `j <= i`.
         keep: bool `[B, H, T, T]`.
+        threshold: one for every head, or one per head (H values).
 
     Raises:
         AssertionError: naming the first (b, h, query tile) that breaks a rule.
@@ -492,21 +514,21 @@ def check_greedy_modulo_ties(
 
     first((keep & ~causal).any(-1), "a non-causal tile is kept")
     first((forced & ~keep).any(-1), "the first or the diagonal tile is missing")
-    if threshold >= 1.0:
-        first((causal & ~keep).any(-1), "threshold 1 must keep every causal tile")
-        return
+    tau = _heads(threshold, weights.shape[1])[None, :, None]  # [1, H, 1] against rows [B, H, T]
+    full = tau >= 1.0
+    first(full & (causal & ~keep).any(-1), "threshold 1 must keep every causal tile")
     inf = torch.tensor(math.inf, dtype=torch.float64)
     kept_free = keep & free
     dropped = free & ~keep
     lightest_kept = torch.where(kept_free, weights, inf).amin(-1)
     heaviest_dropped = torch.where(dropped, weights, -inf).amax(-1)
-    first(heaviest_dropped - lightest_kept > tolerance,
+    first(~full & (heaviest_dropped - lightest_kept > tolerance),
           f"a dropped tile outweighs a kept one by more than {tolerance:.3g}")
     total = torch.where(keep, weights, 0.0).sum(-1)
-    first(dropped.any(-1) & (total < threshold - tolerance),
+    first(~full & dropped.any(-1) & (total < tau - tolerance),
           f"tiles were dropped before the kept weight reached threshold {threshold}")
     without_last = total - torch.where(kept_free.any(-1), lightest_kept, 0.0)
-    first(kept_free.any(-1) & (without_last >= threshold + tolerance),
+    first(~full & kept_free.any(-1) & (without_last >= tau + tolerance),
           f"a tile was kept after the kept weight had reached threshold {threshold}")
 
 
@@ -524,7 +546,7 @@ def xattention_tie_check(
         q, k, stride=int(params.get("stride", 8)), block=int(params.get("block", 128)),
         scoring=str(params.get("scoring", "antidiagonal")), scale=scale,
     )
-    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=params.get("threshold", 0.9),
                              tolerance=tile_weight_tolerance(q, k, scale), what="xattention tiles")
 
 
@@ -546,7 +568,7 @@ def dpxa_tie_check(
     sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
     scores = anchor_tile_scores(q.cpu(), k.cpu(), q_anchors, k_anchors, block=block, scale=sm_scale)
     weights = scores / scores.sum(dim=-1, keepdim=True)
-    check_greedy_modulo_ties(weights, got.block_mask(), threshold=float(params.get("threshold", 0.9)),
+    check_greedy_modulo_ties(weights, got.block_mask(), threshold=params.get("threshold", 0.9),
                              tolerance=tile_weight_tolerance(q, k, scale), what="dpxa tiles")
 # Relative error budget of the fast anchor path's decision quantity (see `anchor_margin`).
 ANCHOR_RELATIVE_MARGIN = 2.0**-12
@@ -588,7 +610,7 @@ def anchor_attention_tie_check(
     """`MethodSpec.tie_check` of anchor attention (see the module doc)."""
     from ..reference.block_sparse import mean_pooling
 
-    theta = float(params.get("theta", THETA))
+    theta = _heads(params.get("theta", THETA), q.shape[1])[:, None, None]  # [Hq, 1, 1] per query head
     step = int(params.get("step", STEP))
     bm, bn = int(params.get("block_m", 128)), int(params.get("block_n", 128))
     q, k = q.cpu(), k.cpu()
@@ -629,18 +651,19 @@ def anchor_attention_tie_check(
         at = tuple(int(i) for i in bad.nonzero()[0].tolist())
         b, h, grp, j = at
         rows = slice(grp * step, min(qb, (grp + 1) * step))
-        closest = float((diff[b, h, rows, j] - theta).abs().min())
+        closest = float((diff[b, h, rows, j] - theta[h]).abs().min())
         raise _fail(f"stripe key {j} of group {grp} at (b, h) {(b, h)}: reference keeps it "
                     f"{bool(ref_sets[at])}, fast {bool(got_sets[at])}; the nearest difference is "
-                    f"{closest:.3g} from theta={theta} (beyond the margin)")
+                    f"{closest:.3g} from theta={float(theta[h])} (beyond the margin)")
 def check_threshold_topk(
-    scores: torch.Tensor, kept: torch.Tensor, *, alpha: float, tolerance: float, what: str
+    scores: torch.Tensor, kept: torch.Tensor, *, alpha: float | torch.Tensor, tolerance: float, what: str
 ) -> None:
     """`kept` is a SampleAttention threshold top-k of `scores` (Alg. 1 lines 6-9), up to ties.
 
     Args:
         scores: float `[B, H, L]`, non-negative. kept: bool `[B, H, L]`.
-        alpha: the CRA threshold. tolerance: the allowed error of a score or a sum.
+        alpha: the CRA threshold, a float or `[H]` (per head). tolerance: the allowed
+            error of a score or a sum.
         what: name for messages.
 
     Raises:
@@ -686,8 +709,9 @@ def sample_attention_tie_check(
                                             scale=params.get("scale"))
     rows = sum(stop - start for start, stop in sampled_rows(n, chunk_n, block_size))
     tol = sample_tolerance(rows)
-    check_threshold_topk(column, columns, alpha=alpha_c, tolerance=tol, what="column blocks")
-    check_threshold_topk(slash, slashes, alpha=alpha_s, tolerance=tol, what="slash blocks")
+    heads = q.shape[1]
+    check_threshold_topk(column, columns, alpha=_heads(alpha_c, heads), tolerance=tol, what="column blocks")
+    check_threshold_topk(slash, slashes, alpha=_heads(alpha_s, heads), tolerance=tol, what="slash blocks")
 
 
 def _head(plan: BlockColumnPlan, h: int) -> BlockColumnPlan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..reference._checks import PerHeadInt
 from ..reference.plan import BlockColumnPlan
 from .streaming import streaming, streaming_plan
 
@@ -12,8 +13,8 @@ def a_shape_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    sink: int = 1024,
-    window: int = 4096,
+    sink: PerHeadInt = 1024,
+    window: PerHeadInt = 4096,
     block_m: int = 64,
     block_n: int = 64,
 ) -> BlockColumnPlan:
@@ -21,12 +22,13 @@ def a_shape_plan(
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]` (only their shapes are used).
-        sink: initial tokens every query sees (>= 0).
-        window: most recent tokens every query sees, itself included (>= 1).
+        sink: initial tokens every query sees (>= 0); a scalar, or one per query head.
+        window: most recent tokens every query sees, itself included (>= 1); the same.
         block_m, block_n: query rows and keys per block.
 
     Returns:
-        The same `BlockColumnPlan` for every batch row and head, without columns.
+        The same `BlockColumnPlan` for every batch row (and head, for scalar knobs),
+        without columns.
 
     Raises:
         TypeError, ValueError: bad inputs.
@@ -39,8 +41,8 @@ def a_shape(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    sink: int = 1024,
-    window: int = 4096,
+    sink: PerHeadInt = 1024,
+    window: PerHeadInt = 4096,
     block_m: int = 64,
     block_n: int = 64,
     scale: float | None = None,

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
-from ..reference.anchor_attention import STEP, THETA, check_anchor_params, group_step
+from ..reference._checks import HALF_DTYPES, PerHead, check_qk, check_qkv, per_head, resolve_scale
+from ..reference.anchor_attention import STEP, THETA, check_anchor_params, check_theta, group_step
 from ..reference.attention import AttentionState
 from ..reference.plan import BlockColumnPlan, cdiv
 from .capture import static_widths_active
@@ -100,12 +100,16 @@ def _plans(
 
 
 def _check(
-    q: torch.Tensor, *, theta: float, step: int, block_m: int, block_n: int
-) -> float:
-    theta = check_anchor_params(theta=theta, step=step, block_m=block_m, block_n=block_n)
+    q: torch.Tensor, *, theta: object, step: int, block_m: int, block_n: int
+) -> float | torch.Tensor:
+    """The parameters' checks; theta as a float, or float64 `[Hq]` on q's device if per head
+    (a scalar stays a float: the kernel gets it by a device fill, no copy)."""
+    checked = check_anchor_params(theta=theta, step=step, block_m=block_m, block_n=block_n)
     check_kernel_block_sizes(block_m, block_n)
     check_kernel_device(q)
-    return theta
+    if isinstance(checked, torch.Tensor):
+        return per_head(checked, "theta", q.shape[1], check_theta, device=q.device)
+    return checked
 
 
 def anchor_maxima(
@@ -126,7 +130,7 @@ def anchor_attention_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    theta: float = THETA,
+    theta: PerHead = THETA,
     step: int = STEP,
     block_m: int = 128,
     block_n: int = 128,
@@ -140,7 +144,7 @@ def anchor_attention_plan(
     Args:
         q: `[B, Hq, N, D]` fp16/bf16; k: `[B, Hkv, N, D]`.
         theta: the difference threshold of Equation 2, in natural-log units of the
-            scaled logits (>= 0; the paper uses 12).
+            scaled logits (>= 0; the paper uses 12); a scalar or one per query head.
         step: query blocks per group sharing one stripe list (>= 1; the paper: 16).
         block_m, block_n: query rows and keys per block (the paper: 128, 128).
         scale: softmax scale, `1/sqrt(D)` if None (Equations 1 and 2 use it).
@@ -175,7 +179,7 @@ def anchor_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    theta: float = THETA,
+    theta: PerHead = THETA,
     step: int = STEP,
     block_m: int = 128,
     block_n: int = 128,
@@ -207,8 +211,8 @@ def anchor_attention(
     b, n, g = shape.batch, shape.seqlen, shape.group
     step = group_step(step, n, block_m)
     bound = search_width_bound(n, step=step, block_m=block_m, block_n=block_n)
-    per_head = stripe_plan_nbytes(b, 1, n, step=step, block_m=block_m, width=max(1, bound))
-    heads = head_group(shape.q_heads, g, PLAN_BYTES // per_head)
+    head_bytes = stripe_plan_nbytes(b, 1, n, step=step, block_m=block_m, width=max(1, bound))
+    heads = head_group(shape.q_heads, g, PLAN_BYTES // head_bytes)
 
     def run(h0: int, h1: int) -> torch.Tensor:
         kv0, kv1 = h0 // g, (h1 - 1) // g + 1
@@ -218,7 +222,8 @@ def anchor_attention(
         state = AttentionState.like(qs)
         block_column_attention(qs, ks, vs, anchor, scale=sm_scale, state=state,
                                validate_plan=False)  # Alg. 1
-        counts, index = stripe_index(qs, ks, state.m, theta=theta, step=step,  # Alg. 2
+        group_theta = theta[h0:h1] if isinstance(theta, torch.Tensor) else theta
+        counts, index = stripe_index(qs, ks, state.m, theta=group_theta, step=step,  # Alg. 2
                                      block_m=block_m, block_n=block_n, scale=sm_scale)
         stripes = _plans(b, h1 - h0, n, step=step, block_m=block_m, block_n=block_n, counts=counts,
                          index=index, device=q.device, with_blocks=False)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_block_size, check_positive_int, check_qk, check_qkv
+from ..reference._checks import HALF_DTYPES, PerHeadInt, check_block_size, check_knob, check_qk, check_qkv, per_head
+from ..reference.block_sparse import check_top_k
 from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
 from .dense import empty_columns
 from .kernels import (
@@ -46,7 +47,7 @@ def block_sparse_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    top_k: int,
+    top_k: PerHeadInt,
     block_size: int = 64,
 ) -> BlockColumnPlan:
     """MInference Block-Sparse plan (see `reference.block_sparse_plan`).
@@ -56,12 +57,15 @@ def block_sparse_plan(
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_kernel_device(q)
-    check_positive_int("top_k", top_k)
+    checked = check_knob("top_k", top_k, check_top_k, integer=True)
     bs = check_block_size("block_size", block_size)
     check_kernel_block_sizes(bs, bs, names=("block_size", "block_size"))
     b, hq, hkv, g = shape.batch, shape.q_heads, shape.kv_heads, shape.group
     nb = cdiv(shape.seqlen, bs)
-    width = min(top_k, nb)
+    # Per-head top_k: lists as wide as the largest, each head cut to its own count.
+    widths = (per_head(checked, "top_k", hq, check_top_k, integer=True, device=q.device).clamp(max=nb)
+              if isinstance(checked, torch.Tensor) else None)
+    width = min(int(checked), nb) if widths is None else int(widths.max())
     q_pooled = mean_pooling(q, bs).reshape(b, hkv, g, nb, -1)
     k_pooled = mean_pooling(k, bs).unsqueeze(2).transpose(-1, -2)
     dev = q.device
@@ -74,18 +78,27 @@ def block_sparse_plan(
         scores = rank_nan_last(torch.matmul(q_pooled[:, :, :, i0:i1], k_pooled))
         scores = scores.masked_fill(key_block > query_block, float("-inf"))
         scores = scores.masked_fill(key_block == query_block, float("inf"))
-        picked = torch.topk(scores, width, dim=-1, sorted=False).indices
+        if widths is None:
+            picked = torch.topk(scores, width, dim=-1, sorted=False).indices
+        else:
+            picked = torch.topk(scores, width, dim=-1, sorted=True).indices
+            head_width = widths.reshape(hkv, g)[None, :, :, None, None]
+            picked = torch.where(torch.arange(width, device=dev) < head_width, picked, nb)
         # Early query blocks fill their budget with non-causal blocks: push them last.
         picked = torch.where(picked > query_block, nb, picked)
         picked = torch.sort(picked, dim=-1).values
         block_index[:, :, i0:i1] = picked.reshape(b, hq, i1 - i0, width).to(torch.int32)
-    count = torch.clamp(torch.arange(1, nb + 1, device=dev), max=width).to(torch.int32)
+    if widths is None:
+        count = torch.clamp(torch.arange(1, nb + 1, device=dev), max=width).to(torch.int32).expand(b, hq, nb)
+    else:
+        count = torch.minimum(torch.arange(1, nb + 1, device=dev), widths[:, None]).to(torch.int32)
+        count = count.expand(b, hq, nb)
     col_count, col_index = empty_columns(b, hq, nb, dev)
     return BlockColumnPlan(
         seqlen=shape.seqlen,
         block_m=bs,
         block_n=bs,
-        block_count=count.expand(b, hq, nb),
+        block_count=count,
         block_index=block_index,
         column_count=col_count,
         column_index=col_index,
@@ -97,7 +110,7 @@ def block_sparse(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    top_k: int,
+    top_k: PerHeadInt,
     block_size: int = 64,
     scale: float | None = None,
 ) -> torch.Tensor:

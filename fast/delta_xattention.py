@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_fraction, check_qkv, resolve_scale
+from ..reference._checks import HALF_DTYPES, PerHead, check_fraction, check_qkv, resolve_scale
 from ..reference.attention import AttentionState
 from ..reference.delta_kv import PackedKV, check_flags
 from ..reference.delta_xattention import (
@@ -126,7 +126,7 @@ def delta_xattention_tiles(
     k: torch.Tensor,
     *,
     stride: int = 8,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     exact_top: float = 0.1,
     block: int = 128,
     scoring: str = "antidiagonal",
@@ -312,7 +312,7 @@ def delta_xattention(
     v: torch.Tensor,
     *,
     stride: int = 8,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     exact_top: float = 0.1,
     delta_threshold: float,
     metric: str = "euclidean",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qkv, resolve_scale
+from ..reference._checks import HALF_DTYPES, PerHead, check_qkv, resolve_scale
 from ..reference.plan import BlockColumnPlan
 from .kernels import block_column_attention, check_forward_only
 from .kernels.delta_score import _anchor_tile_weights, check_dpxa_inputs, dpxa_scoring_ratio, dpxa_tile_weights
@@ -24,7 +24,7 @@ from .xattention import select_plan
 __all__ = ["dpxa", "dpxa_plan", "dpxa_scoring_ratio", "dpxa_tile_weights"]
 
 
-def _dpxa_plan(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, tau: float, block: int,
+def _dpxa_plan(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, tau: torch.Tensor, block: int,
                sm_scale: float) -> BlockColumnPlan:
     weights = _anchor_tile_weights(q, k, cos_threshold=cos_threshold, block=block, sm_scale=sm_scale)
     return select_plan(weights, tau, seqlen=q.shape[2], block=block)
@@ -35,7 +35,7 @@ def dpxa_plan(
     k: torch.Tensor,
     *,
     cos_threshold: float = 0.75,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     block: int = 128,
     scale: float | None = None,
 ) -> BlockColumnPlan:
@@ -56,7 +56,7 @@ def dpxa(
     v: torch.Tensor,
     *,
     cos_threshold: float = 0.75,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     block: int = 128,
     scale: float | None = None,
 ) -> torch.Tensor:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_count, check_qk, check_qkv
+from ..reference._checks import HALF_DTYPES, PerHead, check_count, check_qk, check_qkv, per_head
 from ..reference.flexprefill_vs import (
     GAMMA,
     LINE_BLOCK,
     check_flexprefill_vs_params,
+    check_gamma,
     cover_bands,
 )
 from ..reference.plan import BlockColumnPlan
@@ -39,7 +40,7 @@ def flexprefill_vs_lines(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    gamma: float = GAMMA,
+    gamma: PerHead = GAMMA,
     last_q: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
@@ -62,14 +63,15 @@ def flexprefill_vs_lines(
     last_q = check_count("last_q", last_q, cap=n)
     init_columns = check_count("init_columns", init_columns, cap=n, minimum=0)
     local_diagonals = check_count("local_diagonals", local_diagonals, cap=n, minimum=0)
+    heads_gamma = per_head(gamma, "gamma", shape.q_heads, check_gamma, device=q.device)
     vertical, slash = last_q_scores(q, k, last_q=last_q, scale=scale)
     a_v = vertical.to(torch.float64)
     a_s = slash.to(torch.float64)
     # Alg. 5 lines 2-3: both sums hold the same total mass (L rows of one each).
     total = a_v.sum(dim=-1, keepdim=True)
     # Bands are pooled in float64 after the division, as the reference pools its shares.
-    verticals = cover_bands(a_v / total, gamma, init_columns, line_block)
-    slashes = cover_bands(a_s / total, gamma, local_diagonals, line_block)
+    verticals = cover_bands(a_v / total, heads_gamma, init_columns, line_block)
+    slashes = cover_bands(a_s / total, heads_gamma, local_diagonals, line_block)
     return verticals, slashes
 
 
@@ -122,7 +124,7 @@ def flexprefill_vs_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    gamma: float = GAMMA,
+    gamma: PerHead = GAMMA,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,
@@ -136,10 +138,11 @@ def flexprefill_vs_plan(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    check_qk(q, k, dtypes=HALF_DTYPES)
+    shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
                                 init_columns=init_columns, local_diagonals=local_diagonals,
                                 line_block=line_block)
+    per_head(gamma, "gamma", shape.q_heads, check_gamma)
     check_kernel_block_sizes(block_m, block_n)
     verticals, slashes = flexprefill_vs_lines(
         q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
@@ -153,7 +156,7 @@ def flexprefill_vs(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    gamma: float = GAMMA,
+    gamma: PerHead = GAMMA,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,

@@ -32,6 +32,14 @@ captured in a CUDA graph; ops with a host
 synchronisation carry `torch.Tag.cudagraph_unsafe`, so inductor's
 `mode="reduce-overhead"` does not put them in a graph. docs/serving.md has the table.
 
+Per-head knobs (`Method.knobs`: a scalar, or one value per query head) keep their scalar
+op argument (`float threshold=0.9`) and gain a keyword-only list argument
+(`float[]? threshold_per_head=None`, `SymInt[]?` for an integer knob): when given (Hq
+numbers), it replaces the scalar. A custom op takes no keyword-only tensor, so a per-head
+value travels as numbers, a constant of the compiled graph; `ops.call` (and so `patch(...,
+use_ops=True)`) moves a list, tuple or tensor given as the knob there (a tensor read back
+once). Inside the op the list is copied to the device: not capture-safe.
+
 Method parameters map to op arguments by their annotations: `int` -> `SymInt`,
 `float`, `bool`, `str` (a union with `str`, such as SampleAttention's `settings`,
 passes only its `str` form, a path), each optionally `None`. A parameter of another
@@ -112,6 +120,20 @@ class _Param:
     adapter: Adapter | None
 
 
+# The op argument that carries a per-head knob's `[Hq]` tensor beside its scalar.
+PER_HEAD_SUFFIX = "_per_head"
+
+
+def _knob_scalar(hint: object) -> str | None:
+    """The op type of a per-head knob's scalar form (`PerHead` -> float, `PerHeadInt` -> SymInt);
+    its per-head argument is a list of it."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            if arg in (float, int):
+                return _SCALARS[arg]
+    return None
+
+
 def method_schema(name: str, fn: Callable[..., torch.Tensor]) -> tuple[str, tuple[_Param, ...]]:
     """The op schema of a method's output function `fn(q, k, v, ...)`, from its signature.
 
@@ -123,6 +145,7 @@ def method_schema(name: str, fn: Callable[..., torch.Tensor]) -> tuple[str, tupl
             adapter in its descriptor (`Method.adapters`).
     """
     adapters = _adapters(name)
+    knobs = _knobs(name)
     hints = typing.get_type_hints(fn)
     parts: list[str] = []
     params: list[_Param] = []
@@ -131,7 +154,14 @@ def method_schema(name: str, fn: Callable[..., torch.Tensor]) -> tuple[str, tupl
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
             raise TypeError(f"{name}: parameter {p.name!r} of kind {p.kind} has no op form")
         adapter = adapters.get(p.name)
-        typed = (adapter.schema, False) if adapter is not None else _schema_type(hints.get(p.name))
+        knob = _knob_scalar(hints.get(p.name)) if p.name in knobs and adapter is None else None
+        typed: tuple[str, bool] | None
+        if adapter is not None:
+            typed = (adapter.schema, False)
+        elif knob is not None:
+            typed = (knob, type(None) in typing.get_args(hints.get(p.name)))
+        else:
+            typed = _schema_type(hints.get(p.name))
         if typed is None:
             raise TypeError(f"{name}: parameter {p.name!r} ({hints.get(p.name)}) has no op type; "
                             "give the method's descriptor an Adapter for it (Method.adapters)")
@@ -144,6 +174,12 @@ def method_schema(name: str, fn: Callable[..., torch.Tensor]) -> tuple[str, tupl
             text += f"={_default_text(p.default)}"
         parts.append(text)
         params.append(_Param(p.name, keyword_only, adapter))
+    extra = [n for n in knobs if _knob_scalar(hints.get(n)) is not None and n not in adapters]
+    if extra and not star:
+        parts.append("*")
+    for knob_name in extra:
+        parts.append(f"{_knob_scalar(hints.get(knob_name))}[]? {knob_name}{PER_HEAD_SUFFIX}=None")
+        params.append(_Param(knob_name + PER_HEAD_SUFFIX, True, None))
     return f"({', '.join(parts)}) -> Tensor", tuple(params)
 
 
@@ -198,6 +234,10 @@ def register_method_op(name: str, fn: Callable[..., torch.Tensor], status: SyncS
         for p in params:
             if p.adapter is not None and p.name in bound:
                 bound[p.name] = p.adapter.decode(bound[p.name])
+            if p.name.endswith(PER_HEAD_SUFFIX) and p.name in bound:
+                per_head = bound.pop(p.name)
+                if per_head is not None:
+                    bound[p.name.removesuffix(PER_HEAD_SUFFIX)] = per_head
         return _fresh(fn(**bound))
 
     def static_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -326,6 +366,11 @@ def _adapters(name: str) -> Mapping[str, Adapter]:
     return {} if method is None else method.adapters
 
 
+def _knobs(name: str) -> tuple[str, ...]:
+    method = registered_methods().get(name)
+    return () if method is None else method.knobs
+
+
 def sync_status(name: str) -> SyncStatus:
     """What method `name`'s op reads back and whether it can be captured (`Method.sync`);
     `UNKNOWN_SYNC` for a name that is not registered."""
@@ -373,11 +418,18 @@ def capture_op(name: str) -> Any:
 
 
 def op_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """A method's keyword parameters as its op takes them (`Method.adapters` encoded)."""
+    """A method's keyword parameters as its op takes them (`Method.adapters` encoded; a
+    per-head knob moved to its `<knob>_per_head` tensor argument, the scalar left at its
+    default)."""
     out = dict(params)
     for param, adapter in _adapters(name).items():
         if param in out:
             out[param] = adapter.encode(out[param])
+    for knob in _knobs(name):
+        value = out.get(knob)
+        if isinstance(value, (list, tuple, torch.Tensor)):
+            del out[knob]
+            out[knob + PER_HEAD_SUFFIX] = value.tolist() if isinstance(value, torch.Tensor) else list(value)
     return out
 
 

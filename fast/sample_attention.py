@@ -21,12 +21,23 @@ import os
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_block_size, check_positive_int, check_qk, check_qkv, resolve_scale
+from ..reference._checks import (
+    HALF_DTYPES,
+    PerHead,
+    check_block_size,
+    check_positive_int,
+    check_qk,
+    check_qkv,
+    per_head,
+    resolve_scale,
+)
 from ..reference.plan import BlockColumnPlan
 from ..reference.sample_attention import (
     DEFAULT_CHUNK_N,
     SampleAttentionSettings,
     arg_topk,
+    check_alpha_c,
+    check_alpha_s,
     find_k,
     resolve_params,
     sampled_rows,
@@ -46,13 +57,14 @@ def check_kernel_block_size(block_size: object) -> int:
 
 
 def _check_sample(
-    q: torch.Tensor, k: torch.Tensor, *, alpha_c: float | None, alpha_s: float | None, chunk_n: int | None,
+    q: torch.Tensor, k: torch.Tensor, *, alpha_c: PerHead | None, alpha_s: PerHead | None, chunk_n: int | None,
     block_size: int, settings: SampleAttentionSettings | str | os.PathLike[str] | None, scale: float | None,
-) -> tuple[float, float, int, int, float]:
+) -> tuple[float | torch.Tensor, float | torch.Tensor, int, int, float]:
     """Every check of the fast SampleAttention, once (the settings file is read once).
 
     Returns:
-        (alpha_c, alpha_s, chunk_n, block_size, softmax scale).
+        (alpha_c, alpha_s, chunk_n, block_size, softmax scale); an alpha given per head
+        as float64 `[Hq]` on q's device, a scalar as a float.
 
     Raises:
         TypeError, ValueError: bad inputs or parameters, before any launch.
@@ -60,6 +72,10 @@ def _check_sample(
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
     a_c, a_s, c_n = resolve_params(shape.seqlen, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
                                    block_size=block_size, settings=settings)
+    if isinstance(a_c, torch.Tensor):
+        a_c = per_head(a_c, "alpha_c", shape.q_heads, check_alpha_c, device=q.device)
+    if isinstance(a_s, torch.Tensor):
+        a_s = per_head(a_s, "alpha_s", shape.q_heads, check_alpha_s, device=q.device)
     bs = check_kernel_block_size(block_size)
     sm_scale = resolve_scale(scale, shape.head_dim)
     check_score_inputs(q)
@@ -72,13 +88,15 @@ def _scores(q: torch.Tensor, k: torch.Tensor, *, chunk_n: int, block_size: int,
     return _sampled_block_scores(q, k, spans=spans, block_size=block_size, sm_scale=sm_scale)
 
 
-def _selection(q: torch.Tensor, k: torch.Tensor, *, alpha_c: float, alpha_s: float, chunk_n: int,
+def _selection(q: torch.Tensor, k: torch.Tensor, *, alpha_c: float | torch.Tensor,
+               alpha_s: float | torch.Tensor, chunk_n: int,
                block_size: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     column, slash = _scores(q, k, chunk_n=chunk_n, block_size=block_size, sm_scale=sm_scale)
     return arg_topk(column, find_k(column, alpha_c)), arg_topk(slash, find_k(slash, alpha_s))
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, *, alpha_c: float, alpha_s: float, chunk_n: int,
+def _plan(q: torch.Tensor, k: torch.Tensor, *, alpha_c: float | torch.Tensor, alpha_s: float | torch.Tensor,
+          chunk_n: int,
           block_size: int, sm_scale: float) -> BlockColumnPlan:
     columns, slashes = _selection(q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
                                   block_size=block_size, sm_scale=sm_scale)
@@ -110,8 +128,8 @@ def sample_attention_selection(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    alpha_c: float | None = None,
-    alpha_s: float | None = None,
+    alpha_c: PerHead | None = None,
+    alpha_s: PerHead | None = None,
     chunk_n: int | None = None,
     block_size: int = 128,
     settings: SampleAttentionSettings | str | os.PathLike[str] | None = None,
@@ -131,8 +149,8 @@ def sample_attention_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    alpha_c: float | None = None,
-    alpha_s: float | None = None,
+    alpha_c: PerHead | None = None,
+    alpha_s: PerHead | None = None,
     chunk_n: int | None = None,
     block_size: int = 128,
     settings: SampleAttentionSettings | str | os.PathLike[str] | None = None,
@@ -169,8 +187,8 @@ def sample_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    alpha_c: float | None = None,
-    alpha_s: float | None = None,
+    alpha_c: PerHead | None = None,
+    alpha_s: PerHead | None = None,
     chunk_n: int | None = None,
     block_size: int = 128,
     settings: SampleAttentionSettings | str | os.PathLike[str] | None = None,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qk, check_qkv, resolve_scale
+from ..reference._checks import HALF_DTYPES, PerHead, check_qk, check_qkv, resolve_scale
 from ..reference.flexprefill_vs import GAMMA
 from ..reference.plan import BlockColumnPlan, cdiv, mask_to_list
 from ..reference.shareprefill import (
@@ -216,7 +216,7 @@ def build_pivots(
     """Alg. 2 for the dense (batch row, head) `pairs`, whose block means are `block_means[i]`."""
     assert state.shape is not None
     return {(int(decision.cluster[h]), row): construct_pivotal_pattern(
-        block_means[i], gamma=state.gamma, seqlen=state.shape[2], block_m=state.block_m,
+        block_means[i], gamma=state.head_value("gamma", h), seqlen=state.shape[2], block_m=state.block_m,
         block_n=state.block_n, layer=decision.layer, head=h) for i, (row, h) in enumerate(pairs)}
 
 
@@ -318,9 +318,9 @@ def shareprefill_plan(
     *,
     layout: ClusterLayout | str | Path | None = None,
     layer: int = 0,
-    tau: float = TAU,
-    delta: float = DELTA,
-    gamma: float = GAMMA,
+    tau: PerHead = TAU,
+    delta: PerHead = DELTA,
+    gamma: PerHead = GAMMA,
     block_m: int = 64,
     block_n: int = 64,
     init_columns: int = 1,
@@ -346,9 +346,9 @@ def shareprefill(
     *,
     layout: ClusterLayout | str | Path | None = None,
     layer: int = 0,
-    tau: float = TAU,
-    delta: float = DELTA,
-    gamma: float = GAMMA,
+    tau: PerHead = TAU,
+    delta: PerHead = DELTA,
+    gamma: PerHead = GAMMA,
     block_m: int = 64,
     block_n: int = 64,
     init_columns: int = 1,

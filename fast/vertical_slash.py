@@ -24,13 +24,14 @@ import math
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qk, check_qkv
+from ..reference._checks import HALF_DTYPES, PerHeadInt, check_qk, check_qkv
 from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
 from ..reference.vertical_slash import (
     INIT_COLUMNS,
     LOCAL_DIAGONALS,
     check_vertical_slash_params,
-    kept_lines,
+    line_counts,
+    pad_to_counts,
 )
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
 from .kernels.last_q_estimate import last_q_scores
@@ -62,13 +63,19 @@ def vertical_slash_scores(
     return last_q_scores(q, k, last_q=last_q, scale=scale)
 
 
-def top_lines(scores: torch.Tensor, count: int, forced: int) -> torch.Tensor:
-    """`argtopk` with the first `forced` indices kept: int32 `[B, H, count]`, ascending.
+def top_lines(scores: torch.Tensor, count: int | torch.Tensor, forced: int) -> torch.Tensor:
+    """`argtopk` with the first `forced` indices kept: int32 `[B, H, count]`, ascending
+    (per-head counts, int64 `[H]`: as wide as the largest, each head padded with N).
 
     NaN scores rank below every number (`rank_nan_last`); forced indices stay kept.
     """
     scores = rank_nan_last(scores)
     scores[..., :forced] = math.inf
+    if isinstance(count, torch.Tensor):
+        # The largest count's top lines best first, each head's list cut to its own count.
+        width = int(count.max()) if count.numel() else 0
+        best = torch.topk(scores, width, dim=-1, sorted=True).indices
+        return pad_to_counts(best, count, scores.shape[-1])
     picked = torch.topk(scores, count, dim=-1, sorted=False).indices
     return torch.sort(picked.to(torch.int32), dim=-1).values
 
@@ -77,8 +84,8 @@ def vertical_slash_lines(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    vertical_size: int,
-    slash_size: int,
+    vertical_size: PerHeadInt,
+    slash_size: PerHeadInt,
     last_q: int = 64,
     init_columns: int = INIT_COLUMNS,
     local_diagonals: int = LOCAL_DIAGONALS,
@@ -94,10 +101,12 @@ def vertical_slash_lines(
         vertical_size=vertical_size, slash_size=slash_size, last_q=last_q, block_m=1,
         block_n=1, init_columns=init_columns, local_diagonals=local_diagonals,
     )
+    n, hq = shape.seqlen, shape.q_heads
+    n_vertical = line_counts(vertical_size, init_columns, n, "vertical_size", hq, q.device)
+    n_slash = line_counts(slash_size, local_diagonals, n, "slash_size", hq, q.device)
     vertical, slash = last_q_scores(q, k, last_q=last_q, scale=scale)
-    n = shape.seqlen
-    verticals = top_lines(vertical, kept_lines(vertical_size, init_columns, n), init_columns)
-    slashes = top_lines(slash, kept_lines(slash_size, local_diagonals, n), local_diagonals)
+    verticals = top_lines(vertical, n_vertical, init_columns)
+    slashes = top_lines(slash, n_slash, local_diagonals)
     return verticals, slashes
 
 
@@ -105,8 +114,8 @@ def vertical_slash_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    vertical_size: int,
-    slash_size: int,
+    vertical_size: PerHeadInt,
+    slash_size: PerHeadInt,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,
@@ -163,8 +172,8 @@ def vertical_slash(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    vertical_size: int,
-    slash_size: int,
+    vertical_size: PerHeadInt,
+    slash_size: PerHeadInt,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,

@@ -21,13 +21,13 @@ import math
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qkv, resolve_scale
+from ..reference._checks import HALF_DTYPES, PerHead, check_knob, check_qkv, per_head, resolve_scale
 from ..reference.plan import BlockColumnPlan, mask_to_list, rank_nan_last
 from ..reference.xattention import check_threshold, check_weights
 from .capture import static_widths_active
 from .dense import empty_columns
 from .kernels import block_column_attention, check_forward_only
-from .kernels.tile_select import MAX_KERNEL_TILES, select_tile_lists
+from .kernels.tile_select import MAX_KERNEL_TILES, heads_threshold, select_tile_lists
 from .kernels.xattention_score import _tile_weights, check_xattention_inputs, xattention_tile_weights
 
 __all__ = ["select_tiles", "xattention", "xattention_plan", "xattention_tile_weights"]
@@ -45,21 +45,23 @@ def _kernel_selects(weights: torch.Tensor) -> bool:
     return weights.is_cuda and weights.shape[-1] <= MAX_KERNEL_TILES
 
 
-def _select_tiles_torch(weights: torch.Tensor, tau: float) -> torch.Tensor:
+def _select_tiles_torch(weights: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
     """The greedy selection in torch sort and cumsum ops, a few rows at a time (rows longer
-    than the kernel's, and CPU tensors outside the interpreter)."""
+    than the kernel's, and CPU tensors outside the interpreter); `threshold`: checked, a
+    scalar or float64 `[H]`."""
     b, h, tiles, _ = weights.shape
+    tau = heads_threshold(threshold, h, weights.device)
     idx = torch.arange(tiles, device=weights.device)
-    causal = idx[None, :] <= idx[:, None]
-    if tau >= 1.0:
-        return causal.expand(weights.shape).clone()
     keep = torch.empty(weights.shape, dtype=torch.bool, device=weights.device)
     flat_w = weights.reshape(b * h * tiles, tiles)
     flat_keep = keep.view(b * h * tiles, tiles)
     rows = max(1, _SELECT_ELEMENTS // tiles)
     for r0 in range(0, b * h * tiles, rows):
         r1 = min(r0 + rows, b * h * tiles)
-        qi = torch.arange(r0, r1, device=weights.device) % tiles
+        row = torch.arange(r0, r1, device=weights.device)
+        qi = row % tiles
+        # Row r is query tile r % T of head (r // T) % H; a threshold of 1 keeps every causal tile.
+        row_tau = tau[torch.div(row, tiles, rounding_mode="floor") % h][:, None]
         c = idx[None, :] <= qi[:, None]
         forced = (idx[None, :] == 0) | (idx[None, :] == qi[:, None])
         w = torch.where(c, flat_w[r0:r1], 0.0)
@@ -69,12 +71,12 @@ def _select_tiles_torch(weights: torch.Tensor, tau: float) -> torch.Tensor:
         order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
         taken = torch.gather(w, -1, order).to(torch.float64)
         before = taken.cumsum(dim=-1) - taken
-        keep_sorted = torch.gather(forced, -1, order) | (before < tau)
-        flat_keep[r0:r1] = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted) & c
+        keep_sorted = torch.gather(forced, -1, order) | (before < row_tau)
+        flat_keep[r0:r1] = (torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted) | (row_tau >= 1.0)) & c
     return keep
 
 
-def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
+def select_tiles(weights: torch.Tensor, threshold: PerHead) -> torch.Tensor:
     """Greedy threshold selection (see `reference.xattention.select_tiles`).
 
     One kernel launch (`fast.kernels.tile_select`) on a GPU; torch sort and cumsum ops
@@ -82,7 +84,7 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
 
     Args:
         weights: float `[B, H, T, T]`, rows summing to 1 over the causal tiles `j <= i`.
-        threshold: in `(0, 1]`.
+        threshold: in `(0, 1]`, one for every head or one per head (H values).
 
     Returns:
         bool `[B, H, T, T]`.
@@ -90,13 +92,14 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
     Raises:
         TypeError, ValueError: a bad threshold or weights not `[B, H, T, T]`.
     """
-    tau = check_threshold(threshold)
+    check_knob("threshold", threshold, check_threshold)
     check_weights(weights)
-    return _select_tiles(weights, tau)
+    return _select_tiles(weights, per_head(threshold, "threshold", weights.shape[1], check_threshold,
+                                           device=weights.device))
 
 
-def _select_tiles(weights: torch.Tensor, tau: float) -> torch.Tensor:
-    """`select_tiles` on checked weights and threshold."""
+def _select_tiles(weights: torch.Tensor, tau: float | torch.Tensor) -> torch.Tensor:
+    """`select_tiles` on checked weights and threshold (a scalar or float64 `[H]`)."""
     if _kernel_selects(weights):
         return select_tile_lists(weights, tau)[0]
     return _select_tiles_torch(weights, tau)
@@ -130,8 +133,9 @@ def tiles_to_plan(keep: torch.Tensor, *, seqlen: int, block: int) -> BlockColumn
     return _plan(count, index, seqlen=seqlen, block=block)
 
 
-def select_plan(weights: torch.Tensor, tau: float, *, seqlen: int, block: int) -> BlockColumnPlan:
-    """`tiles_to_plan(select_tiles(weights, tau))` on checked weights and threshold.
+def select_plan(weights: torch.Tensor, tau: float | torch.Tensor, *, seqlen: int, block: int) -> BlockColumnPlan:
+    """`tiles_to_plan(select_tiles(weights, tau))` on checked weights and threshold (a
+    scalar or float64 `[H]` per head).
 
     On a GPU one kernel selects and writes the block lists at width `T`; they are cut
     to the widest row (one host synchronisation) outside `static_widths()` and capture.
@@ -145,7 +149,7 @@ def select_plan(weights: torch.Tensor, tau: float, *, seqlen: int, block: int) -
     return _plan(count, index, seqlen=seqlen, block=block)
 
 
-def _xattention_plan(q: torch.Tensor, k: torch.Tensor, *, stride: int, tau: float, block: int, scoring: str,
+def _xattention_plan(q: torch.Tensor, k: torch.Tensor, *, stride: int, tau: torch.Tensor, block: int, scoring: str,
                      sm_scale: float) -> BlockColumnPlan:
     weights = _tile_weights(q, k, stride=stride, block=block, scoring=scoring, sm_scale=sm_scale)
     return select_plan(weights, tau, seqlen=q.shape[2], block=block)
@@ -156,7 +160,7 @@ def xattention_plan(
     k: torch.Tensor,
     *,
     stride: int = 8,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     block: int = 128,
     scoring: str = "antidiagonal",
     scale: float | None = None,
@@ -178,7 +182,7 @@ def xattention(
     v: torch.Tensor,
     *,
     stride: int = 8,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     block: int = 128,
     scoring: str = "antidiagonal",
     scale: float | None = None,

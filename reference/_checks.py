@@ -8,9 +8,16 @@ sees an input that was not checked.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Union
 
 import torch
+
+# A method's main knob (`Method.knobs`): one value for every query head, or one value per
+# query head (a list/tuple of Hq numbers or a 1-D tensor of length Hq); see `per_head`.
+PerHead = Union[float, Sequence[float], torch.Tensor]
+PerHeadInt = Union[int, Sequence[int], torch.Tensor]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -185,3 +192,94 @@ def check_fraction(name: str, value: object, *, low: float = 0.0, high: float = 
     if not (low <= value <= high):
         raise ValueError(f"{name} must lie in [{low}, {high}], got {value}")
     return float(value)
+
+
+def is_per_head(value: object) -> bool:
+    """True when a knob's value is given per head (a list, tuple or tensor), not as one scalar."""
+    return isinstance(value, (list, tuple, torch.Tensor))
+
+
+def _per_head_values(name: str, value: object, check: Callable[[object], float | int]) -> list[float | int]:
+    """Every element of a per-head value through the knob's scalar `check` (same rules and
+    messages as the scalar form, prefixed with the head), after the container's checks."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise ValueError(f"{name} given per head must be a 1-D tensor of Hq values, got shape "
+                             f"{tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} given per head must be a real tensor, got {value.dtype}")
+        items: list[object] = value.detach().cpu().tolist()  # a check before any launch
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise TypeError(f"{name} must be a number, or one number per query head (a list, tuple or "
+                        f"1-D tensor), got {type(value).__name__}")
+    if not items:
+        raise ValueError(f"{name} given per head must not be empty")
+    out: list[float | int] = []
+    for h, item in enumerate(items):
+        try:
+            out.append(check(item))
+        except TypeError as exc:
+            raise TypeError(f"{name}[{h}] (query head {h}): {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"{name}[{h}] (query head {h}): {exc}") from None
+    return out
+
+
+def check_knob(name: str, value: object, check: Callable[[object], float | int], *,
+               integer: bool = False) -> float | int | torch.Tensor:
+    """Check a knob whose length cannot be checked yet (no tensor at hand: a method's
+    parameter check): a scalar through `check`, a per-head value element by element.
+
+    Args:
+        name: the parameter's name (in every message).
+        value: a scalar, or a list/tuple/1-D tensor of values.
+        check: the knob's scalar check, `value -> normalised scalar` (raises TypeError or
+            ValueError naming `name`).
+        integer: whether the knob is an integer (the per-head tensor's dtype).
+
+    Returns:
+        The checked scalar, or a CPU tensor `[len]` (int64 if `integer`, else float64).
+
+    Raises:
+        TypeError, ValueError: naming `name` (and the head of a bad element).
+    """
+    if not is_per_head(value):
+        return check(value)
+    values = _per_head_values(name, value, check)
+    return torch.tensor(values, dtype=torch.int64 if integer else torch.float64)
+
+
+def per_head(value: object, name: str, heads: int, check: Callable[[object], float | int], *,
+             integer: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
+    """A knob's value for every query head: the one normalisation all methods use.
+
+    A scalar applies to every head; a per-head value (a list/tuple of `heads` numbers or
+    a 1-D tensor of length `heads`) gives query head `h` its element `h`. Each element
+    passes the knob's scalar `check`, so the two forms accept the same values. A tensor
+    is read back once for the check (before any launch); a list is copied to `device`.
+
+    Args:
+        value: the knob as the caller gave it.
+        name: the parameter's name (in every message).
+        heads: Hq, the number of query heads.
+        check: the knob's scalar check, `value -> normalised scalar`.
+        integer: int64 values (counts, sizes) instead of float64.
+        device: where the result lives (q's device).
+
+    Returns:
+        `[heads]` float64 (int64 if `integer`) on `device`.
+
+    Raises:
+        TypeError: a value that is not a number, a list/tuple of numbers or a real tensor.
+        ValueError: the wrong length or rank, or an element `check` refuses.
+    """
+    dtype = torch.int64 if integer else torch.float64
+    if not is_per_head(value):
+        return torch.full((heads,), check(value), dtype=dtype, device=device)
+    values = _per_head_values(name, value, check)
+    if len(values) != heads:
+        raise ValueError(f"{name} given per head must have one value per query head (Hq={heads}), "
+                         f"got {len(values)}")
+    return torch.tensor(values, dtype=dtype, device=device)

@@ -48,7 +48,16 @@ import math
 
 import torch
 
-from ._checks import check_block_size, check_positive_int, check_qk, check_qkv, resolve_scale
+from ._checks import (
+    PerHead,
+    check_block_size,
+    check_knob,
+    check_positive_int,
+    check_qk,
+    check_qkv,
+    per_head,
+    resolve_scale,
+)
 from .attention import AttentionState, _chunk_rows, _group_mask, sparse_attention
 from .block_sparse import mean_pooling
 from .plan import BlockColumnPlan, cdiv, mask_to_list
@@ -58,20 +67,28 @@ THETA = 12.0
 STEP = 16
 
 
-def check_anchor_params(*, theta: object, step: object, block_m: object, block_n: object) -> float:
-    """Raise TypeError/ValueError naming the first bad parameter; return theta as float.
-
-    `theta` must be a real number, not NaN, and `>= 0` (+inf keeps every key);
-    `step`, `block_m`, `block_n` ints `>= 1`.
-    """
+def check_theta(theta: object) -> float:
+    """Return `theta` as float: a real number, not NaN, `>= 0` (+inf keeps every key)."""
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise TypeError(f"theta must be a float, got {type(theta).__name__}")
     if math.isnan(theta) or theta < 0:
         raise ValueError(f"theta must be >= 0, got {theta}")
+    return float(theta)
+
+
+def check_anchor_params(*, theta: object, step: object, block_m: object,
+                        block_n: object) -> float | torch.Tensor:
+    """Raise TypeError/ValueError naming the first bad parameter; return theta as float
+    (a per-head theta as a float64 CPU tensor, each value checked by `check_theta`).
+
+    `theta` must be a real number, not NaN, and `>= 0` (+inf keeps every key);
+    `step`, `block_m`, `block_n` ints `>= 1`.
+    """
+    value = check_knob("theta", theta, check_theta)
     check_positive_int("step", step)
     check_block_size("block_m", block_m)
     check_block_size("block_n", block_n)
-    return float(theta)
+    return value
 
 
 def group_step(step: int, seqlen: int, block_m: int) -> int:
@@ -174,8 +191,12 @@ def stripe_scores(q_mean: torch.Tensor, k: torch.Tensor, *, scale: float) -> tor
     return scores.reshape(b, hq, qb, -1)
 
 
-def difference_aware_mask(anchor_mean: torch.Tensor, scores: torch.Tensor, theta: float) -> torch.Tensor:
-    """Alg. 2 line 11 / Equation 2: bool `[B, Hq, Qb, N]`, `avgpool(x_a) - s <= theta`."""
+def difference_aware_mask(anchor_mean: torch.Tensor, scores: torch.Tensor,
+                          theta: float | torch.Tensor) -> torch.Tensor:
+    """Alg. 2 line 11 / Equation 2: bool `[B, Hq, Qb, N]`, `avgpool(x_a) - s <= theta`
+    (`theta` a float or float64 `[Hq]`, one per query head)."""
+    if isinstance(theta, torch.Tensor):
+        theta = theta.to(scores.device)[:, None, None]
     return (anchor_mean.unsqueeze(-1) - scores) <= theta
 
 
@@ -195,13 +216,14 @@ def stripe_sets(
     k: torch.Tensor,
     x_a: torch.Tensor,
     *,
-    theta: float,
+    theta: float | torch.Tensor,
     step: int,
     block_m: int,
     block_n: int,
     scale: float,
 ) -> torch.Tensor:
-    """Alg. 2: bool `[B, Hq, G, N]`, the stripe keys of every group, from the anchors `x_a`."""
+    """Alg. 2: bool `[B, Hq, G, N]`, the stripe keys of every group, from the anchors `x_a`
+    (`theta`: a float, or float64 `[Hq]` per query head)."""
     n = q.shape[2]
     q_mean = mean_pooling(q, block_m)  # Alg. 2 line 1
     anchor_mean = pooled_anchor(x_a, block_m)  # Alg. 2 line 2
@@ -248,7 +270,7 @@ def anchor_attention_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    theta: float = THETA,
+    theta: PerHead = THETA,
     step: int = STEP,
     block_m: int = 128,
     block_n: int = 128,
@@ -260,7 +282,8 @@ def anchor_attention_plan(
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`. Each query head is planned from its
             own queries against its KV head's keys.
         theta: the difference threshold of Equation 2, in natural-log units of the
-            scaled logits (>= 0; the paper uses 12).
+            scaled logits (>= 0; the paper uses 12); a scalar, or one per query head (a
+            list or `[Hq]` tensor: each head marks its stripes with its own).
         step: query blocks per group sharing one stripe list (>= 1; the paper: 16).
         block_m, block_n: query rows and keys per block (the paper: 128, 128).
         scale: softmax scale, `1/sqrt(D)` if None (Equations 1 and 2 use it).
@@ -274,7 +297,8 @@ def anchor_attention_plan(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k)
-    theta = check_anchor_params(theta=theta, step=step, block_m=block_m, block_n=block_n)
+    check_anchor_params(theta=theta, step=step, block_m=block_m, block_n=block_n)
+    theta = per_head(theta, "theta", shape.q_heads, check_theta, device=q.device)
     sm_scale = resolve_scale(scale, shape.head_dim)
     n = shape.seqlen
     step = group_step(step, n, block_m)
@@ -290,7 +314,7 @@ def anchor_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    theta: float = THETA,
+    theta: PerHead = THETA,
     step: int = STEP,
     block_m: int = 128,
     block_n: int = 128,
@@ -315,7 +339,8 @@ def anchor_attention(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qkv(q, k, v)
-    theta = check_anchor_params(theta=theta, step=step, block_m=block_m, block_n=block_n)
+    check_anchor_params(theta=theta, step=step, block_m=block_m, block_n=block_n)
+    theta = per_head(theta, "theta", shape.q_heads, check_theta, device=q.device)
     sm_scale = resolve_scale(scale, shape.head_dim)
     n, b, h = shape.seqlen, shape.batch, shape.q_heads
     step = group_step(step, n, block_m)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ._checks import check_block_size, check_positive_int, check_qk
+from ._checks import PerHeadInt, check_block_size, check_knob, check_positive_int, check_qk, is_per_head, per_head
 from .attention import sparse_attention
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
@@ -62,7 +62,13 @@ def _causal_blocks(q_blocks: torch.Tensor | None, qb: int, kb: int, device: torc
     return torch.arange(kb, device=device)[None, :] <= rows[:, None]
 
 
-def argtopk_blocks(scores: torch.Tensor, top_k: int, q_blocks: torch.Tensor | None = None) -> torch.Tensor:
+def check_top_k(top_k: object) -> int:
+    """A `top_k` (key blocks per query block): an int >= 1, else TypeError/ValueError."""
+    return check_positive_int("top_k", top_k)
+
+
+def argtopk_blocks(scores: torch.Tensor, top_k: int | torch.Tensor,
+                   q_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Alg. 3 line 6, `argtopk(A_hat, k_b)` with the diagonal forced: bool `[B, H, Qb, Kb]`.
 
     Each query block keeps its diagonal block and the `top_k - 1` best other causal
@@ -70,7 +76,8 @@ def argtopk_blocks(scores: torch.Tensor, top_k: int, q_blocks: torch.Tensor | No
 
     Args:
         scores: `[B, H, Qb, Kb]` from `block_scores`.
-        top_k: blocks kept per query block, the diagonal included.
+        top_k: blocks kept per query block, the diagonal included; an int, or int64
+            `[H]` per head.
         q_blocks: as in `block_scores` (None: every query block, `Qb == Kb`).
     """
     qb, kb = scores.shape[-2], scores.shape[-1]
@@ -80,6 +87,14 @@ def argtopk_blocks(scores: torch.Tensor, top_k: int, q_blocks: torch.Tensor | No
     rows = torch.arange(qb, device=scores.device)
     diag = rows if q_blocks is None else q_blocks.to(scores.device)
     ranked[..., rows, diag] = math.inf
+    if isinstance(top_k, torch.Tensor):
+        counts = top_k.to(scores.device).clamp(max=kb)
+        width = int(counts.max()) if counts.numel() else 0
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :width]
+        # Each head keeps the first top_k[h] of the ranking.
+        taken = torch.arange(width, device=scores.device) < counts[:, None, None]
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken.expand(order.shape))
+        return keep & causal
     count = min(top_k, kb)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :count]
     keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
@@ -91,14 +106,15 @@ def block_sparse_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    top_k: int,
+    top_k: PerHeadInt,
     block_size: int = 64,
 ) -> BlockColumnPlan:
     """MInference Block-Sparse plan (Alg. 3); see the module doc.
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
-        top_k: key blocks kept per query block, the diagonal block included (>= 1).
+        top_k: key blocks kept per query block, the diagonal block included (>= 1); a
+            scalar, or one per query head (a list or `[Hq]` int tensor).
         block_size: tokens per block, for pooling and for the plan's `block_m` and
             `block_n`.
 
@@ -109,10 +125,13 @@ def block_sparse_plan(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k)
-    check_positive_int("top_k", top_k)
+    check_knob("top_k", top_k, check_top_k, integer=True)
     bs = check_block_size("block_size", block_size)
+    counts = (per_head(top_k, "top_k", shape.q_heads, check_top_k, integer=True, device=q.device)
+              if is_per_head(top_k) else top_k)
+    assert isinstance(counts, (int, torch.Tensor))
     scores = block_scores(mean_pooling(q, bs), mean_pooling(k, bs))
-    blocks = argtopk_blocks(scores, top_k)
+    blocks = argtopk_blocks(scores, counts)
     return BlockColumnPlan.from_masks(blocks, None, seqlen=shape.seqlen, block_m=bs, block_n=bs)
 
 
@@ -121,7 +140,7 @@ def block_sparse(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    top_k: int,
+    top_k: PerHeadInt,
     block_size: int = 64,
     scale: float | None = None,
 ) -> torch.Tensor:

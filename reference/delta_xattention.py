@@ -49,12 +49,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import (
+    PerHead,
     check_block_size,
     check_fraction,
     check_positive_int,
     check_qk,
     check_qkv,
     check_tensor,
+    per_head,
     resolve_scale,
 )
 from .delta_kv import (
@@ -67,6 +69,7 @@ from .delta_kv import (
     delta_pack,
 )
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
+from .xattention import check_threshold as check_threshold_of_tiles
 from .xattention import check_weights, check_xattention_params, select_tiles, xattention_tile_weights
 
 SKIPPED, PACKED, EXACT = 0, 1, 2
@@ -377,7 +380,7 @@ def delta_xattention_tiles(
     k: torch.Tensor,
     *,
     stride: int = 8,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     exact_top: float = 0.1,
     block: int = 128,
     scoring: str = "antidiagonal",
@@ -399,15 +402,16 @@ def delta_xattention_tiles(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    check_qk(q, k)
-    stride, threshold, block, scoring = check_xattention_params(
+    shape = check_qk(q, k)
+    stride, _, block, scoring = check_xattention_params(
         stride=stride, threshold=threshold, block=block, scoring=scoring)
+    tau = per_head(threshold, "threshold", shape.q_heads, check_threshold_of_tiles, device=q.device)
     top = check_exact_top(exact_top)
     unselected = check_unselected(unselected)
     resolve_scale(scale, q.shape[-1])
     # Sec. 2.5: XAttention's tile weights and greedy selection.
     weights = xattention_tile_weights(q, k, stride=stride, block=block, scoring=scoring, scale=scale)
-    selected = select_tiles(weights, threshold)
+    selected = select_tiles(weights, tau)
     # Sec. 4.2.1: the diagonal and the top tiles exact, the rest of the selection packed.
     return tile_modes(selected, exact_tiles(weights, selected, top), unselected)
 
@@ -615,7 +619,7 @@ def delta_xattention(
     v: torch.Tensor,
     *,
     stride: int = 8,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     exact_top: float = 0.1,
     delta_threshold: float,
     metric: str = "euclidean",

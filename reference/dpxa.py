@@ -33,21 +33,23 @@ import math
 
 import torch
 
-from ._checks import check_block_size, check_fraction, check_qk, resolve_scale
+from ._checks import PerHead, check_block_size, check_fraction, check_knob, check_qk, per_head, resolve_scale
 from .attention import sparse_attention
 from .delta_kv import delta_keep_mask
 from .plan import BlockColumnPlan, cdiv
 from .xattention import check_threshold, normalize_rows, select_tiles, tiles_to_plan
 
 
-def check_dpxa_params(*, cos_threshold: object, threshold: object, block: object) -> tuple[float, float, int]:
-    """Check the DPXA parameters; return `(cos_threshold, threshold, block)`.
+def check_dpxa_params(*, cos_threshold: object, threshold: object,
+                      block: object) -> tuple[float, float | torch.Tensor, int]:
+    """Check the DPXA parameters; return `(cos_threshold, threshold, block)` (a per-head
+    threshold as a float64 CPU tensor).
 
     Raises:
         TypeError, ValueError: naming the first bad parameter.
     """
     cos = check_fraction("cos_threshold", cos_threshold, low=-1.0, high=1.0)
-    tau = check_threshold(threshold)
+    tau = check_knob("threshold", threshold, check_threshold)
     return cos, tau, check_block_size("block", block)
 
 
@@ -163,7 +165,7 @@ def dpxa_plan(
     k: torch.Tensor,
     *,
     cos_threshold: float = 0.75,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     block: int = 128,
     scale: float | None = None,
 ) -> BlockColumnPlan:
@@ -172,7 +174,8 @@ def dpxa_plan(
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
         cos_threshold: delta pre-processing threshold in `[-1, 1]` (thesis: 0.75, 0.78).
-        threshold: cumulative tile weight to reach per query tile, in `(0, 1]`.
+        threshold: cumulative tile weight to reach per query tile, in `(0, 1]`; a scalar,
+            or one per query head (a list or `[Hq]` tensor).
         block: tokens per tile (the plan's `block_m` and `block_n`).
         scale: softmax scale of the scoring, `1/sqrt(D)` if None.
 
@@ -183,10 +186,10 @@ def dpxa_plan(
         TypeError, ValueError: bad inputs or parameters.
     """
     shape = check_qk(q, k)
-    cos_threshold, threshold, block = check_dpxa_params(cos_threshold=cos_threshold,
-                                                        threshold=threshold, block=block)
+    cos_threshold, _, block = check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
+    tau = per_head(threshold, "threshold", shape.q_heads, check_threshold, device=q.device)
     weights = dpxa_tile_weights(q, k, cos_threshold=cos_threshold, block=block, scale=scale)
-    return tiles_to_plan(select_tiles(weights, threshold), seqlen=shape.seqlen, block=block)
+    return tiles_to_plan(select_tiles(weights, tau), seqlen=shape.seqlen, block=block)
 
 
 def dpxa(
@@ -195,7 +198,7 @@ def dpxa(
     v: torch.Tensor,
     *,
     cos_threshold: float = 0.75,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     block: int = 128,
     scale: float | None = None,
 ) -> torch.Tensor:

@@ -23,6 +23,9 @@ first key block and the diagonal block. Ties between equal shares: the lower ind
 (column, or nearer diagonal) ranks first. If rounding keeps the cumulative share just
 below `gamma` after every line, every line is kept.
 
+Per-head `gamma` (a list or `[Hq]` tensor): query head `h` covers its own share
+`gamma[h]`, of its own estimate (GQA: each query head has its own lines anyway).
+
 Index: the kept lines go through MInference's Alg. 4 (`vertical_slash.vertical_slash_index`
 semantics): the key blocks a kept slash reaches in a query block, plus the kept
 columns outside them. Unlike MInference, the number of lines differs per head.
@@ -44,7 +47,17 @@ import math
 
 import torch
 
-from ._checks import check_block_size, check_count, check_fraction, check_positive_int, check_qk, resolve_scale
+from ._checks import (
+    PerHead,
+    check_block_size,
+    check_count,
+    check_fraction,
+    check_knob,
+    check_positive_int,
+    check_qk,
+    per_head,
+    resolve_scale,
+)
 from .attention import sparse_attention
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
 from .vertical_slash import approximate_attention, slash_coverage, sum_slash, sum_vertical
@@ -56,9 +69,14 @@ GAMMA = 0.9
 LINE_BLOCK = 128
 
 
+def check_gamma(gamma: object) -> float:
+    """Return `gamma` as float if it lies in `[0, 1]`, else raise TypeError/ValueError."""
+    return check_fraction("gamma", gamma)
+
+
 def check_flexprefill_vs_params(
     *,
-    gamma: float,
+    gamma: PerHead,
     last_q: int,
     block_m: int,
     block_n: int,
@@ -66,8 +84,8 @@ def check_flexprefill_vs_params(
     local_diagonals: int,
     line_block: int = 1,
 ) -> None:
-    """Raise TypeError/ValueError naming the first bad parameter."""
-    check_fraction("gamma", gamma)
+    """Raise TypeError/ValueError naming the first bad parameter (gamma: a scalar or per head)."""
+    check_knob("gamma", gamma, check_gamma)
     check_positive_int("last_q", last_q)
     check_block_size("block_m", block_m)
     check_block_size("block_n", block_n)
@@ -89,7 +107,7 @@ def normalized_lines(a_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sum_vertical(a_hat) / total, sum_slash(a_hat) / total
 
 
-def cover_threshold(scores: torch.Tensor, gamma: float, forced: torch.Tensor) -> torch.Tensor:
+def cover_threshold(scores: torch.Tensor, gamma: float | torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
     """Alg. 5 lines 4-8 (and Alg. 2's budget): the fewest entries whose share reaches `gamma`.
 
     Entries are ranked by score, descending (ties: lower index first), with the
@@ -104,7 +122,8 @@ def cover_threshold(scores: torch.Tensor, gamma: float, forced: torch.Tensor) ->
 
     Args:
         scores: float64 `[..., L]`, non-negative shares (summing to about 1).
-        gamma: the threshold in `[0, 1]`.
+        gamma: the threshold in `[0, 1]`: a float, or a tensor broadcastable to
+            `scores.shape[:-1]` (a per-head `[H]` against `[B, H, L]`).
         forced: bool, broadcastable to `scores`: entries always kept.
 
     Returns:
@@ -115,6 +134,8 @@ def cover_threshold(scores: torch.Tensor, gamma: float, forced: torch.Tensor) ->
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     mass = torch.gather(scores, -1, order)
     before = torch.cumsum(mass, dim=-1) - mass
+    if isinstance(gamma, torch.Tensor):
+        gamma = gamma.to(before.device).unsqueeze(-1)
     keep_sorted = torch.gather(forced, -1, order) | (before < gamma)
     return torch.zeros_like(forced).scatter(-1, order, keep_sorted)
 
@@ -146,12 +167,14 @@ def band_lines(kept: torch.Tensor, line_block: int, seqlen: int) -> torch.Tensor
     return kept.repeat_interleave(line_block, dim=-1)[..., :seqlen]
 
 
-def cover_bands(shares: torch.Tensor, gamma: float, forced_lines: int, line_block: int) -> torch.Tensor:
+def cover_bands(shares: torch.Tensor, gamma: float | torch.Tensor, forced_lines: int,
+                line_block: int) -> torch.Tensor:
     """`cover_threshold` over bands of `line_block` lines, returned as lines.
 
     Args:
         shares: float64 `[B, H, N]` line shares.
-        gamma: the threshold. forced_lines: the first lines always kept.
+        gamma: the threshold (a float or a per-head tensor, as `cover_threshold`).
+        forced_lines: the first lines always kept.
         line_block: lines per band; a band holding a forced line is forced.
 
     Returns:
@@ -167,7 +190,7 @@ def flexprefill_vs_lines(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    gamma: float = GAMMA,
+    gamma: PerHead = GAMMA,
     last_q: int = 64,
     init_columns: int = 1,
     local_diagonals: int = 1,
@@ -178,7 +201,7 @@ def flexprefill_vs_lines(
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
-        gamma: cumulative share to reach, in `[0, 1]`.
+        gamma: cumulative share to reach, in `[0, 1]`; a scalar or one per query head.
         last_q: queries of the estimate (the last ones; more than N means all).
         init_columns, local_diagonals: forced first columns and nearest diagonals.
         line_block: lines per band of the threshold (1: single lines, Alg. 5).
@@ -200,9 +223,12 @@ def flexprefill_vs_lines(
     last_q = check_count("last_q", last_q, cap=n)
     init_columns = check_count("init_columns", init_columns, cap=n, minimum=0)
     local_diagonals = check_count("local_diagonals", local_diagonals, cap=n, minimum=0)
+    heads_gamma = per_head(gamma, "gamma", shape.q_heads, check_gamma, device=q.device)
     a_hat = approximate_attention(q, k, last_q=last_q, scale=resolve_scale(scale, shape.head_dim))
     a_v, a_s = normalized_lines(a_hat)
-    return cover_bands(a_v, gamma, init_columns, line_block), cover_bands(a_s, gamma, local_diagonals, line_block)
+    verticals = cover_bands(a_v, heads_gamma, init_columns, line_block)
+    slashes = cover_bands(a_s, heads_gamma, local_diagonals, line_block)
+    return verticals, slashes
 
 
 def lines_masks(
@@ -273,7 +299,7 @@ def flexprefill_vs_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    gamma: float = GAMMA,
+    gamma: PerHead = GAMMA,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,
@@ -286,7 +312,8 @@ def flexprefill_vs_plan(
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
-        gamma: cumulative attention share the kept lines must reach, in `[0, 1]`.
+        gamma: cumulative attention share the kept lines must reach, in `[0, 1]`; a
+            scalar, or one per query head (a list or `[Hq]` tensor).
         last_q: queries used for the estimate (>= 1; more than N means all).
         block_m, block_n: query rows and keys per block of the plan.
         init_columns: first columns always kept (>= 0).
@@ -301,10 +328,11 @@ def flexprefill_vs_plan(
     Raises:
         TypeError, ValueError: bad inputs or parameters.
     """
-    check_qk(q, k)
+    shape = check_qk(q, k)
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
                                 init_columns=init_columns, local_diagonals=local_diagonals,
                                 line_block=line_block)
+    per_head(gamma, "gamma", shape.q_heads, check_gamma)
     verticals, slashes = flexprefill_vs_lines(
         q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
         local_diagonals=local_diagonals, line_block=line_block, scale=scale,
@@ -317,7 +345,7 @@ def flexprefill_vs(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    gamma: float = GAMMA,
+    gamma: PerHead = GAMMA,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,

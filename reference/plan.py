@@ -606,6 +606,59 @@ class BlockColumnPlan:
         )
         return plan.mark_valid() if self._checked else plan
 
+    def with_dense_heads(self, heads: Iterable[int] | torch.Tensor) -> BlockColumnPlan:
+        """The same plan with the given query heads made full causal attention.
+
+        The per-head dense fallback of a calibrated config (`sparseprefill calibrate`):
+        whatever method built the plan, the listed heads keep every causal key (every
+        key block up to their query block's last row, no columns), every other head
+        keeps its lists untouched. The block lists widen to `Kb` when a dense head needs
+        it; expanded index views are copied.
+
+        Args:
+            heads: query-head indices (ints in `[0, Hq)`, repeats allowed), or a bool
+                `[Hq]` tensor; empty returns self.
+
+        Returns:
+            A plan of the same shape; validated if self was.
+
+        Raises:
+            TypeError: heads that are not ints / a bool tensor.
+            ValueError: a head outside `[0, Hq)`.
+        """
+        hq = self.num_heads
+        if isinstance(heads, torch.Tensor):
+            if heads.dtype != torch.bool or heads.shape != (hq,):
+                raise TypeError(f"heads given as a tensor must be bool [Hq={hq}], got {heads.dtype} "
+                                f"{tuple(heads.shape)}")
+            chosen = [int(h) for h in heads.nonzero().flatten().tolist()]
+        else:
+            chosen = []
+            for h in heads:
+                if isinstance(h, bool) or not isinstance(h, int):
+                    raise TypeError(f"heads must be query-head indices (int), got {h!r}")
+                if not 0 <= h < hq:
+                    raise ValueError(f"heads: query head {h} is outside [0, {hq})")
+                chosen.append(h)
+        if not chosen:
+            return self
+        self.check_fields()
+        sel = torch.zeros(hq, dtype=torch.bool, device=self.device)
+        sel[sorted(set(chosen))] = True
+        kb = self.num_key_blocks
+        width = max(int(self.block_index.shape[3]), kb)
+        causal = (self.last_rows() // self.block_n + 1).to(torch.int32)  # [Qb] key blocks each query block sees
+        b, qb = self.batch, self.num_query_blocks
+        index = torch.zeros(b, hq, qb, width, dtype=torch.int32, device=self.device)
+        index[..., : self.block_index.shape[3]] = self.block_index
+        full = torch.arange(width, dtype=torch.int32, device=self.device).expand(b, hq, qb, width)
+        index = torch.where(sel[None, :, None, None], full, index)
+        block_count = torch.where(sel[None, :, None], causal.expand(b, hq, qb), self.block_count).to(torch.int32)
+        column_count = torch.where(sel[None, :, None], 0, self.column_count).to(torch.int32)
+        plan = replace(self, block_count=block_count.contiguous(), block_index=index.contiguous(),
+                       column_count=column_count.contiguous(), _checked=False)
+        return plan.mark_valid() if self._checked else plan
+
     @staticmethod
     def from_masks(
         block_mask: torch.Tensor,

@@ -48,7 +48,17 @@ from typing import Any
 
 import torch
 
-from ._checks import check_block_size, check_fraction, check_positive_int, check_qk, check_qkv, resolve_scale
+from ._checks import (
+    PerHead,
+    check_block_size,
+    check_fraction,
+    check_knob,
+    check_positive_int,
+    check_qk,
+    check_qkv,
+    per_head,
+    resolve_scale,
+)
 from .attention import sparse_attention
 from .plan import BlockColumnPlan, cdiv
 
@@ -190,24 +200,37 @@ _LOADED: dict[tuple[str, int], SampleAttentionSettings] = {}
 def check_sample_attention_params(
     *, alpha_c: object, alpha_s: object, chunk_n: object, block_size: object, prefix: str = ""
 ) -> None:
-    """Raise TypeError/ValueError naming the first bad SampleAttention parameter."""
-    check_fraction(f"{prefix}alpha_c", alpha_c)
-    check_fraction(f"{prefix}alpha_s", alpha_s)
+    """Raise TypeError/ValueError naming the first bad SampleAttention parameter (the
+    alphas: a scalar, or one per query head)."""
+    check_knob(f"{prefix}alpha_c", alpha_c, lambda a: check_fraction(f"{prefix}alpha_c", a))
+    check_knob(f"{prefix}alpha_s", alpha_s, lambda a: check_fraction(f"{prefix}alpha_s", a))
     check_positive_int(f"{prefix}chunk_n", chunk_n)
     check_block_size(f"{prefix}block_size", block_size)
+
+
+def check_alpha_c(alpha: object) -> float:
+    """An `alpha_c` in [0, 1], else TypeError/ValueError."""
+    return check_fraction("alpha_c", alpha)
+
+
+def check_alpha_s(alpha: object) -> float:
+    """An `alpha_s` in [0, 1], else TypeError/ValueError."""
+    return check_fraction("alpha_s", alpha)
 
 
 def resolve_params(
     seqlen: int,
     *,
-    alpha_c: float | None,
-    alpha_s: float | None,
+    alpha_c: PerHead | None,
+    alpha_s: PerHead | None,
     chunk_n: int | None,
     block_size: int,
     settings: SampleAttentionSettings | str | os.PathLike[str] | None,
-) -> tuple[float, float, int]:
+) -> tuple[float | torch.Tensor, float | torch.Tensor, int]:
     """The `(alpha_c, alpha_s, chunk_n)` of a call: explicit values first, then the
-    settings' range for N, then `DEFAULT_ALPHA` / `DEFAULT_CHUNK_N`; all checked.
+    settings' range for N, then `DEFAULT_ALPHA` / `DEFAULT_CHUNK_N`; all checked. An
+    alpha given per head comes back as a float64 CPU tensor (its length is the caller's
+    to check, `per_head`).
 
     Raises:
         TypeError, ValueError: a bad value, an unreadable settings file, or settings
@@ -229,7 +252,8 @@ def resolve_params(
     a_s = alpha_s if alpha_s is not None else (tuned.alpha_s if tuned else DEFAULT_ALPHA)
     c_n = chunk_n if chunk_n is not None else (tuned.chunk_n if tuned else DEFAULT_CHUNK_N)
     check_sample_attention_params(alpha_c=a_c, alpha_s=a_s, chunk_n=c_n, block_size=block_size)
-    return float(a_c), float(a_s), int(c_n)
+    return (check_knob("alpha_c", a_c, check_alpha_c), check_knob("alpha_s", a_s, check_alpha_s),
+            int(c_n))
 
 
 def sampled_rows(seqlen: int, chunk_n: int, block_size: int) -> list[tuple[int, int]]:
@@ -300,13 +324,16 @@ def block_reduction(
     return column, slash[..., :kb]
 
 
-def find_k(scores: torch.Tensor, alpha: float) -> torch.Tensor:
+def find_k(scores: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
     """Alg. 1 lines 6 and 8, `find_k(cumsum(sort(A)), alpha)`: int64 `[B, H]`.
 
     The smallest `k` whose `k` highest scores sum to at least `alpha` of the total,
     computed as `L - m` with `m` the most of the smallest scores whose sum (an
-    ascending `cumsum`) is at most `(1 - alpha) * total`; float64.
+    ascending `cumsum`) is at most `(1 - alpha) * total`; float64. `alpha`: a float,
+    or float64 `[H]` (one per head).
     """
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.to(device=scores.device, dtype=torch.float64).unsqueeze(-1)
     tail = torch.sort(scores.to(torch.float64), dim=-1).values.cumsum(dim=-1)
     total = tail[..., -1:]
     dropped = (tail <= (1.0 - alpha) * total).sum(dim=-1)
@@ -379,8 +406,8 @@ def sample_attention_selection(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    alpha_c: float | None = None,
-    alpha_s: float | None = None,
+    alpha_c: PerHead | None = None,
+    alpha_s: PerHead | None = None,
     chunk_n: int | None = None,
     block_size: int = 128,
     settings: SampleAttentionSettings | str | os.PathLike[str] | None = None,
@@ -394,6 +421,8 @@ def sample_attention_selection(
     shape = check_qk(q, k)
     a_c, a_s, c_n = resolve_params(shape.seqlen, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
                                    block_size=block_size, settings=settings)
+    a_c = per_head(a_c, "alpha_c", shape.q_heads, check_alpha_c, device=q.device)
+    a_s = per_head(a_s, "alpha_s", shape.q_heads, check_alpha_s, device=q.device)
     column, slash = sample_attention_scores(q, k, chunk_n=c_n, block_size=block_size, scale=scale)
     return arg_topk(column, find_k(column, a_c)), arg_topk(slash, find_k(slash, a_s))
 
@@ -402,8 +431,8 @@ def sample_attention_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    alpha_c: float | None = None,
-    alpha_s: float | None = None,
+    alpha_c: PerHead | None = None,
+    alpha_s: PerHead | None = None,
     chunk_n: int | None = None,
     block_size: int = 128,
     settings: SampleAttentionSettings | str | os.PathLike[str] | None = None,
@@ -414,8 +443,9 @@ def sample_attention_plan(
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`. Each query head samples its own
             queries against its KV head's keys and selects its own blocks.
-        alpha_c: CRA threshold of the column blocks, in [0, 1].
-        alpha_s: CRA threshold of the slash blocks (block diagonals), in [0, 1].
+        alpha_c: CRA threshold of the column blocks, in [0, 1]; a scalar, or one per
+            query head (a list or `[Hq]` tensor).
+        alpha_s: CRA threshold of the slash blocks (block diagonals), in [0, 1]; the same.
         chunk_n: sampling chunks (>= 1); more than `N / block_size` samples every row.
         block_size: the block grid of sampling, selection and plan (>= 1).
         settings: tuned per-length settings (`SampleAttentionSettings` or a path to its
@@ -442,8 +472,8 @@ def sample_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    alpha_c: float | None = None,
-    alpha_s: float | None = None,
+    alpha_c: PerHead | None = None,
+    alpha_s: PerHead | None = None,
     chunk_n: int | None = None,
     block_size: int = 128,
     settings: SampleAttentionSettings | str | os.PathLike[str] | None = None,

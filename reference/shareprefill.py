@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_fraction, check_positive_int, check_qk, check_qkv, resolve_scale
+from ._checks import PerHead, check_fraction, check_knob, check_positive_int, check_qk, check_qkv, resolve_scale
 from .attention import sparse_attention
 from .flexprefill_vs import (
     GAMMA,
@@ -270,6 +270,9 @@ class SharePrefillState:
         delta: sparsity threshold on `d_sparse`, in `[0, 2]` (above 1: no head is
             treated as highly sparse).
         gamma: cumulative threshold of Alg. 2 and Alg. 5, in `[0, 1]`.
+        (tau, delta and gamma: a scalar, or one value per query head, a list or `[Hq]`
+        tensor, used by that head in every layer: its Alg. 3 tests, its Alg. 5 lines and,
+        when it is a cluster's dense head, its pivot's Alg. 2 threshold.)
         block_m, block_n: query rows and keys per block of every plan.
         init_columns, local_diagonals: forced lines of the Alg. 5 fallback.
 
@@ -281,9 +284,9 @@ class SharePrefillState:
         self,
         layout: ClusterLayout | str | Path | None = None,
         *,
-        tau: float = TAU,
-        delta: float = DELTA,
-        gamma: float = GAMMA,
+        tau: PerHead = TAU,
+        delta: PerHead = DELTA,
+        gamma: PerHead = GAMMA,
         block_m: int = 64,
         block_n: int = 64,
         init_columns: int = 1,
@@ -300,7 +303,7 @@ class SharePrefillState:
         check_share_params(tau=tau, delta=delta, gamma=gamma, block_m=block_m, block_n=block_n,
                            init_columns=init_columns, local_diagonals=local_diagonals)
         self.layout: ClusterLayout | None = layout
-        self.tau, self.delta, self.gamma = float(tau), float(delta), float(gamma)
+        self.tau, self.delta, self.gamma = _knob(tau), _knob(delta), _knob(gamma)
         self.block_m, self.block_n = block_m, block_n
         self.init_columns, self.local_diagonals = init_columns, local_diagonals
         self.pivots: dict[tuple[int, int], Pivot] = {}
@@ -311,6 +314,11 @@ class SharePrefillState:
     def __repr__(self) -> str:
         return (f"SharePrefillState(layers done {[d.layer for d in self.decisions]}, "
                 f"{len(self.pivots)} pivots, tau={self.tau}, delta={self.delta}, gamma={self.gamma})")
+
+    def head_value(self, name: str, head: int) -> float:
+        """Query head `head`'s `tau`, `delta` or `gamma` (the scalar, or its per-head value)."""
+        value: float | tuple[float, ...] = getattr(self, name)
+        return value[head] if isinstance(value, tuple) else value
 
     def cluster(self, layer: int, head: int) -> int:
         """The cluster of (layer, head): the layout's, or 0 for every head without one."""
@@ -331,6 +339,11 @@ class SharePrefillState:
         """
         check_positive_int("layer", layer, minimum=0)
         b, hq, n, _ = q.shape
+        for name in ("tau", "delta", "gamma"):
+            value = getattr(self, name)
+            if isinstance(value, tuple) and len(value) != hq:
+                raise ValueError(f"{name} given per head must have one value per query head (Hq={hq}), "
+                                 f"got {len(value)}")
         if self.layout is not None:
             if layer >= self.layout.num_layers:
                 raise ValueError(f"layer {layer} is outside the cluster layout "
@@ -369,19 +382,29 @@ class SharePrefillState:
         return other
 
 
+def _knob(value: PerHead) -> float | tuple[float, ...]:
+    """A checked tau, delta or gamma as the state keeps it: a float, or a tuple per head."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        return tuple(float(x) for x in value.tolist())
+    return tuple(float(x) for x in value)
+
+
 def check_share_params(
     *,
-    tau: float,
-    delta: float,
-    gamma: float,
+    tau: PerHead,
+    delta: PerHead,
+    gamma: PerHead,
     block_m: int,
     block_n: int,
     init_columns: int,
     local_diagonals: int,
 ) -> None:
-    """Raise TypeError/ValueError naming the first bad SharePrefill parameter."""
-    check_fraction("tau", tau, high=2.0)
-    check_fraction("delta", delta, high=2.0)
+    """Raise TypeError/ValueError naming the first bad SharePrefill parameter (tau, delta,
+    gamma: a scalar or one per query head)."""
+    check_knob("tau", tau, lambda x: check_fraction("tau", x, high=2.0))
+    check_knob("delta", delta, lambda x: check_fraction("delta", x, high=2.0))
     check_flexprefill_vs_params(gamma=gamma, last_q=1, block_m=block_m, block_n=block_n,
                                 init_columns=init_columns, local_diagonals=local_diagonals)
 
@@ -486,12 +509,12 @@ def choose_patterns(
             c = state.cluster(layer, h)
             if c == NOISE:
                 continue
-            not_sparse = float(d_sparse[row, h]) < state.delta
+            not_sparse = float(d_sparse[row, h]) < state.head_value("delta", h)
             if state.pivot(c, row) is None:
                 if not_sparse and c not in dense_now:
                     pattern[row, h] = SharePattern.DENSE
                     dense_now.add(c)
-            elif not_sparse and float(d_sim[row, h]) < state.tau:
+            elif not_sparse and float(d_sim[row, h]) < state.head_value("tau", h):
                 pattern[row, h] = SharePattern.SHARED
     return pattern
 
@@ -661,7 +684,7 @@ def build_pivots(
     pivots: dict[tuple[int, int], Pivot] = {}
     for row, h in (decision.pattern == SharePattern.DENSE).nonzero().tolist():
         pivots[(int(decision.cluster[h]), row)] = construct_pivotal_pattern(
-            block_means[row, h], gamma=state.gamma, seqlen=n, block_m=state.block_m,
+            block_means[row, h], gamma=state.head_value("gamma", h), seqlen=n, block_m=state.block_m,
             block_n=state.block_n, layer=decision.layer, head=h)
     return pivots
 
@@ -747,9 +770,9 @@ def shareprefill_plan(
     *,
     layout: ClusterLayout | str | Path | None = None,
     layer: int = 0,
-    tau: float = TAU,
-    delta: float = DELTA,
-    gamma: float = GAMMA,
+    tau: PerHead = TAU,
+    delta: PerHead = DELTA,
+    gamma: PerHead = GAMMA,
     block_m: int = 64,
     block_n: int = 64,
     init_columns: int = 1,
@@ -793,9 +816,9 @@ def shareprefill(
     *,
     layout: ClusterLayout | str | Path | None = None,
     layer: int = 0,
-    tau: float = TAU,
-    delta: float = DELTA,
-    gamma: float = GAMMA,
+    tau: PerHead = TAU,
+    delta: PerHead = DELTA,
+    gamma: PerHead = GAMMA,
     block_m: int = 64,
     block_n: int = 64,
     init_columns: int = 1,

@@ -16,6 +16,10 @@ Lines kept:
 * slashes: the same with the `local_diagonals` nearest offsets `0, 1, ...` forced
   and `slash_size` as the budget.
 * ties between equal scores: the lower column index (the nearer diagonal) wins.
+* per-head budgets (`vertical_size` / `slash_size` as a list or `[Hq]` tensor): each
+  query head keeps its own number of lines; the line lists are as wide as the largest
+  and a shorter head's list is padded with N (a column no query sees, a diagonal
+  that reaches no row), which `vertical_slash_index` reads as padding.
 
 Index (Alg. 4): for query block `i`, rows `[r0, r1)` with `r1 = min(r0 + block_m, N)`,
 a kept slash `o <= r1 - 1` covers the keys `[max(r0 - o, 0), r1 - o)`. The plan keeps
@@ -31,10 +35,20 @@ intersected with causality. That plan is exactly what the kernel computes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from ._checks import check_block_size, check_positive_int, check_qk, resolve_scale
+from ._checks import (
+    PerHeadInt,
+    check_block_size,
+    check_knob,
+    check_positive_int,
+    check_qk,
+    is_per_head,
+    per_head,
+    resolve_scale,
+)
 from .attention import sparse_attention
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
@@ -46,6 +60,36 @@ LOCAL_DIAGONALS = 100
 def kept_lines(budget: int, forced: int, seqlen: int) -> int:
     """How many lines (verticals or slashes) are kept: forced ones count in the budget."""
     return min(seqlen, max(budget, min(forced, seqlen)))
+
+
+def kept_lines_per_head(budget: torch.Tensor, forced: int, seqlen: int) -> torch.Tensor:
+    """`kept_lines` of every head's budget (int64 `[H]`)."""
+    return budget.clamp(min=min(forced, seqlen)).clamp(max=seqlen)
+
+
+def check_line_budget(name: str) -> Callable[[object], int]:
+    """The scalar check of a line budget (`vertical_size`, `slash_size`): an int >= 1."""
+    return lambda value: check_positive_int(name, value)
+
+
+def line_counts(budget: PerHeadInt, forced: int, seqlen: int, name: str, heads: int,
+                device: torch.device) -> int | torch.Tensor:
+    """The kept-line count: `kept_lines` of a scalar budget, or int64 `[heads]` of a per-head one."""
+    if not is_per_head(budget):
+        assert isinstance(budget, int)
+        return kept_lines(budget, forced, seqlen)
+    sizes = per_head(budget, name, heads, check_line_budget(name), integer=True, device=device)
+    return kept_lines_per_head(sizes, forced, seqlen)
+
+
+def pad_to_counts(lines: torch.Tensor, count: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """Ragged per-head line lists: in int `[B, H, W]` (ascending), entries past each head's
+    `count[h]` in rank order become N; returned sorted ascending (the padding last).
+
+    `lines` must list each head's lines best first (rank order) for the cut."""
+    rank = torch.arange(lines.shape[-1], device=lines.device)
+    cut = torch.where(rank < count.to(lines.device)[:, None], lines, seqlen)
+    return torch.sort(cut, dim=-1).values.to(torch.int32)
 
 
 def approximate_attention(q: torch.Tensor, k: torch.Tensor, *, last_q: int, scale: float) -> torch.Tensor:
@@ -90,38 +134,45 @@ def sum_slash(a_hat: torch.Tensor) -> torch.Tensor:
     return out.scatter_add_(2, offset, a_hat.reshape(b, h, rows * n))
 
 
-def argtopk(scores: torch.Tensor, count: int, forced: int) -> torch.Tensor:
+def argtopk(scores: torch.Tensor, count: int | torch.Tensor, forced: int) -> torch.Tensor:
     """Alg. 2 lines 4 and 6, `argtopk`, with the first `forced` indices always kept.
 
     Args:
         scores: `[B, H, L]`, higher is better.
-        count: how many indices to keep (`kept_lines`), `>= min(forced, L)`.
+        count: how many indices to keep (`kept_lines`), `>= min(forced, L)`; an int, or
+            int64 `[H]` per head (`kept_lines_per_head`).
         forced: indices `0 .. forced - 1` are kept whatever their score.
 
     Returns:
-        int32 `[B, H, count]`, sorted ascending. Ties: the lower index wins (a stable
-        sort of the scores, descending, keeps equal scores in index order). A NaN
-        score (from NaN in q or k) ranks below every number; forced indices stay kept.
+        int32 `[B, H, count]`, sorted ascending (per-head counts: `[B, H, max count]`,
+        each head's list padded with L after its own count). Ties: the lower index wins
+        (a stable sort of the scores, descending, keeps equal scores in index order). A
+        NaN score (from NaN in q or k) ranks below every number; forced indices stay kept.
     """
     ranked = rank_nan_last(scores)
     ranked[..., :forced] = math.inf
+    if isinstance(count, torch.Tensor):
+        width = int(count.max()) if count.numel() else 0
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :width]
+        return pad_to_counts(order, count, scores.shape[-1])
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :count]
     return torch.sort(order, dim=-1).values.to(torch.int32)
 
 
 def check_vertical_slash_params(
     *,
-    vertical_size: int,
-    slash_size: int,
+    vertical_size: PerHeadInt,
+    slash_size: PerHeadInt,
     last_q: int,
     block_m: int,
     block_n: int,
     init_columns: int,
     local_diagonals: int,
 ) -> None:
-    """Raise TypeError/ValueError naming the first bad vertical-slash parameter."""
-    check_positive_int("vertical_size", vertical_size)
-    check_positive_int("slash_size", slash_size)
+    """Raise TypeError/ValueError naming the first bad vertical-slash parameter (the budgets:
+    a scalar, or one per query head)."""
+    check_knob("vertical_size", vertical_size, check_line_budget("vertical_size"), integer=True)
+    check_knob("slash_size", slash_size, check_line_budget("slash_size"), integer=True)
     check_positive_int("last_q", last_q)
     check_block_size("block_m", block_m)
     check_block_size("block_n", block_n)
@@ -151,8 +202,8 @@ def vertical_slash_lines(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    vertical_size: int,
-    slash_size: int,
+    vertical_size: PerHeadInt,
+    slash_size: PerHeadInt,
     last_q: int = 64,
     init_columns: int = INIT_COLUMNS,
     local_diagonals: int = LOCAL_DIAGONALS,
@@ -163,7 +214,8 @@ def vertical_slash_lines(
     Returns:
         (verticals int32 `[B, Hq, kept_lines(vertical_size, init_columns, N)]`,
         slashes int32 `[B, Hq, kept_lines(slash_size, local_diagonals, N)]`), each
-        sorted ascending; a slash is the offset `row - col` of its diagonal.
+        sorted ascending; a slash is the offset `row - col` of its diagonal. Per-head
+        budgets: as wide as the largest head's count, the others padded with N.
 
     Raises:
         TypeError, ValueError: bad inputs.
@@ -173,10 +225,12 @@ def vertical_slash_lines(
         vertical_size=vertical_size, slash_size=slash_size, last_q=last_q, block_m=1,
         block_n=1, init_columns=init_columns, local_diagonals=local_diagonals,
     )
+    n, hq = shape.seqlen, shape.q_heads
+    n_vertical = line_counts(vertical_size, init_columns, n, "vertical_size", hq, q.device)
+    n_slash = line_counts(slash_size, local_diagonals, n, "slash_size", hq, q.device)
     vertical, slash = vertical_slash_scores(q, k, last_q=last_q, scale=scale)
-    n = shape.seqlen
-    verticals = argtopk(vertical, kept_lines(vertical_size, init_columns, n), init_columns)
-    slashes = argtopk(slash, kept_lines(slash_size, local_diagonals, n), local_diagonals)
+    verticals = argtopk(vertical, n_vertical, init_columns)
+    slashes = argtopk(slash, n_slash, local_diagonals)
     return verticals, slashes
 
 
@@ -213,8 +267,10 @@ def vertical_slash_index(
     """Alg. 4: point-range merge of verticals (points) and slashes (ranges) into a plan.
 
     Args:
-        verticals: int `[B, H, kv]`, distinct kept key columns in `[0, N)`.
-        slashes: int `[B, H, ks]`, distinct kept offsets `row - col` in `[0, N)`.
+        verticals: int `[B, H, kv]`, distinct kept key columns in `[0, N)`; N is padding
+            (ragged per-head lists), as in the fast index kernel.
+        slashes: int `[B, H, ks]`, distinct kept offsets `row - col` in `[0, N)`; N is
+            padding.
         seqlen: N. block_m, block_n: query rows and keys per block.
 
     Returns:
@@ -230,16 +286,17 @@ def vertical_slash_index(
     for name, t in (("verticals", verticals), ("slashes", slashes)):
         if t.dim() != 3 or t.shape[:2] != verticals.shape[:2]:
             raise ValueError(f"{name} must have shape [B, H, count], got {tuple(t.shape)}")
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
-            raise ValueError(f"{name} must lie in [0, {n}), got range [{int(t.min())}, {int(t.max())}]")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) > n):
+            raise ValueError(f"{name} must lie in [0, {n}) (or be the padding {n}), got range "
+                             f"[{int(t.min())}, {int(t.max())}]")
     b, h, _ = verticals.shape
     qb, kb = cdiv(n, bm), cdiv(n, bn)
     reached = slash_coverage(slashes, seqlen=n, block_m=bm)
     padded = torch.zeros(b, h, qb, kb * bn, dtype=torch.bool, device=reached.device)
     padded[..., :n] = reached
     blocks = padded.reshape(b, h, qb, kb, bn).any(dim=-1)
-    columns = torch.zeros(b, h, n, dtype=torch.bool, device=verticals.device)
-    columns.scatter_(2, verticals.to(torch.int64), True)
+    columns = torch.zeros(b, h, n + 1, dtype=torch.bool, device=verticals.device)
+    columns = columns.scatter_(2, verticals.to(torch.int64), True)[..., :n]
     # from_masks drops the non-causal columns and those inside a kept block.
     columns = columns.unsqueeze(2).expand(b, h, qb, n)
     return BlockColumnPlan.from_masks(blocks, columns, seqlen=n, block_m=bm, block_n=bn)
@@ -249,8 +306,8 @@ def vertical_slash_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    vertical_size: int,
-    slash_size: int,
+    vertical_size: PerHeadInt,
+    slash_size: PerHeadInt,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,
@@ -263,8 +320,9 @@ def vertical_slash_plan(
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`. Each query head is estimated from its
             own queries against its KV head's keys.
-        vertical_size: vertical-line budget, forced initial columns included (>= 1).
-        slash_size: slash-line budget, forced local diagonals included (>= 1).
+        vertical_size: vertical-line budget, forced initial columns included (>= 1); a
+            scalar, or one per query head (a list or `[Hq]` int tensor).
+        slash_size: slash-line budget, forced local diagonals included (>= 1); the same.
         last_q: queries used for the estimate (>= 1; more than N means all).
         block_m, block_n: query rows and keys per block.
         init_columns: first columns always kept (>= 0); MInference uses 30.
@@ -294,8 +352,8 @@ def vertical_slash(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    vertical_size: int,
-    slash_size: int,
+    vertical_size: PerHeadInt,
+    slash_size: PerHeadInt,
     last_q: int = 64,
     block_m: int = 64,
     block_n: int = 64,

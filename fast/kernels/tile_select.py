@@ -5,8 +5,8 @@ head; a few rows where rows are short). It ranks the causal tiles as the referen
 first, then by weight descending, NaN last, ties by position: one bitonic sort of
 64-bit keys, the weight's order-preserving bits above the complemented position),
 sums the sorted weights in float64, keeps every tile whose preceding sum is below
-the threshold, and writes in one pass the row's keep mask, its kept count and its
-kept positions ascending (the plan's block list at width `T`, zeros past the count).
+its head's threshold (one per head: `THRESH[H]`, a scalar threshold filled), and
+writes in one pass the row's keep mask, its kept count and its kept positions ascending (the plan's block list at width `T`, zeros past the count).
 So selection and the line-to-index step cost one launch, with no host round trip.
 
 XAttention, DPXA and DeltaXAttention select through it (`fast.xattention`). Rows
@@ -32,12 +32,14 @@ MAX_KERNEL_TILES = 4096
 
 @triton.jit
 def _select_row_kernel(
-    W, THRESH, KEEP, COUNT, INDEX, num_rows, num_tiles,
+    W, THRESH, KEEP, COUNT, INDEX, num_rows, num_tiles, num_heads,
     ROWS: tl.constexpr, T_PAD: tl.constexpr,
 ):
-    # ROWS rows of weights per program (query tiles i of some heads), T_PAD tiles each.
+    # ROWS rows of weights per program (query tiles i of some heads), T_PAD tiles each;
+    # row r is query tile r % T of head (r // T) % H.
     o_row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     m_row = o_row < num_rows
+    b_tau = tl.load(THRESH + (o_row // num_tiles) % num_heads, mask=m_row, other=0.0)
     i_q = (o_row % num_tiles)[:, None]
     o_t = tl.arange(0, T_PAD)[None, :]
     causal = (o_t <= i_q) & m_row[:, None]
@@ -59,7 +61,7 @@ def _select_row_kernel(
     taken = tl.where(taken != taken, 0.0, taken).to(tl.float64)
     before = tl.cumsum(taken, 1) - taken
     # Keep while the mass before a tile is below the threshold; tile 0 and the diagonal always.
-    keep_sorted = m_order & ((order == 0) | (order == i_q) | (before < tl.load(THRESH)))
+    keep_sorted = m_order & ((order == 0) | (order == i_q) | (before < b_tau[:, None]))
     p_keep = KEEP + o_row.to(tl.int64)[:, None] * num_tiles
     m_tile = (o_t < num_tiles) & m_row[:, None]
     tl.store(p_keep + o_t, tl.zeros([ROWS, T_PAD], tl.int8), mask=m_tile)
@@ -76,11 +78,21 @@ def _select_row_kernel(
     tl.store(COUNT + o_row, count, mask=m_row)
 
 
-def select_tile_lists(weights: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy selection of checked `[B, H, T, T]` weights, `T <= MAX_KERNEL_TILES`, threshold in (0, 1].
+def heads_threshold(threshold: float | torch.Tensor, heads: int, device: torch.device) -> torch.Tensor:
+    """A checked threshold as float64 `[heads]` on `device`: a per-head tensor as it is, a
+    scalar filled on the device (no copy, no host synchronisation)."""
+    if isinstance(threshold, torch.Tensor):
+        return threshold.to(device=device, dtype=torch.float64)
+    return torch.full((heads,), float(threshold), dtype=torch.float64, device=device)
 
-    The threshold reaches the kernel in float64 (a device fill, no copy), as the torch
-    path compares it; 1 keeps every causal tile.
+
+def select_tile_lists(weights: torch.Tensor,
+                      threshold: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy selection of checked `[B, H, T, T]` weights, `T <= MAX_KERNEL_TILES`.
+
+    `threshold`: checked, in (0, 1]: a scalar or float64 `[H]`, one per head
+    (`reference._checks.per_head`), compared in float64 as the torch path does; 1 keeps
+    every causal tile of its head.
 
     Returns:
         (keep bool `[B, H, T, T]`, count int32 `[B, H, T]`, index int32 `[B, H, T, T]`:
@@ -94,13 +106,14 @@ def select_tile_lists(weights: torch.Tensor, threshold: float) -> tuple[torch.Te
     t_pad = max(16, triton.next_power_of_2(tiles))
     rows = b * h * tiles
     # A threshold of 1 keeps every causal tile whatever the rounding of the sums.
-    tau = torch.full((1,), math.inf if threshold >= 1.0 else threshold, dtype=torch.float64, device=w.device)
+    tau = heads_threshold(threshold, h, w.device)
+    tau = torch.where(tau >= 1.0, math.inf, tau).contiguous()
     # A few rows per program where rows are short; in the interpreter all of them (its
     # cost is per operation, not per element).
     per_program = min(triton.next_power_of_2(rows), 256) if interpreter_active() else max(1, 512 // t_pad)
     if rows:
         _select_row_kernel[(triton.cdiv(rows, per_program),)](
-            w, tau, keep, count, index, rows, tiles,
+            w, tau, keep, count, index, rows, tiles, h,
             ROWS=per_program, T_PAD=t_pad, num_warps=4 if interpreter_active() else max(1, min(8, t_pad // 128)),
         )
     return keep.view(torch.bool), count, index

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...reference._checks import HALF_DTYPES, check_qk, resolve_scale
+from ...reference._checks import HALF_DTYPES, check_qk, per_head, resolve_scale
 from ...reference.plan import cdiv
-from ...reference.xattention import check_xattention_params
+from ...reference.xattention import check_threshold, check_xattention_params
 from ._common import (
     LOG2E,
     check_device_memory,
@@ -198,24 +198,25 @@ def _tile_weight_kernel(
 
 
 def check_xattention_inputs(
-    q: torch.Tensor, k: torch.Tensor, *, stride: int, threshold: float, block: int, scoring: str
-) -> tuple[int, float, int, str]:
+    q: torch.Tensor, k: torch.Tensor, *, stride: int, threshold: object, block: int, scoring: str
+) -> tuple[int, torch.Tensor, int, str]:
     """The fast XAttention checks, once: inputs (dtype, device, no autograd, D <= 256), parameters.
 
     Returns:
-        (stride, threshold, block, scoring) as `check_xattention_params` normalises them.
+        (stride, threshold, block, scoring) as `check_xattention_params` normalises them,
+        the threshold per query head: float64 `[Hq]` on q's device (`per_head`).
 
     Raises:
         TypeError, ValueError: bad inputs or parameters, before any launch.
     """
     shape = check_qk(q, k, dtypes=HALF_DTYPES)
-    checked = check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
-    check_fast_block(checked[2])
+    s, _, bs, sc = check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
+    check_fast_block(bs)
     check_kernel_device(q)
     check_forward_only(q, k)
     if shape.head_dim > 256:
         raise ValueError(f"head dim D must be <= 256 for the fast kernels, got {shape.head_dim}")
-    return checked
+    return s, per_head(threshold, "threshold", shape.q_heads, check_threshold, device=q.device), bs, sc
 
 
 # (query groups per program, key groups per step, warps, pipeline stages) of

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -96,7 +97,7 @@ from ..reference.plan import stack_plans as stack_sequences
 Backend = Literal["auto", "fast", "reference"]
 HeadSpec = None | str | Mapping[str, Any]
 LayerSpec = HeadSpec | Sequence[HeadSpec]
-Config = None | Mapping[str, Any] | Mapping[int, LayerSpec] | Callable[[int], LayerSpec]
+Config = None | Mapping[str, Any] | Mapping[int, LayerSpec] | Callable[[int], LayerSpec] | str | os.PathLike[str]
 
 _BACKENDS = ("auto", "fast", "reference")
 _NAMES = itertools.count()
@@ -112,10 +113,16 @@ class Choice:
         method: a name in `sparseprefill.methods`.
         params: keyword parameters of the method's estimator; None means the
             registry's `demo_params(N)` for the prompt length N of the call.
+        dense_heads: query heads of the layer that run full causal attention instead
+            (a calibrated config's per-head dense fallback, the `dense_heads` key of a
+            layer's dict): plan-based methods make those heads' plans full causal
+            (`BlockColumnPlan.with_dense_heads`), the others have those heads' output
+            replaced by full attention.
     """
 
     method: str
     params: Mapping[str, Any] | None
+    dense_heads: tuple[int, ...] = ()
 
 
 def _check_method(name: object) -> str:
@@ -133,7 +140,12 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
     if isinstance(spec, str):
         return Choice(_check_method(spec), None)
     if isinstance(spec, Mapping):
-        params = dict(spec)
+        from ..calibrate import split_dense_heads
+
+        try:
+            params, dense_heads = split_dense_heads(spec)
+        except TypeError as exc:
+            raise TypeError(f"{where}: {exc}") from None
         method = _check_method(params.pop("method", default_method))
         for key in params:
             if not isinstance(key, str):
@@ -151,7 +163,7 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
                 new_state(params)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"{where}: bad parameters for {method!r}: {exc}") from None
-        return Choice(method, params)
+        return Choice(method, params, tuple(sorted(set(dense_heads))))
     raise TypeError(f"{where}: expected None, a method name or a dict of parameters, got {type(spec).__name__}")
 
 
@@ -163,11 +175,19 @@ def _layer_choices(spec: LayerSpec, default_method: str, where: str, num_heads: 
     if spec is None:
         return None
     if isinstance(spec, (str, Mapping)):
-        return [_head_choice(spec, default_method, where)]
+        choice = _head_choice(spec, default_method, where)
+        if num_heads is not None and any(h >= num_heads for h in choice.dense_heads):
+            raise ValueError(f"{where}: dense_heads {list(choice.dense_heads)} name heads past the layer's "
+                             f"{num_heads} query heads")
+        return [choice]
     if isinstance(spec, Sequence):
         if num_heads is not None and len(spec) != num_heads:
             raise ValueError(f"{where}: a per-head list needs one entry per query head ({num_heads}), got {len(spec)}")
-        return [_head_choice(s, default_method, f"{where}, head {h}") for h, s in enumerate(spec)]
+        out = [_head_choice(s, default_method, f"{where}, head {h}") for h, s in enumerate(spec)]
+        if any(c.dense_heads for c in out):
+            raise ValueError(f"{where}: dense_heads belongs to a whole layer's dict; in a per-head list "
+                             "give the dense heads None")
+        return out
     raise TypeError(f"{where}: expected None, a method name, a dict or a per-head list, got {type(spec).__name__}")
 
 
@@ -256,6 +276,10 @@ class SparsePrefillAttention:
             from ..fast import ops  # noqa: F401  (registers torch.ops.sparseprefill.*)
         self.name = name if name is not None else f"sparseprefill-{next(_NAMES)}"
         self.calls: Counter[str] = Counter()
+        if isinstance(config, (str, os.PathLike)):
+            from ..calibrate import load_config
+
+            config = load_config(os.fspath(config), method=self.method)
         self._config = config
         self._per_layer = isinstance(config, Mapping) and any(isinstance(key, int) for key in config)
         self._resolved: dict[tuple[int | None, int], list[Choice] | None] = {}
@@ -480,7 +504,8 @@ class SparsePrefillAttention:
                     for qs, ks, vs in seqs]
         elif not spec.plan_based and all(c == first for c in choices):
             run = spec.run_fn("fast" if use_fast else "reference")
-            outs = [run(qs, ks, vs, **_resolve_params(first, qs), scale=scale) for qs, ks, vs in seqs]
+            outs = [dense_heads_output(qs, ks, vs, run(qs, ks, vs, **_resolve_params(first, qs), scale=scale),
+                                       first.dense_heads, use_fast=use_fast, scale=scale) for qs, ks, vs in seqs]
         else:
             # Each sequence alone (what `varlen_plans` does, with per-head mixes and
             # per-length demo parameters too), then one launch for the batch.
@@ -545,8 +570,10 @@ class SparsePrefillAttention:
             current = ([spec.new_state(_resolve_params(choice, sv[0])) for sv in seqs], set(), key)
             self._forward[choice.method] = current
         current[1].add(layer_idx)
-        layer_fn = spec.fast_layer if self._use_fast(seqs[0][0]) else spec.reference_layer
-        return [layer_fn(qs, ks, vs, state, layer=layer_idx, scale=scale)
+        use_fast = self._use_fast(seqs[0][0])
+        layer_fn = spec.fast_layer if use_fast else spec.reference_layer
+        return [dense_heads_output(qs, ks, vs, layer_fn(qs, ks, vs, state, layer=layer_idx, scale=scale),
+                                   choice.dense_heads, use_fast=use_fast, scale=scale)
                 for (qs, ks, vs), state in zip(seqs, current[0])]
 
     def last_state(self, method: str) -> Any:
@@ -631,6 +658,7 @@ class SparsePrefillAttention:
             # A method that is not one plan's attention (Delta-KV) runs end to end.
             run = spec.run_fn("fast" if use_fast else "reference")
             result: torch.Tensor = run(q, k, v, **_resolve_params(first, q), scale=scale)
+            result = dense_heads_output(q, k, v, result, first.dense_heads, use_fast=use_fast, scale=scale)
             return result.to(out_dtype)
         plan = build_plan(q, k, choices, fast_plans=use_fast)
         impl = fast if use_fast else reference
@@ -645,8 +673,9 @@ class SparsePrefillAttention:
         from ..fast import ops
 
         first = choices[0]
-        if all(c == first for c in choices):
-            return ops.call(first.method, q, k, v, **_resolve_params(first, q), scale=scale)
+        if all(c == first for c in choices) and not (first.dense_heads and METHODS[first.method].plan_based):
+            out: torch.Tensor = ops.call(first.method, q, k, v, **_resolve_params(first, q), scale=scale)
+            return dense_heads_output(q, k, v, out, first.dense_heads, use_fast=True, scale=scale)
         plan = build_plan(q, k, choices, fast_plans=True)
         return ops.sparse_attention(q, k, v, plan, scale=scale)
 
@@ -710,6 +739,28 @@ def _resolve_params(choice: Choice, q: torch.Tensor) -> dict[str, Any]:
     return spec.call_params(params, q) if choice.params is None else dict(params)
 
 
+def dense_heads_output(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, heads: Sequence[int], *,
+    use_fast: bool, scale: float | None,
+) -> torch.Tensor:
+    """`out` `[B, Hq, N, D]` with the given heads replaced by full causal attention: the per-head
+    dense fallback (`Choice.dense_heads`) of a method that is not one plan's attention
+    (Delta-KV) or that runs its own layer function (SharePrefill). GQA: each head reads its
+    own K/V head, nothing is copied."""
+    if not heads:
+        return out
+    impl: Any = fast if use_fast else reference
+    dense = METHODS[DENSE]
+    group = int(q.shape[1]) // int(k.shape[1])
+    out = out.clone()
+    for h in heads:
+        kv = h // group
+        qh, kh, vh = q[:, h:h + 1], k[:, kv:kv + 1], v[:, kv:kv + 1]
+        plan = dense.plan_fn("fast" if use_fast else "reference")(qh, kh, **dense.demo_params(int(q.shape[2])))
+        out[:, h:h + 1] = impl.sparse_attention(qh, kh, vh, plan, scale=scale).to(out.dtype)
+    return out
+
+
 def build_plan(
     q: torch.Tensor, k: torch.Tensor, choices: Sequence[Choice], *, fast_plans: bool
 ) -> BlockColumnPlan:
@@ -743,7 +794,8 @@ def build_plan(
 
     first = choices[0]
     if all(c == first for c in choices):
-        return plan_fn(first)(q, k, **_resolve_params(first, q))
+        plan = plan_fn(first)(q, k, **_resolve_params(first, q))
+        return plan.with_dense_heads(first.dense_heads)
     plans: list[BlockColumnPlan | None] = [None] * hq
     sizes: dict[str, int] | None = None
     for h, choice in enumerate(choices):
@@ -783,9 +835,13 @@ def register_attention(
             * a dict of parameters (optionally with a "method" key): every layer;
             * a dict `{layer_idx: spec}`: listed layers only, the others run SDPA;
             * a callable `layer_idx -> spec`.
+            * the path of a `sparseprefill calibrate` config for `method` (`{layer_idx:
+              spec}`, layers it lacks run SDPA).
             A layer spec is None (SDPA, unchanged), a method name (its demo
             parameters), a parameter dict, or a list with one of those per query head,
-            where None means full causal attention for that head.
+            where None means full causal attention for that head. A parameter dict
+            may hold `dense_heads`, query heads that run full causal attention
+            (the per-head dense fallback; any method).
         backend: "fast", "reference" or "auto" (fast for CUDA tensors).
         min_seqlen: prompts shorter than this run SDPA.
         fast_dtype: half dtype for the fast backend when the model is float32.
@@ -857,6 +913,7 @@ def patch(
     attn = register_attention(
         method, config, backend=backend, min_seqlen=min_seqlen, fast_dtype=fast_dtype, use_ops=use_ops
     )
+    config = attn._config
     if isinstance(config, Mapping) and attn._per_layer:
         known = _layer_indices(model)
         unknown = sorted(key for key in config if isinstance(key, int) and key not in known)

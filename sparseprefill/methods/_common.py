@@ -38,6 +38,11 @@ TILE_SWEEP = (0.8, 0.85, 0.9, 0.95, 0.98)
 # thesis's 128-token tiles whatever N.
 TILE_EVIDENCE = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98)
 EVIDENCE_BLOCK = 128
+# The per-head calibration grid of the tile thresholds (`sparseprefill calibrate`): wide on
+# both sides, since real heads need anything from 0.6 to 0.99.
+TILE_CALIBRATION = (0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.99)
+# The same for the mass fractions of FlexPrefill / SharePrefill (gamma) and SampleAttention (alpha).
+MASS_CALIBRATION = (0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99)
 
 
 def tile_grid(**params: Any) -> Callable[[int], list[dict[str, Any]]]:

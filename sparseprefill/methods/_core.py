@@ -210,6 +210,18 @@ class Method:
         extras: `(impl_name, q, k, v, params, view) -> {name: float}`, numbers `compare`
             reports beside density and recall (a scoring ratio, a keep ratio, tiles computed),
             given the call's `MethodView`; None: none.
+        calibration: `N -> [params, ...]`, the grid `sparseprefill calibrate` searches per
+            layer and head (a wider grid of the main knob than `sweep`, its other parameters
+            fixed); None: `sweep`.
+        coupled_heads: "" when a head's plan depends on that head's q, k and knob values
+            alone (calibrate then reads every head's recall from one scalar run per grid
+            point); else one line saying how heads interact (SharePrefill's clusters), and
+            calibrate measures the chosen per-head config as a whole.
+        knobs: the parameters of the method's main knob(s) that take a per-head value as
+            well as a scalar: a list/tuple of Hq numbers or a 1-D tensor `[Hq]`, element `h`
+            for query head `h` (`reference._checks.per_head`, docs/architecture.md
+            "Per-head knobs"). Empty: no per-head knob (dense; MInference, whose config
+            is already per head).
     """
 
     name: str
@@ -234,10 +246,15 @@ class Method:
     random_params: Callable[[int], Params] | None = None
     ablations: tuple[Ablation, ...] = ()
     extras: Callable[..., dict[str, float]] | None = None
+    calibration: Callable[[int], list[Params]] | None = None
+    coupled_heads: str = ""
+    knobs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise ValueError(f"a method's name must be a Python identifier, got {self.name!r}")
+        if not isinstance(self.knobs, tuple) or not all(isinstance(n, str) for n in self.knobs):
+            raise TypeError(f"{self.name}: knobs must be a tuple of parameter names, got {self.knobs!r}")
         if (self.reference_plan is None) != (self.fast_plan is None):
             raise ValueError(f"{self.name}: give both plan functions or neither")
         if self.reference_plan is None and (self.reference_run is None or self.fast_run is None
@@ -259,6 +276,10 @@ class Method:
             assert self.reference_plan is not None and self.fast_plan is not None
             object.__setattr__(self, "reference_run", _plan_runner(self.name, "reference", self.reference_plan))
             object.__setattr__(self, "fast_run", _plan_runner(self.name, "fast", self.fast_plan))
+        unknown = [n for n in self.knobs if n not in self.parameters()]
+        if unknown:
+            raise ValueError(f"{self.name}: knobs {unknown} are not parameters of its functions "
+                             f"{list(self.parameters())}")
 
     @property
     def plan_based(self) -> bool:
@@ -296,6 +317,12 @@ class Method:
         if self.sweep is None:
             return [self.demo_params(seqlen)]
         return [dict(p) for p in self.sweep(seqlen)]
+
+    def calibration_params(self, seqlen: int) -> list[Params]:
+        """The grid `sparseprefill calibrate` searches at `seqlen` (`calibration`, else the sweep)."""
+        if self.calibration is None:
+            return self.sweep_params(seqlen)
+        return [dict(p) for p in self.calibration(seqlen)]
 
     def call_params(self, params: Mapping[str, Any], q: torch.Tensor) -> Params:
         """The keyword arguments of a call on `q` (`prepare` applied, if any)."""

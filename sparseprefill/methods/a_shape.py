@@ -13,6 +13,7 @@ def defaults(n: int) -> dict[str, int]:
 
 METHOD = register(Method(
     name="a_shape",
+    knobs=("sink", "window"),
     notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",
     reference_plan=reference.a_shape_plan,
     fast_plan=fast.a_shape_plan,

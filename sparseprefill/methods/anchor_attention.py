@@ -175,6 +175,7 @@ def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
 METHOD = register(Method(
     check=keyword_check(check_anchor_params),
     name="anchor_attention",
+    knobs=("theta",),
     notes="AnchorAttention: initial block + group window as anchor, difference-aware stripes "
           "per group of step query blocks, stripe pass resuming the anchor state",
     reference_plan=reference.anchor_attention_plan,
@@ -183,6 +184,7 @@ METHOD = register(Method(
     fast_run=fast.anchor_attention,
     defaults=defaults,
     sweep=lambda n: [{**defaults(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0)],
+    calibration=lambda n: [{**defaults(n), "theta": t} for t in (3.0, 6.0, 9.0, 12.0, 15.0, 20.0)],
     ablations=(Ablation("theta x step", lambda n: [{"theta": t, "step": s, "block_m": 128, "block_n": 128}
                                                    for t in (6.0, 9.0, 12.0, 15.0) for s in (1, 4, 16)],
                         about="the paper's theta against the group size step (docs/anchor_attention.md)"),),

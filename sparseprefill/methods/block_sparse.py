@@ -18,8 +18,8 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     (`mean_pooling`), the pooled keys are all-gathered, and each rank scores and selects
     its own query blocks with the method's steps (`block_scores`, `argtopk_blocks`)."""
     from .. import distributed as D
-    from ..reference._checks import check_block_size, check_positive_int
-    from ..reference.block_sparse import argtopk_blocks, block_scores, mean_pooling
+    from ..reference._checks import check_block_size, is_per_head, per_head
+    from ..reference.block_sparse import argtopk_blocks, block_scores, check_top_k, mean_pooling
 
     p = {"block_size": 64, **params}
     unknown = set(p) - {"top_k", "block_size"}
@@ -27,7 +27,11 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
         raise TypeError(f"block_sparse got unexpected parameters {sorted(unknown)}")
     if "top_k" not in p:
         raise TypeError("block_sparse needs top_k")
-    top_k = check_positive_int("top_k", p["top_k"])
+    top_k: int | torch.Tensor
+    if is_per_head(p["top_k"]):
+        top_k = per_head(p["top_k"], "top_k", shard.q_heads, check_top_k, integer=True, device=shard.q.device)
+    else:
+        top_k = check_top_k(p["top_k"])
     bs = check_block_size("block_size", p["block_size"])
     layout = shard.layout
     layout.check_blocks(bs, bs)
@@ -61,6 +65,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
 
 METHOD = register(Method(
     name="block_sparse",
+    knobs=("top_k",),
     notes="MInference block-sparse: mean-pooled block scores, top-k key blocks per query block",
     reference_plan=reference.block_sparse_plan,
     fast_plan=fast.block_sparse_plan,

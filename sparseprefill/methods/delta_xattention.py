@@ -232,6 +232,7 @@ def _params(n: int, delta_threshold: float) -> dict[str, Any]:
 
 METHOD = register(Method(
     name="delta_xattention",
+    knobs=("threshold",),
     notes="DeltaXAttention: XAttention's tiles, the diagonal and top tiles exact, the other "
           "selected tiles through per-tile Delta-KV anchors (thesis sec. 4.2)",
     reference_run=reference.delta_xattention,

@@ -9,7 +9,7 @@ import torch
 from .. import fast, reference
 from ..reference.dpxa import check_dpxa_params
 from ..reference.plan import BlockColumnPlan, cdiv
-from ._common import EVIDENCE_BLOCK, TILE_SWEEP, keyword_check, tile_block, tile_grid, tiles_computed
+from ._common import EVIDENCE_BLOCK, TILE_CALIBRATION, TILE_SWEEP, keyword_check, tile_block, tile_grid, tiles_computed
 from ._core import Ablation, Method, MethodView, SyncStatus, register
 from .xattention import tile_suite
 
@@ -46,6 +46,7 @@ def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
 METHOD = register(Method(
     check=keyword_check(check_dpxa_params),
     name="dpxa",
+    knobs=("threshold",),
     notes="DPXA: delta anchors of Q and K per tile, anchor-pair tile scores, XAttention's greedy "
           "selection (thesis sec. 4.3)",
     reference_plan=reference.dpxa_plan,
@@ -54,6 +55,8 @@ METHOD = register(Method(
     fast_run=fast.dpxa,
     defaults=lambda n: {"cos_threshold": 0.75, "threshold": 0.9, "block": tile_block(n)},
     sweep=lambda n: [{"cos_threshold": 0.75, "threshold": t, "block": tile_block(n)} for t in TILE_SWEEP],
+    calibration=lambda n: [{"cos_threshold": 0.75, "threshold": t, "block": tile_block(n)}
+                           for t in TILE_CALIBRATION],
     ablations=(
         *(Ablation(f"cos{c}", tile_grid(cos_threshold=c), about="delta anchors at this cosine")
           for c in (0.72, 0.75, 0.78)),

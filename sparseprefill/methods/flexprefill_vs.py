@@ -10,7 +10,7 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from ._common import keyword_check
+from ._common import MASS_CALIBRATION, keyword_check
 from ..reference.flexprefill_vs import check_flexprefill_vs_params
 from ._core import DistributedEstimate, Method, SyncStatus, register
 
@@ -18,8 +18,8 @@ from ._core import DistributedEstimate, Method, SyncStatus, register
 def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: float | None,
                              comm: Any) -> BlockColumnPlan:
     from .. import distributed as D
-    from ..reference._checks import check_count
-    from ..reference.flexprefill_vs import GAMMA, LINE_BLOCK, check_flexprefill_vs_params, cover_bands
+    from ..reference._checks import check_count, per_head
+    from ..reference.flexprefill_vs import GAMMA, LINE_BLOCK, check_flexprefill_vs_params, check_gamma, cover_bands
 
     p = {"gamma": GAMMA, "last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 1, "local_diagonals": 1,
          "line_block": LINE_BLOCK, **params}
@@ -35,6 +35,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     local_diagonals = check_count("local_diagonals", p["local_diagonals"], cap=n, minimum=0)
     sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
     device = shard.q.device
+    gamma = per_head(p["gamma"], "gamma", shard.q.shape[1], check_gamma, device=device)
     # Alg. 5 line 1: the last queries' softmax over every rank's keys (as vertical-slash).
     q_last = D.gather_rows(shard, torch.arange(n - last_q, n, device=device), comm)
     vertical_local, slash = D.distributed_last_q_scores(shard, q_last, scale=sm_scale, comm=comm)
@@ -43,8 +44,8 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     vertical = layout.unshard(comm.all_gather(vertical_local, lengths, 2, "estimate"))
     comm.all_reduce(slash, "estimate")
     total = vertical.sum(dim=-1, keepdim=True)
-    verticals = cover_bands(vertical / total, p["gamma"], init_columns, p["line_block"])
-    slashes = cover_bands(slash / total, p["gamma"], local_diagonals, p["line_block"])
+    verticals = cover_bands(vertical / total, gamma, init_columns, p["line_block"])
+    slashes = cover_bands(slash / total, gamma, local_diagonals, p["line_block"])
     if impl == "fast":
         from ..fast.flexprefill_vs import lines_index as fast_lines_index
 
@@ -62,6 +63,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
 METHOD = register(Method(
     check=keyword_check(check_flexprefill_vs_params),
     name="flexprefill_vs",
+    knobs=("gamma",),
     notes="FlexPrefill-style vertical-slash (SharePrefill Alg. 5): fewest lines holding gamma of the "
           "estimated mass",
     reference_plan=reference.flexprefill_vs_plan,
@@ -70,6 +72,7 @@ METHOD = register(Method(
     fast_run=fast.flexprefill_vs,
     defaults=lambda n: {"gamma": 0.9},
     sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
+    calibration=lambda n: [{"gamma": g} for g in MASS_CALIBRATION],
     chunked="the chunk's last `last_q` queries (capped at the chunk's length), as vertical-slash",
     sync=SyncStatus(
         syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item()); "

@@ -12,13 +12,16 @@ import torch
 from .. import bench, fast, reference
 from ..reference._checks import check_block_size
 from ..reference.plan import BlockColumnPlan, cdiv
+from ._common import MASS_CALIBRATION
 from ._core import Ablation, BenchSuite, DistributedEstimate, Method, MethodView, SyncStatus, register
 
 
 def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: float | None,
                                comm: Any) -> BlockColumnPlan:
     from .. import distributed as D
-    from ..reference.sample_attention import arg_topk, find_k, merge_index, resolve_params, sampled_rows
+    from ..reference._checks import per_head
+    from ..reference.sample_attention import arg_topk, check_alpha_c, check_alpha_s, find_k, merge_index
+    from ..reference.sample_attention import resolve_params, sampled_rows
 
     p = dict(params)
     unknown = set(p) - {"alpha_c", "alpha_s", "chunk_n", "block_size", "settings"}
@@ -32,6 +35,8 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     layout.check_blocks(bs, bs)
     device = shard.q.device
     b, hq, kb = shard.batch, shard.q_heads, cdiv(n, bs)
+    a_c = per_head(a_c, "alpha_c", hq, check_alpha_c, device=device)
+    a_s = per_head(a_s, "alpha_s", hq, check_alpha_s, device=device)
     sm_scale = 1.0 / math.sqrt(shard.head_dim) if scale is None else float(scale)
     # Alg. 1 line 2: the sampled rows, wherever they live.
     rows = torch.cat([torch.arange(a, z, device=device) for a, z in sampled_rows(n, c_n, bs)])
@@ -210,6 +215,7 @@ ABLATIONS = tuple(Ablation(f"chunk_n {c}, block {b}", alpha_grid(c, b)) for b in
 
 METHOD = register(Method(
     name="sample_attention",
+    knobs=("alpha_c", "alpha_s"),
     notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",
     reference_plan=reference.sample_attention_plan,
     fast_plan=fast.sample_attention_plan,
@@ -218,6 +224,7 @@ METHOD = register(Method(
     # Section 5.4's 32K setting; 64-token blocks below 4K so short prompts keep several blocks.
     defaults=lambda n: {"alpha_c": 0.95, "alpha_s": 0.95, "chunk_n": 1, "block_size": 128 if n >= 4096 else 64},
     sweep=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in (0.8, 0.9, 0.95, 0.98)],
+    calibration=lambda n: [{"alpha_c": a, "alpha_s": a, "chunk_n": 1} for a in MASS_CALIBRATION],
     ablations=ABLATIONS,
     extras=extras,
     sync=SyncStatus(

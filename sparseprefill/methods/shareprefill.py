@@ -10,7 +10,7 @@ import torch
 
 from .. import bench, fast, reference
 from ..reference.plan import BlockColumnPlan
-from ._common import keyword_check
+from ._common import MASS_CALIBRATION, keyword_check
 from ..reference.shareprefill import check_share_params
 from ._core import BenchArgument, BenchSuite, Method, SyncStatus, register
 
@@ -172,6 +172,7 @@ def _suite(seqlens: list[int], *, flex: bool = True, **kwargs: Any) -> list[benc
 METHOD = register(Method(
     check=keyword_check(check_share_params),
     name="shareprefill",
+    knobs=("gamma", "tau", "delta"),
     notes="SharePrefill (one layer, fresh state: first head per cluster dense, others Alg. 5); "
           "layers share pivots through SharePrefillState",
     reference_plan=reference.shareprefill_plan,
@@ -180,7 +181,10 @@ METHOD = register(Method(
     fast_run=fast.shareprefill,
     defaults=lambda n: {},
     sweep=lambda n: [{"gamma": g} for g in (0.8, 0.85, 0.9, 0.95, 0.98)],
+    calibration=lambda n: [{"gamma": g} for g in MASS_CALIBRATION],
     new_state=new_state,
+    coupled_heads="each cluster's first head with d_sparse < delta runs dense and pivots the cluster's other "
+                  "heads (Alg. 3/4): one head's gamma changes what its cluster shares",
     reference_layer=reference.shareprefill_layer,
     fast_layer=fast.shareprefill_layer,
     sync=SyncStatus(

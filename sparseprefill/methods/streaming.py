@@ -8,6 +8,7 @@ from ._core import DistributedEstimate, Method, SyncStatus, register
 
 METHOD = register(Method(
     name="streaming",
+    knobs=("sink", "window"),
     notes="StreamingLLM / A-shape: sink + local window (baseline)",
     reference_plan=reference.streaming_plan,
     fast_plan=fast.streaming_plan,

@@ -20,7 +20,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     keys, vertical and slash scores reduced where they are complete, the method's own
     index builder on the global lines."""
     from .. import distributed as D
-    from ..reference.vertical_slash import kept_lines
+    from ..reference.vertical_slash import line_counts
     from ..reference.vertical_slash import vertical_slash_index as reference_index
 
     p = {"last_q": 64, "block_m": 64, "block_n": 64, "init_columns": 30, "local_diagonals": 100, **params}
@@ -40,13 +40,15 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     # Alg. 2 lines 4 and 6: argtopk with the forced lines, ties to the lower index.
     verticals = D.distributed_argtopk(
         vertical, shard.tokens, [layout.local_length(r) for r in range(comm.world)],
-        count=kept_lines(p["vertical_size"], p["init_columns"], n), forced=p["init_columns"], comm=comm)
+        count=line_counts(p["vertical_size"], p["init_columns"], n, "vertical_size", shard.q_heads, shard.q.device),
+        forced=p["init_columns"], comm=comm)
     bounds = D.offset_bounds(n, comm.world)
     slashes = D.distributed_argtopk(
         D.reduce_scatter(slash_part, comm), torch.arange(bounds[comm.rank], bounds[comm.rank + 1],
                                                          device=slash_part.device),
         [bounds[r + 1] - bounds[r] for r in range(comm.world)],
-        count=kept_lines(p["slash_size"], p["local_diagonals"], n), forced=p["local_diagonals"], comm=comm)
+        count=line_counts(p["slash_size"], p["local_diagonals"], n, "slash_size", shard.q_heads, shard.q.device),
+        forced=p["local_diagonals"], comm=comm)
     if impl == "fast":
         from ..fast.kernels.vertical_slash_index import vertical_slash_index as fast_index
         from ..fast.vertical_slash import with_own_columns
@@ -66,6 +68,7 @@ YARDSTICK = tuple(int(round(8 * 1.45 ** i)) for i in range(16))
 METHOD = register(Method(
     check=keyword_check(check_vertical_slash_params),
     name="vertical_slash",
+    knobs=("vertical_size", "slash_size"),
     notes="MInference vertical-slash: last_q estimate, top-k columns and diagonals, Alg. 4 index",
     reference_plan=reference.vertical_slash_plan,
     fast_plan=fast.vertical_slash_plan,

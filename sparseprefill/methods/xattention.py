@@ -10,7 +10,7 @@ import torch
 
 from .. import bench, fast, reference
 from ..reference.plan import BlockColumnPlan, cdiv
-from ._common import EVIDENCE_BLOCK, TILE_EVIDENCE, TILE_SWEEP, tile_block, tile_grid, tiles_computed
+from ._common import EVIDENCE_BLOCK, TILE_CALIBRATION, TILE_EVIDENCE, TILE_SWEEP, tile_block, tile_grid, tiles_computed
 from ._core import Ablation, BenchSuite, Method, MethodView, SyncStatus, register
 
 
@@ -210,6 +210,7 @@ def tile_suite(method: str) -> BenchSuite:
 
 METHOD = register(Method(
     name="xattention",
+    knobs=("threshold",),
     notes="XAttention: antidiagonal stride-level scores, row softmax summed into tiles, greedy "
           "threshold selection (thesis sec. 2.5)",
     reference_plan=reference.xattention_plan,
@@ -218,6 +219,7 @@ METHOD = register(Method(
     fast_run=fast.xattention,
     defaults=lambda n: {"stride": 8, "threshold": 0.9, "block": tile_block(n)},
     sweep=lambda n: [{"stride": 8, "threshold": t, "block": tile_block(n)} for t in TILE_SWEEP],
+    calibration=lambda n: [{"stride": 8, "threshold": t, "block": tile_block(n)} for t in TILE_CALIBRATION],
     ablations=ABLATIONS,
     extras=extras,
     chunked="each query tile's antidiagonal scores against the keys: the chunk's own tiles",

@@ -1,0 +1,768 @@
+"""`sparseprefill calibrate`: per-layer, per-head settings of any method, from captured q/k.
+
+A method is deployed with one setting per layer and head chosen offline. From one or
+more `sparseprefill eval capture` files (q/k/v of some layers of a real prompt), for a
+method (or every plan-based method with a knob grid), this chooses for every captured
+layer and query head the cheapest point of the method's calibration grid (the
+descriptor's `calibration`, else its compare `sweep`) that reaches a target, and full
+causal attention ("dense") for a head that no grid point serves:
+
+* `--target-recall R` (default 0.95): the head's attention recall, mean over its rows;
+* `--target-row-recall R`: the head's worst sampled row;
+* `--target-error E`: the head's relative output error (Frobenius, sampled rows).
+
+Every target given must hold on every calibration capture of that layer (the cheapest
+is by mean density over them). What is measured: per layer, `--rows` query rows
+sampled uniformly (one per stratum of N / rows rows, seeded) and their full causal
+softmax in float64; the recall of a plan on those rows is the mass it keeps, its
+output error the relative error of the renormalised kept mass times V, its density the
+exact kept share of the whole causal area (`density(plan)`). The oracle (the sparsest
+per-row selection at a share, `sparseprefill.oracle`) is counted on the same rows.
+
+Head-independent methods (the descriptor's `coupled_heads` empty): one scalar run per
+grid point gives every head's numbers. Every chosen layer config is then run as a whole
+(what `patch` runs: one estimator call with per-head knob values, the dense heads made
+full causal by `BlockColumnPlan.with_dense_heads`) and that measurement is the reported
+one; for a method whose heads interact (SharePrefill) it is the only valid one, and the
+report says so.
+
+The written JSON (one per method) is what `patch(model, method, config=path)` reads
+(`load_config`): `{layer_idx: spec}` where a spec is None (the layer runs SDPA), a dict
+of parameters whose knobs may be per-head lists (`Method.knobs`) and whose
+`dense_heads` lists the heads that run full causal attention, or, for a method whose
+varying parameters are not per-head knobs, the integration's per-head list (one dict or
+None per query head). Layers that were not captured are absent: they run SDPA.
+
+`--eval CONFIG ...` measures written configs on other captures (the held-out check:
+calibrate on one text, evaluate on another). `sparseprefill search` (MInference's
+per-head pattern search) and `sparseprefill tune` (SampleAttention per length range)
+stay the methods' own searches; this command covers every method's knob per head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "sparseprefill.calibrate/1"
+DEFAULT_SHARES = (0.9, 0.95, 0.98)
+
+
+@dataclass
+class LayerCapture:
+    """One captured layer of one prompt: q `[B, Hq, N, D]`, k, v `[B, Hkv, N, D]`."""
+
+    source: str
+    layer: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor | None
+    scale: float | None
+
+    @property
+    def seqlen(self) -> int:
+        return int(self.q.shape[2])
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a head must reach; every bound that is not None must hold.
+
+    Attributes:
+        recall: least mean recall over the head's rows.
+        row_recall: least recall of its worst sampled row.
+        error: largest relative output error.
+    """
+
+    recall: float | None = 0.95
+    row_recall: float | None = None
+    error: float | None = None
+
+    def __post_init__(self) -> None:
+        from .reference._checks import check_fraction
+
+        for name in ("recall", "row_recall"):
+            value = getattr(self, name)
+            if value is not None:
+                check_fraction(f"target {name}", value)
+        if self.error is not None and (not isinstance(self.error, (int, float)) or not self.error >= 0):
+            raise ValueError(f"target error must be a number >= 0, got {self.error!r}")
+        if self.recall is None and self.row_recall is None and self.error is None:
+            raise ValueError("a target needs at least one of recall, row_recall, error")
+
+    def serves(self, stats: HeadStats) -> torch.Tensor:
+        """bool `[Hq]`: the heads whose numbers meet every bound."""
+        ok = torch.ones_like(stats.density, dtype=torch.bool)
+        if self.recall is not None:
+            ok &= stats.recall_mean >= self.recall
+        if self.row_recall is not None:
+            ok &= stats.recall_min >= self.row_recall
+        if self.error is not None:
+            if stats.error is None:
+                raise ValueError("an output-error target needs captures with v")
+            ok &= stats.error <= self.error
+        return ok
+
+
+@dataclass
+class Truth:
+    """Full attention on the sampled rows of one layer.
+
+    Attributes:
+        rows: int64 `[R]`, sorted sampled positions.
+        probs: float32 `[B, Hq, R, N]`, their causal softmax.
+        out: float64 `[B, Hq, R, Dv]`, their exact output (None without v).
+        oracle: float64 `[B, Hq, S]`, the oracle's density at `shares` (estimated from
+            the rows: each stratum's row stands for its N / R rows).
+        shares: the oracle shares.
+    """
+
+    rows: torch.Tensor
+    probs: torch.Tensor
+    out: torch.Tensor | None
+    oracle: torch.Tensor
+    shares: tuple[float, ...]
+
+
+@dataclass
+class HeadStats:
+    """One plan's numbers per query head (batch rows averaged; worst over them for min/error)."""
+
+    density: torch.Tensor
+    recall_mean: torch.Tensor
+    recall_min: torch.Tensor
+    error: torch.Tensor | None
+
+
+def load_captures(paths: Sequence[Path | str], *, layers: Sequence[int] | None = None,
+                  max_seqlen: int | None = None) -> list[LayerCapture]:
+    """The layers of `eval capture` files (all, or those in `layers`), optionally cut to a prefix.
+
+    Raises:
+        ValueError: a file without the capture keys, or `layers` none of the files hold.
+    """
+    out: list[LayerCapture] = []
+    for path in paths:
+        data: dict[str, Any] = torch.load(path, map_location="cpu")
+        missing = [key for key in ("layers", "q", "k") if key not in data]
+        if missing:
+            raise ValueError(f"{path}: not an `eval capture` file (missing {missing})")
+        for i, layer in enumerate(data["layers"]):
+            if layers is not None and int(layer) not in layers:
+                continue
+            q, k = data["q"][i], data["k"][i]
+            v = data["v"][i] if "v" in data else None
+            if max_seqlen is not None:
+                q, k = q[:, :, :max_seqlen], k[:, :, :max_seqlen]
+                v = None if v is None else v[:, :, :max_seqlen]
+            scale = data["scale"][i] if "scale" in data else None
+            out.append(LayerCapture(str(path), int(layer), q, k, v, None if scale is None else float(scale)))
+    if layers is not None and not out:
+        raise ValueError(f"no capture holds layers {list(layers)}")
+    return out
+
+
+def sample_rows(seqlen: int, count: int, *, seed: int = 0) -> torch.Tensor:
+    """`count` query rows, one uniformly at random in each of `count` equal strata (all rows
+    when `count >= seqlen`); int64, sorted."""
+    if count >= seqlen:
+        return torch.arange(seqlen)
+    gen = torch.Generator().manual_seed(seed)
+    edges = torch.linspace(0, seqlen, count + 1).floor().to(torch.int64)
+    width = (edges[1:] - edges[:-1]).clamp(min=1)
+    rows = edges[:-1] + (torch.rand(count, generator=gen) * width).floor().to(torch.int64)
+    out: torch.Tensor = torch.unique(rows.clamp(max=seqlen - 1))
+    return out
+
+
+def row_truth(cap: LayerCapture, rows: torch.Tensor, *, shares: Sequence[float] = DEFAULT_SHARES,
+              device: torch.device | str = "cpu") -> Truth:
+    """Full causal attention of the sampled `rows` of one captured layer (float64 math)."""
+    from .reference._checks import resolve_scale
+
+    q, k = cap.q.to(device), cap.k.to(device)
+    b, hq, n, d = q.shape
+    hkv = int(k.shape[1])
+    g = hq // hkv
+    sm = resolve_scale(cap.scale, d)
+    rows = rows.to(device)
+    r = int(rows.numel())
+    probs = torch.empty(b, hq, r, n, dtype=torch.float32, device=device)
+    dv = None if cap.v is None else int(cap.v.shape[3])
+    out = None if dv is None else torch.empty(b, hq, r, dv, dtype=torch.float64, device=device)
+    want = torch.tensor(list(shares), dtype=torch.float64, device=device)
+    kept = torch.zeros(b, hq, len(shares), dtype=torch.float64, device=device)
+    kg = k.to(torch.float64).unsqueeze(2)
+    vg = None if cap.v is None else cap.v.to(device=device, dtype=torch.float64).unsqueeze(2)
+    step = max(1, 2**22 // max(1, b * hq * n))
+    for start in range(0, r, step):
+        pos = rows[start:start + step]
+        qs = q[:, :, pos].to(torch.float64).reshape(b, hkv, g, -1, d)
+        scores = torch.matmul(qs, kg.transpose(-1, -2)) * sm
+        causal = torch.arange(n, device=device)[None, :] <= pos[:, None]
+        p = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
+        probs[:, :, start:start + step] = p.reshape(b, hq, -1, n).to(torch.float32)
+        if vg is not None and out is not None:
+            out[:, :, start:start + step] = torch.matmul(p, vg).reshape(b, hq, p.shape[-2], -1)
+        cum = torch.sort(p, dim=-1, descending=True).values.cumsum(dim=-1)
+        below = (cum.unsqueeze(-1) < want - 1e-12).sum(dim=-2)  # [b, hkv, g, rows, S]
+        need = torch.minimum(below + 1, (pos + 1)[:, None]).to(torch.float64)
+        kept += need.sum(dim=-2).reshape(b, hq, len(shares))
+    # Each sampled row stands for N / R rows of the causal area N (N + 1) / 2.
+    oracle = kept * (n / r) / (n * (n + 1) / 2)
+    return Truth(rows=rows, probs=probs, out=out, oracle=oracle.clamp(max=1.0), shares=tuple(shares))
+
+
+def plan_stats(truth: Truth, plan: Any, v: torch.Tensor | None) -> HeadStats:
+    """Recall (mean and worst sampled row), output error and exact density of a plan, per head."""
+    probs = truth.probs
+    b, hq, r, n = probs.shape
+    rows = truth.rows.to(plan.device)
+    cols = plan.block_mask().repeat_interleave(plan.block_n, dim=3)[..., :n] | plan.column_mask()[..., :n]
+    keep = cols.index_select(2, rows // plan.block_m).to(probs.device)
+    kept = probs * keep
+    recall = kept.sum(dim=-1).double()  # [B, Hq, R]
+    error = None
+    if truth.out is not None and v is not None:
+        hkv = int(v.shape[1])
+        vg = v.to(device=probs.device, dtype=torch.float32).unsqueeze(2)
+        o = torch.matmul(kept.reshape(b, hkv, hq // hkv, r, n), vg).reshape(b, hq, r, -1).double()
+        o = o / recall.clamp(min=1e-30).unsqueeze(-1)
+        exact = truth.out
+        error = ((o - exact).pow(2).sum(dim=(-1, -2)) / exact.pow(2).sum(dim=(-1, -2)).clamp(min=1e-300)).sqrt()
+        error = error.amax(dim=0)
+    dens = plan_density(plan, cols).to(probs.device)
+    return HeadStats(density=dens.mean(dim=0), recall_mean=recall.mean(dim=-1).mean(dim=0),
+                     recall_min=recall.amin(dim=-1).amin(dim=0), error=error)
+
+
+def plan_density(plan: Any, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """`reference.density(plan)` without the `[N, N]` mask: float64 `[B, Hq]`.
+
+    Args:
+        plan: a `BlockColumnPlan` (query offset 0).
+        cols: its kept keys per query block, bool `[B, Hq, Qb, N]` (built if None).
+    """
+    n, bm = plan.seqlen, plan.block_m
+    if cols is None:
+        cols = plan.block_mask().repeat_interleave(plan.block_n, dim=3)[..., :n] | plan.column_mask()[..., :n]
+    # Row r keeps the keys <= r of its query block's set: a prefix count of that set.
+    prefix = cols.to(torch.int32).cumsum(dim=-1)  # [B, Hq, Qb, N]
+    rows = torch.arange(n, device=cols.device)
+    kept: torch.Tensor = prefix[:, :, rows // bm, rows].to(torch.float64).sum(dim=-1)
+    share: torch.Tensor = kept / (n * (n + 1) / 2)
+    return share
+
+
+# -- configs ---------------------------------------------------------------------------------
+
+
+def method_knobs(method: Any) -> tuple[str, ...]:
+    """The parameters of a method that take per-head values (`Method.knobs`; () before it exists)."""
+    return tuple(getattr(method, "knobs", ()) or ())
+
+
+def calibratable(method: Any) -> bool:
+    """Whether `calibrate` covers a method: plan-based, with plain parameters (no `prepare`:
+    MInference's per-head patterns have `sparseprefill search`), a grid, not `dense`."""
+    from .methods import DENSE
+
+    return bool(method.plan_based and method.prepare is None and method.name != DENSE
+                and (method.calibration is not None or method.sweep is not None or method_knobs(method)))
+
+
+def split_dense_heads(params: Mapping[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    """(the method's parameters, the heads to run full causal) of one layer spec dict.
+
+    Raises:
+        TypeError: `dense_heads` that is not a list of ints.
+    """
+    rest = dict(params)
+    heads = rest.pop("dense_heads", None) or []
+    if not isinstance(heads, (list, tuple)) or any(isinstance(h, bool) or not isinstance(h, int) for h in heads):
+        raise TypeError(f"dense_heads must be a list of query-head indices, got {heads!r}")
+    return rest, [int(h) for h in heads]
+
+
+def layer_spec(method: Any, grid: Sequence[Mapping[str, Any]], picks: Sequence[int | None]) -> Any:
+    """The config entry of one layer from each head's grid index (None: dense).
+
+    Returns:
+        None when every head is dense (the layer runs SDPA); a parameter dict (knobs as
+        per-head lists where heads differ, `dense_heads` when some are dense) when the
+        parameters that differ between heads are all knobs of the method; else the
+        integration's per-head list (one dict or None per head).
+    """
+    chosen = [i for i in picks if i is not None]
+    if not chosen:
+        return None
+    dense = [h for h, i in enumerate(picks) if i is None]
+    first = dict(grid[chosen[0]])
+    keys = list(dict.fromkeys(key for i in chosen for key in grid[i]))
+    varying = [key for key in keys if len({json.dumps(grid[i].get(key), sort_keys=True) for i in chosen}) > 1]
+    knobs = method_knobs(method)
+    if all(key in knobs for key in varying):
+        spec: dict[str, Any] = dict(first)
+        for key in varying:
+            fill = grid[chosen[0]][key]
+            spec[key] = [grid[i][key] if i is not None else fill for i in picks]
+        if dense:
+            spec["dense_heads"] = dense
+        return spec
+    return [dict(grid[i]) if i is not None else None for i in picks]
+
+
+def layer_plan(method: Any, spec: Any, q: torch.Tensor, k: torch.Tensor, *, impl: str = "reference") -> Any:
+    """The plan `patch` runs for one layer spec (see `layer_spec`): the method's estimator
+    once (per-head knobs included), then `with_dense_heads`; a per-head list plans each
+    head alone; None is the full causal plan."""
+    from .methods import DENSE, METHODS
+    from .reference.plan import stack_plans as stack_heads
+
+    dense = METHODS[DENSE]
+    if spec is None:
+        return dense.plan_fn(impl)(q, k, **dense.demo_params(int(q.shape[2])))
+    if isinstance(spec, Mapping):
+        params, heads = split_dense_heads(spec)
+        plan = method.plan_fn(impl)(q, k, **method.call_params(params, q))
+        return plan.with_dense_heads(heads)
+    group = int(q.shape[1]) // int(k.shape[1])
+    plans = []
+    sizes: dict[str, int] | None = None
+    for h, head in enumerate(spec):
+        if head is not None:
+            p = method.plan_fn(impl)(q[:, h:h + 1], k[:, h // group:h // group + 1], **dict(head))
+            sizes = sizes or {"block_m": p.block_m, "block_n": p.block_n}
+            plans.append(p)
+        else:
+            plans.append(None)
+    out = []
+    for h, p in enumerate(plans):
+        if p is None:
+            params = sizes if sizes is not None else dense.demo_params(int(q.shape[2]))
+            p = dense.plan_fn(impl)(q[:, h:h + 1], k[:, h // group:h // group + 1], **params)
+        out.append(p.ungrouped())
+    # Heads stack along dim 1: transpose the batch/head roles of stack_plans (batch rows).
+    return _stack_heads(out, stack_heads)
+
+
+def _stack_heads(plans: Sequence[Any], stack_rows: Any) -> Any:
+    from dataclasses import replace
+
+    flipped = [replace(p, block_count=p.block_count.transpose(0, 1), block_index=p.block_index.transpose(0, 1),
+                       column_count=p.column_count.transpose(0, 1), column_index=p.column_index.transpose(0, 1),
+                       _checked=False) for p in plans]
+    both = stack_rows(flipped)
+    return replace(both, block_count=both.block_count.transpose(0, 1).contiguous(),
+                   block_index=both.block_index.transpose(0, 1).contiguous(),
+                   column_count=both.column_count.transpose(0, 1).contiguous(),
+                   column_index=both.column_index.transpose(0, 1).contiguous(), _checked=False).validate()
+
+
+def save_config(path: Path, method: str, layers: Mapping[int, Any], *, meta: Mapping[str, Any]) -> None:
+    """Write a calibrated config (`load_config` reads it)."""
+    payload = {"format": FORMAT, "method": method, **meta,
+               "layers": {str(layer): spec for layer, spec in sorted(layers.items())}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+
+
+def load_config(path: Path | str, *, method: str | None = None) -> dict[int, Any]:
+    """A calibrated config as `patch(model, method, config=...)` takes it: `{layer_idx: spec}`.
+
+    Args:
+        path: a JSON file `sparseprefill calibrate` wrote.
+        method: if given, the method the file must be for.
+
+    Raises:
+        ValueError: not a calibrate config, or one for another method.
+    """
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("layers"), dict):
+        raise ValueError(f"{path}: not a `sparseprefill calibrate` config (format {FORMAT!r})")
+    if method is not None and data.get("method") != method:
+        raise ValueError(f"{path}: a config for method {data.get('method')!r}, not {method!r}")
+    return {int(key): spec for key, spec in data["layers"].items()}
+
+
+def config_method(path: Path | str) -> str:
+    """The method a calibrated config file is for."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a `sparseprefill calibrate` config (format {FORMAT!r})")
+    return str(data["method"])
+
+
+# -- calibration --------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerResult:
+    """One method on one layer: the choice per head and what the whole config measured."""
+
+    method: str
+    layer: int
+    sources: list[str]
+    seqlen: int
+    spec: Any
+    picks: list[int | None]
+    chosen_params: list[dict[str, Any] | None]
+    density: list[float]
+    recall_mean: list[float]
+    recall_min: list[float]
+    error: list[float] | None
+    oracle: list[float]
+    oracle_share: float
+    default_density: list[float] = field(default_factory=list)
+    default_recall_mean: list[float] = field(default_factory=list)
+    default_params: dict[str, Any] = field(default_factory=dict)
+    coupled: str = ""
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        dens = sum(self.density) / len(self.density)
+        orac = sum(self.oracle) / len(self.oracle)
+        return {"method": self.method, "layer": self.layer, "density": dens, "oracle": orac,
+                "ratio": dens / orac if orac > 0 else math.inf,
+                "recall_mean": sum(self.recall_mean) / len(self.recall_mean),
+                "recall_min_head": min(self.recall_mean), "worst_row": min(self.recall_min),
+                "error_max": None if self.error is None else max(self.error),
+                "dense_heads": sum(p is None for p in self.picks), "heads": len(self.picks),
+                "default_density": (sum(self.default_density) / len(self.default_density)
+                                    if self.default_density else None),
+                "default_recall_mean": (sum(self.default_recall_mean) / len(self.default_recall_mean)
+                                        if self.default_recall_mean else None),
+                "default_recall_min_head": min(self.default_recall_mean) if self.default_recall_mean else None}
+
+
+def _truths(caps: Sequence[LayerCapture], rows: int, seed: int, shares: Sequence[float]) -> list[Truth]:
+    return [row_truth(c, sample_rows(c.seqlen, rows, seed=seed + c.layer), shares=shares) for c in caps]
+
+
+def _combine(stats: Sequence[HeadStats]) -> HeadStats:
+    """Several prompts of one layer: mean density and recall, worst row, worst error."""
+    err = [s.error for s in stats]
+    return HeadStats(
+        density=torch.stack([s.density for s in stats]).mean(0),
+        recall_mean=torch.stack([s.recall_mean for s in stats]).mean(0),
+        recall_min=torch.stack([s.recall_min for s in stats]).amin(0),
+        error=None if any(e is None for e in err) else torch.stack([e for e in err if e is not None]).amax(0))
+
+
+def _head_lists(stats: HeadStats) -> tuple[list[float], list[float], list[float], list[float] | None]:
+    return ([float(x) for x in stats.density], [float(x) for x in stats.recall_mean],
+            [float(x) for x in stats.recall_min], None if stats.error is None else [float(x) for x in stats.error])
+
+
+def measure_spec(method: Any, spec: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth],
+                 *, impl: str = "reference") -> HeadStats:
+    """A layer config run as a whole (`layer_plan`) on each prompt of the layer, combined."""
+    out = []
+    for cap, truth in zip(caps, truths):
+        q, k = cap.q.float(), cap.k.float()
+        out.append(plan_stats(truth, layer_plan(method, spec, q, k, impl=impl), cap.v))
+    return _combine(out)
+
+
+def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], target: Target, *,
+                    granularity: str = "head", impl: str = "reference", share: float = 0.95,
+                    grid: Sequence[Mapping[str, Any]] | None = None, log: Any = None) -> LayerResult:
+    """Choose one layer's config from its captures (one or more prompts of the same layer).
+
+    Args:
+        method: a `Method`.
+        caps, truths: the layer's captures and their `row_truth`.
+        target: what each head must reach on every prompt.
+        granularity: "head" (each head its cheapest serving point) or "layer" (one point
+            for the layer, the heads it does not serve dense).
+        impl: "reference" or "fast" estimators.
+        share: the oracle share the density is compared with.
+        grid: the points searched (default `method.calibration_params(N)`).
+
+    Returns:
+        The `LayerResult`, measured with the whole config.
+    """
+    if granularity not in ("head", "layer"):
+        raise ValueError(f"granularity must be 'head' or 'layer', got {granularity!r}")
+    if share not in truths[0].shares:
+        raise ValueError(f"share {share} is not among the oracle shares {truths[0].shares}")
+    t0 = time.perf_counter()
+    n = caps[0].seqlen
+    points = [dict(p) for p in (grid if grid is not None else method.calibration_params(n))]
+    if not points:
+        raise ValueError(f"{method.name}: empty calibration grid")
+    per_point: list[HeadStats] = []
+    for params in points:
+        stats = []
+        for cap, truth in zip(caps, truths):
+            q, k = cap.q.float(), cap.k.float()
+            plan = method.plan_fn(impl)(q, k, **method.call_params(params, q))
+            stats.append(plan_stats(truth, plan, cap.v))
+        per_point.append(_combine(stats))
+    hq = int(caps[0].q.shape[1])
+    serve = torch.stack([target.serves(s) for s in per_point])  # [G, Hq]
+    dens = torch.stack([s.density for s in per_point])  # [G, Hq]
+    rec = torch.stack([s.recall_mean for s in per_point])
+    picks: list[int | None]
+    if granularity == "head":
+        picks = []
+        for h in range(hq):
+            ok = [g for g in range(len(points)) if bool(serve[g, h])]
+            picks.append(min(ok, key=lambda g: (float(dens[g, h]), -float(rec[g, h]))) if ok else None)
+    else:
+        # One point for the layer; a head it does not serve is dense (density 1).
+        cost = torch.where(serve, dens, torch.ones_like(dens)).mean(dim=1)
+        best = int(torch.argmin(cost))
+        picks = [best if bool(serve[best, h]) else None for h in range(hq)]
+    spec = layer_spec(method, points, picks)
+    if isinstance(spec, list) and method.new_state is not None:
+        # A stateful method takes one choice for every head of a layer: values per head need
+        # its knobs (`Method.knobs`); without them, one point for the layer.
+        cost = torch.where(serve, dens, torch.ones_like(dens)).mean(dim=1)
+        best = int(torch.argmin(cost))
+        picks = [best if bool(serve[best, h]) else None for h in range(hq)]
+        spec = layer_spec(method, points, picks)
+    whole = measure_spec(method, spec, caps, truths, impl=impl)
+    default = method.demo_params(n)
+    dstats = _combine([plan_stats(t, method.plan_fn(impl)(c.q.float(), c.k.float(),
+                                                          **method.call_params(default, c.q)), c.v)
+                       for c, t in zip(caps, truths)])
+    d, rm, rn, err = _head_lists(whole)
+    idx = list(truths[0].shares).index(share)
+    oracle = torch.stack([t.oracle[..., idx].mean(0) for t in truths]).mean(0)
+    result = LayerResult(
+        method=method.name, layer=caps[0].layer, sources=[Path(c.source).name for c in caps], seqlen=n,
+        spec=spec, picks=picks, chosen_params=[points[i] if i is not None else None for i in picks],
+        density=d, recall_mean=rm, recall_min=rn, error=err, oracle=[float(x) for x in oracle],
+        oracle_share=share, default_density=[float(x) for x in dstats.density],
+        default_recall_mean=[float(x) for x in dstats.recall_mean], default_params=dict(default),
+        coupled=method.coupled_heads, seconds=time.perf_counter() - t0)
+    if log is not None:
+        s = result.summary()
+        print(f"  {method.name} layer {result.layer}: density {s['density']:.4f} (oracle {s['oracle']:.4f}, "
+              f"x{s['ratio']:.2f}), recall {s['recall_mean']:.4f} / worst head {s['recall_min_head']:.4f}, "
+              f"{s['dense_heads']} dense head(s), {result.seconds:.1f} s", file=log, flush=True)
+    return result
+
+
+def evaluate_layer(method: Any, spec: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], *,
+                   impl: str = "reference", share: float = 0.95) -> LayerResult:
+    """A written layer config measured on (held-out) captures of that layer."""
+    t0 = time.perf_counter()
+    whole = measure_spec(method, spec, caps, truths, impl=impl)
+    n = caps[0].seqlen
+    default = method.demo_params(n)
+    dstats = _combine([plan_stats(t, method.plan_fn(impl)(c.q.float(), c.k.float(),
+                                                          **method.call_params(default, c.q)), c.v)
+                       for c, t in zip(caps, truths)])
+    d, rm, rn, err = _head_lists(whole)
+    idx = list(truths[0].shares).index(share)
+    oracle = torch.stack([t.oracle[..., idx].mean(0) for t in truths]).mean(0)
+    hq = int(caps[0].q.shape[1])
+    if spec is None:
+        picks: list[int | None] = [None] * hq
+    elif isinstance(spec, Mapping):
+        dense = set(split_dense_heads(spec)[1])
+        picks = [None if h in dense else 0 for h in range(hq)]
+    else:
+        picks = [None if s is None else 0 for s in spec]
+    return LayerResult(
+        method=method.name, layer=caps[0].layer, sources=[Path(c.source).name for c in caps], seqlen=n,
+        spec=spec, picks=picks, chosen_params=[], density=d, recall_mean=rm, recall_min=rn, error=err,
+        oracle=[float(x) for x in oracle], oracle_share=share,
+        default_density=[float(x) for x in dstats.density],
+        default_recall_mean=[float(x) for x in dstats.recall_mean], default_params=dict(default),
+        coupled=method.coupled_heads, seconds=time.perf_counter() - t0)
+
+
+def format_table(results: Sequence[LayerResult], target: Target | None = None) -> str:
+    """method x layer: density, oracle, ratio, recall mean / worst head / worst row, dense heads."""
+    lines = ["| method | layer | density | oracle | ratio | recall mean | worst head | worst row | "
+             "dense heads | default density | default recall / worst head | meets |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        s = r.summary()
+        meets = ""
+        if target is not None:
+            ok = s["ratio"] <= 2.0 and s["recall_mean"] >= 0.95 and s["recall_min_head"] >= 0.85
+            meets = "yes" if ok else "no"
+        dd = "" if s["default_density"] is None else f"{s['default_density']:.4f}"
+        dr = ("" if s["default_recall_mean"] is None
+              else f"{s['default_recall_mean']:.3f} / {s['default_recall_min_head']:.3f}")
+        lines.append(f"| {r.method}{' (whole)' if r.coupled else ''} | {r.layer} | {s['density']:.4f} | "
+                     f"{s['oracle']:.4f} | {s['ratio']:.2f} | {s['recall_mean']:.4f} | {s['recall_min_head']:.4f} | "
+                     f"{s['worst_row']:.3f} | {s['dense_heads']}/{s['heads']} | {dd} | {dr} | {meets} |")
+    return "\n".join(lines)
+
+
+def plot_heads(results: Sequence[LayerResult], path: Path, *, title: str = "") -> None:
+    """Density per head before (the method's defaults) and after calibration, with the oracle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r.method for r in results))
+    fig, axes = plt.subplots(len(methods), 1, figsize=(12, 2.6 * len(methods)), squeeze=False)
+    for ax, name in zip(axes[:, 0], methods):
+        rows = sorted((r for r in results if r.method == name), key=lambda r: r.layer)
+        x0 = 0
+        ticks, labels = [], []
+        for r in rows:
+            xs = list(range(x0, x0 + len(r.density)))
+            ax.scatter(xs, r.default_density, marker="x", color="tab:gray", s=14,
+                       label="default" if r is rows[0] else None)
+            ax.scatter(xs, r.density, marker="o", color="tab:blue", s=12,
+                       label="calibrated" if r is rows[0] else None)
+            ax.scatter(xs, r.oracle, marker="_", color="tab:red", s=40,
+                       label=f"oracle @ {r.oracle_share:g}" if r is rows[0] else None)
+            ticks.append(x0 + len(xs) / 2 - 0.5)
+            labels.append(str(r.layer))
+            x0 += len(xs) + 1
+        ax.set_yscale("log")
+        ax.set_ylabel("density")
+        ax.set_title(f"{name}: density per head, by layer", fontsize=9)
+        ax.set_xticks(ticks, labels, fontsize=6)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[-1, 0].set_xlabel("layer (heads side by side)")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `sparseprefill calibrate`."""
+    parser.add_argument("--qkv", type=Path, nargs="+", required=True,
+                        help="capture files from `sparseprefill eval capture` (calibration prompts, or the "
+                             "held-out prompts with --eval)")
+    parser.add_argument("--method", nargs="+", default=None,
+                        help="methods to calibrate (default: every plan-based method with a grid)")
+    parser.add_argument("--eval", type=Path, nargs="+", default=None, metavar="CONFIG",
+                        help="measure these written configs on --qkv instead of calibrating")
+    parser.add_argument("--target-recall", type=float, default=0.95,
+                        help="least mean recall of every head (default 0.95; negative: no bound)")
+    parser.add_argument("--target-row-recall", type=float, default=None, help="least recall of any sampled row")
+    parser.add_argument("--target-error", type=float, default=None, help="largest relative output error")
+    parser.add_argument("--granularity", choices=("head", "layer"), default="head",
+                        help="one setting per head (default) or per layer (unserved heads dense either way)")
+    parser.add_argument("--grid", type=json.loads, default=None,
+                        help='JSON list of parameter dicts searched instead of the method\'s calibration grid '
+                             '(one method only), e.g. \'[{"threshold": 0.9}, {"threshold": 0.95}]\'')
+    parser.add_argument("--layers", type=int, nargs="+", default=None, help="captured layers to use (default all)")
+    parser.add_argument("--max-seqlen", type=int, default=None, help="use only the first tokens of each capture")
+    parser.add_argument("--rows", type=int, default=512, help="query rows sampled per layer (default 512)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--share", type=float, default=0.95, help="the oracle share compared with (default 0.95)")
+    parser.add_argument("--backend", choices=("fast", "reference"), default="reference",
+                        help="estimators (default reference: CPU)")
+    parser.add_argument("--out-dir", type=Path, default=Path("calibrated"),
+                        help="where <method>.json configs are written (default ./calibrated)")
+    parser.add_argument("--table", type=Path, default=None, help="write the table here (.md, and .json beside)")
+    parser.add_argument("--plot", type=Path, default=None, help="density per head before/after (PNG)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `sparseprefill calibrate`."""
+    from .methods import METHODS
+
+    try:
+        target = Target(recall=None if args.target_recall is not None and args.target_recall < 0
+                        else args.target_recall,
+                        row_recall=args.target_row_recall, error=args.target_error)
+        if args.rows < 1:
+            raise ValueError(f"--rows must be >= 1, got {args.rows}")
+        shares = tuple(sorted({*DEFAULT_SHARES, float(args.share)}))
+        jobs: list[tuple[Any, dict[int, Any] | None]]
+        if args.eval is not None:
+            jobs = [(METHODS[config_method(path)], load_config(path)) for path in args.eval]
+        else:
+            names = args.method or [m.name for m in METHODS.values() if calibratable(m)]
+            for name in names:
+                if name not in METHODS:
+                    raise ValueError(f"unknown method {name!r}; registered: {', '.join(METHODS)}")
+                if not calibratable(METHODS[name]):
+                    raise ValueError(f"method {name!r} has no plan or no grid to calibrate"
+                                     " (MInference: use `sparseprefill search`)")
+            jobs = [(METHODS[name], None) for name in names]
+            if args.grid is not None:
+                if len(names) != 1:
+                    raise ValueError("--grid needs exactly one --method")
+                if not isinstance(args.grid, list) or not args.grid or not all(isinstance(p, dict) for p in args.grid):
+                    raise ValueError(f"--grid must be a non-empty JSON list of parameter dicts, got {args.grid!r}")
+                for point in args.grid:
+                    METHODS[names[0]].check_params(point)
+    except (TypeError, ValueError, OSError) as err:
+        print(f"sparseprefill calibrate: {err}", file=sys.stderr)
+        return 2
+    impl = args.backend
+    if impl == "fast" and not torch.cuda.is_available():
+        from .demo import enable_interpreter
+
+        enable_interpreter()
+    caps = load_captures(args.qkv, layers=args.layers, max_seqlen=args.max_seqlen)
+    by_layer: dict[int, list[LayerCapture]] = {}
+    for cap in caps:
+        by_layer.setdefault(cap.layer, []).append(cap)
+    print(f"{len(caps)} captured layer(s) from {len(args.qkv)} file(s); sampling {args.rows} rows per layer",
+          file=sys.stderr, flush=True)
+    truths = {layer: _truths(group, args.rows, args.seed, shares) for layer, group in by_layer.items()}
+    results: list[LayerResult] = []
+    for method, config in jobs:
+        layers: dict[int, Any] = {}
+        for layer, group in sorted(by_layer.items()):
+            if config is not None:
+                if layer not in config:
+                    continue
+                results.append(evaluate_layer(method, config[layer], group, truths[layer], impl=impl,
+                                              share=args.share))
+                continue
+            res = calibrate_layer(method, group, truths[layer], target, granularity=args.granularity,
+                                  impl=impl, share=args.share, log=sys.stderr, grid=args.grid)
+            layers[layer] = res.spec
+            results.append(res)
+        if config is None:
+            path = args.out_dir / f"{method.name}.json"
+            save_config(path, method.name, layers, meta={
+                "target": asdict(target), "granularity": args.granularity, "rows": args.rows,
+                "seqlen": by_layer[min(by_layer)][0].seqlen, "backend": impl,
+                "captures": sorted({Path(c.source).name for c in caps}),
+                "coupled_heads": method.coupled_heads,
+                "note": "layers absent from `layers` run SDPA (full attention)"})
+            print(f"wrote {path}", file=sys.stderr)
+    table = format_table(results, target)
+    print(table)
+    if args.table is not None:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        args.table.with_suffix(".md").write_text(table + "\n")
+        args.table.with_suffix(".json").write_text(json.dumps(
+            {"target": asdict(target), "rows": args.rows, "share": args.share, "backend": impl,
+             "captures": [str(p) for p in args.qkv], "evaluated": [str(p) for p in args.eval or []],
+             "summary": [r.summary() for r in results], "layers": [asdict(r) for r in results]}, indent=1))
+    if args.plot is not None:
+        plot_heads(results, args.plot)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparseprefill calibrate", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""`sparseprefill calibrate`: per-head choice, the dense fallback, the JSON round trip into `patch`.
+
+Toy captures (tiny N, few heads) so each test runs in a few seconds on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sparseprefill import calibrate as cal
+from sparseprefill import reference
+from sparseprefill.methods import METHODS
+
+N, HQ, HKV, D = 192, 4, 2, 16
+
+
+def toy_qkv(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Heads 0-1 attend to their own neighbourhood (a few tokens back); heads 2-3 spread
+    their mass evenly over the whole prefix (no local method can keep it)."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.arange(N, dtype=torch.float32)
+    freqs = torch.arange(D // 2, dtype=torch.float32)
+    angle = pos[:, None] * (0.35 / (1 + freqs))[None, :]
+    rot = torch.cat([angle.cos(), angle.sin()], dim=-1)  # shared positional code: q.k large when near
+    q = torch.zeros(1, HQ, N, D)
+    k = torch.zeros(1, HKV, N, D)
+    k[0, 0] = rot * 1.0
+    q[0, 0] = rot * 4.0
+    q[0, 1] = rot * 4.0
+    k[0, 1] = 0.01 * torch.randn(N, D, generator=gen)
+    q[0, 2] = 0.01 * torch.randn(N, D, generator=gen)
+    q[0, 3] = 0.01 * torch.randn(N, D, generator=gen)
+    v = torch.randn(1, HKV, N, D, generator=gen)
+    return q, k, v
+
+
+def toy_capture(tmp_path: Path, name: str = "toy.pt", layers: tuple[int, ...] = (0,)) -> Path:
+    qs, ks, vs = zip(*(toy_qkv(seed) for seed, _ in enumerate(layers)))
+    path = tmp_path / name
+    torch.save({"layers": list(layers), "q": list(qs), "k": list(ks), "v": list(vs),
+                "scale": [D ** -0.5] * len(layers), "meta": {"seqlen": N}}, path)
+    return path
+
+
+def test_with_dense_heads_makes_heads_full_causal() -> None:
+    q, k, _ = toy_qkv()
+    plan = reference.streaming_plan(q, k, sink=16, window=32, block_m=16, block_n=16)
+    out = plan.with_dense_heads([2, 0])
+    mask, before = out.to_dense_mask(), plan.to_dense_mask()
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    assert torch.equal(mask[0, 0], causal) and torch.equal(mask[0, 2], causal)
+    assert torch.equal(mask[0, 1], before[0, 1]) and torch.equal(mask[0, 3], before[0, 3])
+    out.validate()
+    assert plan.with_dense_heads([]) is plan
+    assert torch.equal(plan.with_dense_heads(torch.tensor([True, False, True, False])).to_dense_mask(), mask)
+    with pytest.raises(ValueError, match="query head 4"):
+        plan.with_dense_heads([4])
+    with pytest.raises(TypeError, match="int"):
+        plan.with_dense_heads([1.0])  # type: ignore[list-item]
+
+
+def test_calibrate_layer_picks_per_head_and_falls_back_to_dense(tmp_path: Path) -> None:
+    caps = cal.load_captures([toy_capture(tmp_path)])
+    truths = [cal.row_truth(c, cal.sample_rows(N, 64, seed=1)) for c in caps]
+    method = METHODS["streaming"]
+    grid = [{"sink": 16, "window": w, "block_m": 16, "block_n": 16} for w in (16, 32, 48)]
+    target = cal.Target(recall=0.97)
+    res = cal.calibrate_layer(method, caps, truths, target, grid=grid)
+    # The local heads take the smallest window; the spread heads are served by none: dense.
+    assert res.picks[:2] == [0, 0] and res.picks[2:] == [None, None]
+    assert min(res.recall_mean[:2]) >= 0.97
+    assert res.recall_mean[2] == pytest.approx(1.0, abs=1e-5) and res.density[2] == pytest.approx(1.0)
+    # The whole config's numbers equal a per-head measurement of the grid point it chose.
+    plan = method.plan_fn("reference")(caps[0].q, caps[0].k, **grid[0])
+    alone = cal.plan_stats(truths[0], plan, caps[0].v)
+    assert res.density[0] == pytest.approx(float(alone.density[0]))
+    assert float(alone.density[0]) == pytest.approx(float(reference.density(plan)[0, 0]))
+    # Per layer: one point for all heads, the unserved heads dense.
+    one = cal.calibrate_layer(method, caps, truths, target, grid=grid, granularity="layer")
+    assert one.picks == [0, 0, None, None]
+    # An output-error target works from v; an impossible one makes every head dense (layer -> SDPA).
+    err = cal.calibrate_layer(method, caps, truths, cal.Target(recall=None, error=0.0), grid=grid)
+    assert err.picks == [None] * HQ and err.spec is None
+
+
+def test_layer_spec_forms() -> None:
+    method = METHODS["streaming"]
+    grid = [{"sink": 16, "window": w} for w in (32, 64)]
+    assert cal.layer_spec(method, grid, [None, None]) is None
+    same = cal.layer_spec(method, grid, [1, None, 1])
+    assert same == {"sink": 16, "window": 64, "dense_heads": [1]}
+    mixed = cal.layer_spec(method, grid, [0, 1, None])
+    if "window" in cal.method_knobs(method):
+        assert mixed == {"sink": 16, "window": [32, 64, 32], "dense_heads": [2]}
+    else:
+        assert mixed == [grid[0], grid[1], None]
+
+
+def test_cli_json_round_trip_into_patch(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the `hf` extra is not installed")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparseprefill.integrations.transformers import patch, unpatch
+
+    capture = toy_capture(tmp_path, layers=(0, 1))
+    out_dir = tmp_path / "cfg"
+    rc = cal.main(["--qkv", str(capture), "--method", "streaming", "--rows", "48", "--target-recall", "0.97",
+                   "--out-dir", str(out_dir), "--table", str(tmp_path / "table")])
+    assert rc == 0
+    path = out_dir / "streaming.json"
+    data = json.loads(path.read_text())
+    assert data["method"] == "streaming" and set(data["layers"]) == {"0", "1"}
+    config = cal.load_config(path, method="streaming")
+    assert set(config) == {0, 1}
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert {row["layer"] for row in table["summary"]} == {0, 1}
+    with pytest.raises(ValueError, match="not 'xattention'"):
+        cal.load_config(path, method="xattention")
+    # The held-out check reads the config back.
+    assert cal.main(["--qkv", str(capture), "--eval", str(path), "--rows", "48"]) == 0
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=HQ, num_key_value_heads=HKV,
+                                         max_position_embeddings=256)).eval()
+    ids = torch.randint(0, 64, (1, 96), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dense = model(ids).logits
+        patch(model, "streaming", config=path, backend="reference", min_seqlen=1)
+        try:
+            from_file = model(ids).logits
+        finally:
+            unpatch(model)
+        patch(model, "streaming", config=config, backend="reference", min_seqlen=1)
+        try:
+            from_dict = model(ids).logits
+        finally:
+            unpatch(model)
+    assert torch.equal(from_file, from_dict)
+    assert torch.isfinite(from_file).all()
+
+
+@pytest.mark.parametrize("method,params", [
+    ("streaming", {"sink": 16, "window": 16, "block_m": 16, "block_n": 16}),      # plan-based: the plan step
+    ("delta_kv", None),                             # no plan: the output splice
+    ("shareprefill", {}),                           # own layer function: the output splice
+])
+def test_dense_heads_in_patch(method: str, params: dict[str, Any] | None) -> None:
+    """Every head dense through `dense_heads` gives the SDPA model's logits, whatever the method."""
+    pytest.importorskip("transformers", reason="the `hf` extra is not installed")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparseprefill.integrations.transformers import patch, unpatch
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=HQ, num_key_value_heads=HKV,
+                                         max_position_embeddings=256)).eval()
+    ids = torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(2))
+    base = dict(params if params is not None else METHODS[method].demo_params(80))
+    with torch.no_grad():
+        dense = model(ids).logits
+        patch(model, method, {0: {**base, "dense_heads": list(range(HQ))}, 1: {**base, "dense_heads": [0, 1, 2, 3]}},
+              backend="reference", min_seqlen=1)
+        try:
+            out = model(ids).logits
+        finally:
+            unpatch(model)
+        patch(model, method, {0: {**base, "dense_heads": [1]}}, backend="reference", min_seqlen=1)
+        try:
+            some = model(ids).logits
+        finally:
+            unpatch(model)
+    assert torch.allclose(out, dense, atol=1e-4)
+    assert torch.isfinite(some).all()
+    with pytest.raises(ValueError, match="dense_heads"):
+        patch(model, method, {0: [{**base, "dense_heads": [0]}] + [None] * (HQ - 1)}, backend="reference")
+    with pytest.raises(TypeError, match="dense_heads"):
+        patch(model, method, {0: {**base, "dense_heads": "all"}}, backend="reference")
+
+
+def test_target_and_bad_input() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        cal.Target(recall=None)
+    with pytest.raises(ValueError, match="recall"):
+        cal.Target(recall=1.5)
+    rows = cal.sample_rows(1000, 100, seed=3)
+    assert rows.numel() == 100 and bool((rows[1:] > rows[:-1]).all()) and int(rows.max()) < 1000
+    assert torch.equal(cal.sample_rows(10, 50), torch.arange(10))
+    assert not math.isnan(float(rows.float().mean()))
