@@ -170,3 +170,12 @@ def test_ops_take_per_head_knobs() -> None:
     low = reference.xattention(q32, k32, v32, **{**params, "threshold": 0.3})
     torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
     assert float((low[:, 1] - want[:, 1]).abs().max()) > 0.1
+
+
+def test_head_parallel_ranks_get_their_heads_values() -> None:
+    from sparseprefill.distributed import _slice_head_params
+
+    params = {"threshold": [0.1, 0.2, 0.3, 0.4], "top_k": torch.tensor([1, 2, 3, 4]), "block": 64}
+    got = _slice_head_params(params, 2, 4, ("threshold", "top_k"))
+    assert got["threshold"] == [0.3, 0.4] and got["top_k"].tolist() == [3, 4] and got["block"] == 64
+    assert _slice_head_params({"threshold": 0.9}, 2, 4, ("threshold",)) == {"threshold": 0.9}
