@@ -194,6 +194,11 @@ def check_fraction(name: str, value: object, *, low: float = 0.0, high: float = 
     return float(value)
 
 
+# An integer knob's per-head values are stored as int64: larger counts (a caller's "keep
+# everything", 2**63) mean the same as this one, far past any sequence length.
+KNOB_INT_CAP = 2**62
+
+
 def is_per_head(value: object) -> bool:
     """True when a knob's value is given per head (a list, tuple or tensor), not as one scalar."""
     return isinstance(value, (list, tuple, torch.Tensor))
@@ -248,7 +253,9 @@ def check_knob(name: str, value: object, check: Callable[[object], float | int],
     if not is_per_head(value):
         return check(value)
     values = _per_head_values(name, value, check)
-    return torch.tensor(values, dtype=torch.int64 if integer else torch.float64)
+    if integer:
+        return torch.tensor([min(v, KNOB_INT_CAP) for v in values], dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def per_head(value: object, name: str, heads: int, check: Callable[[object], float | int], *,
@@ -265,7 +272,8 @@ def per_head(value: object, name: str, heads: int, check: Callable[[object], flo
         name: the parameter's name (in every message).
         heads: Hq, the number of query heads.
         check: the knob's scalar check, `value -> normalised scalar`.
-        integer: int64 values (counts, sizes) instead of float64.
+        integer: int64 values (counts, sizes) instead of float64; values past
+            `KNOB_INT_CAP` (2**62) mean it.
         device: where the result lives (q's device).
 
     Returns:
@@ -276,10 +284,12 @@ def per_head(value: object, name: str, heads: int, check: Callable[[object], flo
         ValueError: the wrong length or rank, or an element `check` refuses.
     """
     dtype = torch.int64 if integer else torch.float64
-    if not is_per_head(value):
-        return torch.full((heads,), check(value), dtype=dtype, device=device)
-    values = _per_head_values(name, value, check)
+    values = [check(value)] * heads if not is_per_head(value) else _per_head_values(name, value, check)
     if len(values) != heads:
         raise ValueError(f"{name} given per head must have one value per query head (Hq={heads}), "
                          f"got {len(values)}")
+    if integer:
+        values = [min(v, KNOB_INT_CAP) for v in values]
+    if not is_per_head(value):
+        return torch.full((heads,), values[0], dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, device=device)

@@ -156,8 +156,11 @@ def test_schema_follows_the_signature() -> None:
     assert schema == (
         "(Tensor q, Tensor k, Tensor v, *, SymInt vertical_size, SymInt slash_size, SymInt last_q=64, "
         "SymInt block_m=64, SymInt block_n=64, SymInt init_columns=30, SymInt local_diagonals=100, "
-        "float? scale=None) -> Tensor")
+        "float? scale=None, SymInt[]? vertical_size_per_head=None, SymInt[]? slash_size_per_head=None) -> Tensor")
     assert [p.name for p in params][:3] == ["q", "k", "v"]
+    # Per-head knobs (Method.knobs) keep their scalar argument and add a list beside it.
+    assert "float? alpha_c=None" in ops.method_schema("sample_attention", fast.sample_attention)[0]
+    assert "float[]? alpha_c_per_head=None" in ops.method_schema("sample_attention", fast.sample_attention)[0]
     # A union with str passes its str form; MInference's config its JSON text (an Adapter).
     assert "str? settings=None" in ops.method_schema("sample_attention", fast.sample_attention)[0]
     assert "str config, *" in ops.method_schema("minference", fast.minference)[0]

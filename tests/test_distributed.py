@@ -253,6 +253,8 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "hp_streaming": _hp_case("streaming", {"sink": 8, "window": 24, "block_m": 16, "block_n": 16}),
     "hp_vertical_slash": _hp_case("vertical_slash", {**CP_PARAMS["vertical_slash"], "last_q": 16}),
     "hp_block_sparse": _hp_case("block_sparse", {"top_k": 2, "block_size": 16}),
+    # A per-head knob (4 query heads at W = 2): each rank takes its heads' values.
+    "hp_block_sparse_per_head": _hp_case("block_sparse", {"top_k": [1, 3, 2, 4], "block_size": 16}),
     "hp_minference": _hp_case("minference", METHODS["minference"].demo_params(111)),
     "hp_delta_kv": _hp_case("delta_kv", {"threshold": 0.5, "metric": "cosine", "chunk": 16, "block_m": 16,
                                          "block_n": 16}),

@@ -45,7 +45,8 @@ def _count_params() -> list[tuple[str, str, str]]:
                 continue
             fn = spec.plan_fn(pkg_name) if spec.plan_based else spec.reference_run
             for p in inspect.signature(fn).parameters.values():
-                if (p.kind is p.KEYWORD_ONLY and p.annotation in ("int", int) and "block" not in p.name
+                counts = ("int", int, "PerHeadInt")  # PerHeadInt: a count that may be per head
+                if (p.kind is p.KEYWORD_ONLY and p.annotation in counts and "block" not in p.name
                         and p.name != "layer"):  # an index into a config, not a count
                     out.append((pkg_name, spec.name, p.name))
     return out
@@ -63,6 +64,9 @@ def test_huge_counts_mean_everything(pkg: str, method: str, param: str) -> None:
         for huge in (2**40, 2**63):
             got = fn(q, k, **{**params, param: huge})
             assert got.equal(base), f"{pkg}.{method}_plan({param}={huge}) differs from {param}={4 * N}"
+        if pkg == "reference" and param in spec.method.knobs:  # per head too (int64 values)
+            got = fn(q, k, **{**params, param: [2**63] * q.shape[1]})
+            assert got.equal(base), f"{pkg}.{method}_plan({param}=[2**63] * Hq) differs from {param}={4 * N}"
         return
     base_out = spec.reference_run(q, k, v, **{**params, param: 4 * N})
     for huge in (2**40, 2**63):

@@ -157,6 +157,21 @@ def test_build_plan_per_head_matches_single_head_plans() -> None:
         assert torch.equal(mask[:, head : head + 1], alone.to_dense_mask())
 
 
+def test_build_plan_per_head_knob_in_a_layer_wide_choice() -> None:
+    """A per-head knob (`Method.knobs`) in one choice for the whole layer: the same plan as
+    one scalar choice per head, also when another head's choice makes heads plan alone."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 70, 16, generator=gen), torch.randn(1, 2, 70, 16, generator=gen)
+    per_head = {"sink": [0, 16, 0, 16], "window": [16, 48, 16, 48], **SMALL_BLOCKS}
+    narrow = Choice("streaming", {"sink": 0, "window": 16, **SMALL_BLOCKS})
+    wide = Choice("streaming", {"sink": 16, "window": 48, **SMALL_BLOCKS})
+    want = build_plan(q, k, [narrow, wide, narrow, wide], fast_plans=False).to_dense_mask()
+    layer = Choice("streaming", per_head)
+    assert torch.equal(build_plan(q, k, [layer] * 4, fast_plans=False).to_dense_mask(), want)
+    mixed = build_plan(q, k, [layer, layer, Choice("dense", None), layer], fast_plans=False).to_dense_mask()
+    assert torch.equal(mixed[:, [0, 1, 3]], want[:, [0, 1, 3]])
+
+
 def test_fast_backend_under_the_interpreter(llama: torch.nn.Module) -> None:
     # Float32 model: q, k, v go to the kernel in float16 (fast_dtype) and come back float32.
     ids = _ids(1, 96)

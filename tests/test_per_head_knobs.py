@@ -21,7 +21,9 @@ import torch  # noqa: E402
 from sparseprefill import fast, methods, reference  # noqa: E402
 from sparseprefill.reference._checks import check_knob, per_head  # noqa: E402
 
-N, HQ, HKV, D = 160, 2, 1, 32
+N, HQ, HKV, D = 80, 2, 1, 16
+# Small blocks so that tiny N still has several (the interpreter's cost is per block).
+BLOCKS = {"block": 16, "block_m": 16, "block_n": 16, "block_size": 16, "packed_block": 16}
 
 # A low and a high value of each knob, by knob name: the high one keeps at least as
 # much (every knob is monotone: a larger threshold, share, theta, alpha, size, count,
@@ -34,9 +36,9 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "alpha_s": (0.3, 1.0),
     "vertical_size": (1, N),
     "slash_size": (1, N),
-    "top_k": (1, 8),
-    "window": (16, N),
-    "sink": (0, 64),
+    "top_k": (1, 4),
+    "window": (8, N),
+    "sink": (0, 32),
     "tau": (0.0, 2.0),
     "delta": (0.0, 2.0),
 }
@@ -44,9 +46,14 @@ VALUES: dict[str, tuple[Any, Any]] = {
 KNOBS = [(name, knob) for name, m in methods.methods().items() for knob in m.knobs]
 
 
-def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _params(m: methods.Method) -> dict[str, Any]:
+    """The method's defaults at N, with small blocks."""
+    return {**m.demo_params(N), **{p: b for p, b in BLOCKS.items() if p in m.parameters()}}
+
+
+def _inputs(dtype: torch.dtype, n: int = N) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, h, N, D, generator=gen) for h in (HQ, HKV, HKV))
+    q, k, v = (torch.randn(1, h, n, D, generator=gen) for h in (HQ, HKV, HKV))
     k[:, :, 37] *= 4  # a heavy column, so that small budgets differ from large ones
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
@@ -64,18 +71,20 @@ def test_every_method_declares_its_knobs() -> None:
 
 @pytest.mark.parametrize("name,knob", KNOBS)
 def test_per_head_value_plans_each_head_as_its_scalar(name: str, knob: str) -> None:
+    """Reference: `[lo] * Hq` is `lo` exactly; `[lo, hi]` is `lo` on head 0 and `hi` on head 1."""
     m = methods.get(name)
     lo, hi = VALUES[knob]
-    base = m.demo_params(N)
+    base = _params(m)
+    q, k, v = _inputs(torch.float32)
     if not m.plan_based:
-        q, k, v = _inputs(torch.float32)
+        # An output, not a plan (three end-to-end runs: a shorter prompt, three 16-token tiles).
+        q, k, v = _inputs(torch.float32, 48)
         run = m.run_fn("reference")
         want = [run(q, k, v, **{**base, knob: x}) for x in (lo, hi)]
         got = run(q, k, v, **{**base, knob: [lo, hi]})
         for h in range(HQ):
             torch.testing.assert_close(got[:, h], want[h][:, h], rtol=0, atol=0)
         return
-    q, k, _ = _inputs(torch.float32)
     plan = m.plan_fn("reference")
     scalar = {x: plan(q, k, **{**base, knob: x}) for x in (lo, hi)}
     assert plan(q, k, **{**base, knob: [lo] * HQ}).equal(scalar[lo])
@@ -85,20 +94,29 @@ def test_per_head_value_plans_each_head_as_its_scalar(name: str, knob: str) -> N
     density = reference.density(mixed)
     assert bool((density[:, 1] >= density[:, 0]).all()), density
 
-    qh, kh, _ = _inputs(torch.float16)
-    plan = m.plan_fn("fast")
-    fast_scalar = {x: plan(qh, kh, **{**base, knob: x}) for x in (lo, hi)}
-    dtype = torch.int64 if isinstance(lo, int) else torch.float64
-    fast_mixed = plan(qh, kh, **{**base, knob: torch.tensor([lo, hi], dtype=dtype)})
-    for h, x in enumerate((lo, hi)):
-        assert torch.equal(_head(fast_mixed, h), _head(fast_scalar[x], h)), (name, knob, h)
+
+@pytest.mark.parametrize("name", sorted({name for name, _ in KNOBS if methods.get(name).plan_based}))
+def test_fast_per_head_plan_matches_the_reference(name: str) -> None:
+    """Fast, every knob per head at once (`[lo, hi]`, as tensors): the conformance plan
+    property (equal to the reference's, or differing only where the method's tie check
+    allows, each head judged against its own values). One fast call per method."""
+    from sparseprefill.conformance.properties import check_method_plan
+    from sparseprefill.conformance.registry import METHODS
+
+    m = methods.get(name)
+    params = _params(m)
+    for knob in m.knobs:
+        lo, hi = VALUES[knob]
+        params[knob] = torch.tensor([lo, hi], dtype=torch.int64 if isinstance(lo, int) else torch.float64)
+    q, k, _ = _inputs(torch.float16, 48)
+    check_method_plan(METHODS[name], q, k, params, context=f"{name} per-head {params}")
 
 
 @pytest.mark.parametrize("name,knob", KNOBS)
 def test_bad_per_head_values_are_refused_naming_the_argument(name: str, knob: str) -> None:
     m = methods.get(name)
     lo, _ = VALUES[knob]
-    base = m.demo_params(N)
+    base = _params(m)
     q, k, v = _inputs(torch.float16)
     for impl in ("reference", "fast"):
         run = m.run_fn(impl)
@@ -139,10 +157,25 @@ def test_ops_take_per_head_knobs() -> None:
     from sparseprefill.fast import ops
 
     m = methods.get("xattention")
-    q, k, v = _inputs(torch.float16)
-    params = {**m.demo_params(N), "threshold": [0.3, 1.0]}
-    want = fast.xattention(q, k, v, **params)
-    assert torch.equal(ops.call("xattention", q, k, v, **params), want)
-    op = ops.method_op("xattention")
-    direct = op(q, k, v, **{**m.demo_params(N), "threshold_per_head": [0.3, 1.0]})
-    assert torch.equal(direct, want)
+    schema, _ = ops.method_schema("xattention", m.run_fn("fast"))
+    assert "float threshold=0.9" in schema and "float[]? threshold_per_head=None" in schema
+    assert "SymInt[]? top_k_per_head=None" in ops.method_schema("block_sparse", methods.get("block_sparse").run_fn("fast"))[0]
+    q, k, v = _inputs(torch.float16, 48)
+    params = {**_params(m), "threshold": torch.tensor([0.3, 1.0])}
+    assert ops.op_params("xattention", params)["threshold_per_head"] == pytest.approx([0.3, 1.0])
+    got = ops.call("xattention", q, k, v, **params).float()
+    # Near the reference of the per-head call, away from the scalar call's head 1.
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    want = reference.xattention(q32, k32, v32, **params)
+    low = reference.xattention(q32, k32, v32, **{**params, "threshold": 0.3})
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
+    assert float((low[:, 1] - want[:, 1]).abs().max()) > 0.1
+
+
+def test_head_parallel_ranks_get_their_heads_values() -> None:
+    from sparseprefill.distributed import _slice_head_params
+
+    params = {"threshold": [0.1, 0.2, 0.3, 0.4], "top_k": torch.tensor([1, 2, 3, 4]), "block": 64}
+    got = _slice_head_params(params, 2, 4, ("threshold", "top_k"))
+    assert got["threshold"] == [0.3, 0.4] and got["top_k"].tolist() == [3, 4] and got["block"] == 64
+    assert _slice_head_params({"threshold": 0.9}, 2, 4, ("threshold",)) == {"threshold": 0.9}

@@ -273,7 +273,7 @@ def test_packed_anchors_are_positions_in_order() -> None:
 
 def test_selection_kernel_matches_the_torch_path() -> None:
     """`fast.kernels.tile_select` (the GPU path of `select_tiles`) against the torch path:
-    ties by position, NaN rows and weights, thresholds at the extremes; and its lists
+    ties by position, NaN rows and weights, thresholds at the extremes and per head; and its lists
     are `mask_to_list` of its mask at width T."""
     gen = torch.Generator().manual_seed(5)
     tiles = 9
@@ -285,7 +285,8 @@ def test_selection_kernel_matches_the_torch_path() -> None:
     w = torch.where(idx[None, :] <= idx[:, None], w, 0.0)
     w = w / w.sum(-1, keepdim=True)
     w[0, 1, 6, 2] = math.nan
-    for threshold in (1e-9, 0.5, 0.9, 1.0):
+    # Scalars at the extremes, and one threshold per head (the kernel reads THRESH[h]).
+    for threshold in (1e-9, 0.5, 0.9, 1.0, torch.tensor([0.5, 1.0], dtype=torch.float64)):
         want = _select_tiles_torch(w, threshold)
         keep, count, index = select_tile_lists(w, threshold)
         assert torch.equal(keep, want), threshold

@@ -761,13 +761,25 @@ def dense_heads_output(
     return out
 
 
+def _head_params(method: str, params: dict[str, Any], head: int, heads: int) -> dict[str, Any]:
+    """A layer-wide choice's parameters for query head `head` planned alone: a per-head knob
+    (`Method.knobs`, one value per query head of the layer) cut to that head's value."""
+    out = dict(params)
+    for knob in METHODS[method].knobs:
+        value = out.get(knob)
+        if isinstance(value, (list, tuple, torch.Tensor)) and len(value) == heads:
+            out[knob] = value[head : head + 1]
+    return out
+
+
 def build_plan(
     q: torch.Tensor, k: torch.Tensor, choices: Sequence[Choice], *, fast_plans: bool
 ) -> BlockColumnPlan:
     """One plan for all heads: one estimator call if every head shares a method, else per head.
 
     Heads whose choice is full attention (`Choice(DENSE, None)`) take the block
-    sizes of the layer's other heads.
+    sizes of the layer's other heads. A head planned alone takes its own element of a
+    per-head knob given for the whole layer (`Method.knobs`).
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
@@ -802,7 +814,8 @@ def build_plan(
         if choice == Choice(DENSE, None):
             continue
         kv = h // group
-        plan = plan_fn(choice)(q[:, h : h + 1], k[:, kv : kv + 1], **_resolve_params(choice, q[:, h : h + 1]))
+        params = _head_params(choice.method, _resolve_params(choice, q[:, h : h + 1]), h, hq)
+        plan = plan_fn(choice)(q[:, h : h + 1], k[:, kv : kv + 1], **params)
         plans[h] = plan
         sizes = sizes or {"block_m": plan.block_m, "block_n": plan.block_n}
     for h, choice in enumerate(choices):

@@ -78,3 +78,16 @@ def keyword_check(fn: Any) -> Any:
     def check(params: Any) -> None:
         fn(**{name: params[name] for name in names if name in params})
     return check
+
+
+def knob_check(integer: tuple[str, ...] = (), **checks: Callable[[object], float | int]) -> Any:
+    """A `Method.check` of per-head knobs: each named parameter, unless None, is a scalar or
+    one value per query head, each value through its scalar check (`check_knob`; its
+    length is checked against Hq when the method runs). `integer`: the int knobs."""
+    from ..reference._checks import check_knob
+
+    def check(params: Any) -> None:
+        for name, fn in checks.items():
+            if params.get(name) is not None:
+                check_knob(name, params[name], fn, integer=name in integer)
+    return check

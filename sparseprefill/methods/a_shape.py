@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .. import fast, reference
-from ._common import shape_only_estimate, sink_window
+from ..reference.streaming import check_streaming_params
+from ._common import keyword_check, shape_only_estimate, sink_window
 from ._core import DistributedEstimate, Method, SyncStatus, register
 
 
@@ -12,6 +13,7 @@ def defaults(n: int) -> dict[str, int]:
 
 
 METHOD = register(Method(
+    check=keyword_check(check_streaming_params),
     name="a_shape",
     knobs=("sink", "window"),
     notes="MInference A-shape: streaming with 1024 sink and 4096 window tokens, 64 x 64 blocks",

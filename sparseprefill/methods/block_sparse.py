@@ -8,7 +8,8 @@ import torch
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan, cdiv
-from ._common import block_sparse_top_k
+from ..reference.block_sparse import check_top_k
+from ._common import block_sparse_top_k, knob_check
 from ._core import DistributedEstimate, Method, SyncStatus, register
 
 
@@ -64,6 +65,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
 
 
 METHOD = register(Method(
+    check=knob_check(integer=("top_k",), top_k=check_top_k),
     name="block_sparse",
     knobs=("top_k",),
     notes="MInference block-sparse: mean-pooled block scores, top-k key blocks per query block",

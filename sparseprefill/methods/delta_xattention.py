@@ -10,7 +10,8 @@ import torch
 
 from .. import bench, fast, reference
 from ..reference.delta_xattention import PACKED, SKIPPED
-from ._common import tile_block
+from ..reference.xattention import check_xattention_params
+from ._common import keyword_check, tile_block
 from ._core import Ablation, BenchSuite, Method, MethodView, SyncStatus, register
 
 # The parameters of the tile selection and of the per-tile packing.
@@ -231,6 +232,7 @@ def _params(n: int, delta_threshold: float) -> dict[str, Any]:
 
 
 METHOD = register(Method(
+    check=keyword_check(check_xattention_params),
     name="delta_xattention",
     knobs=("threshold",),
     notes="DeltaXAttention: XAttention's tiles, the diagonal and top tiles exact, the other "

@@ -12,7 +12,8 @@ import torch
 from .. import bench, fast, reference
 from ..reference._checks import check_block_size
 from ..reference.plan import BlockColumnPlan, cdiv
-from ._common import MASS_CALIBRATION
+from ..reference.sample_attention import check_alpha_c, check_alpha_s
+from ._common import MASS_CALIBRATION, knob_check
 from ._core import Ablation, BenchSuite, DistributedEstimate, Method, MethodView, SyncStatus, register
 
 
@@ -214,6 +215,7 @@ def alpha_grid(chunk_n: int, block_size: int) -> Callable[[int], list[dict[str, 
 ABLATIONS = tuple(Ablation(f"chunk_n {c}, block {b}", alpha_grid(c, b)) for b in (128, 64) for c in (1, 2, 4))
 
 METHOD = register(Method(
+    check=knob_check(alpha_c=check_alpha_c, alpha_s=check_alpha_s),
     name="sample_attention",
     knobs=("alpha_c", "alpha_s"),
     notes="SampleAttention: chunked sampling, CRA-threshold column and slash blocks (Alg. 1)",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from .. import fast, reference
-from ._common import shape_only_estimate, sink_window
+from ..reference.streaming import check_streaming_params
+from ._common import keyword_check, shape_only_estimate, sink_window
 from ._core import DistributedEstimate, Method, SyncStatus, register
 
 METHOD = register(Method(
+    check=keyword_check(check_streaming_params),
     name="streaming",
     knobs=("sink", "window"),
     notes="StreamingLLM / A-shape: sink + local window (baseline)",

@@ -10,7 +10,17 @@ import torch
 
 from .. import bench, fast, reference
 from ..reference.plan import BlockColumnPlan, cdiv
-from ._common import EVIDENCE_BLOCK, TILE_CALIBRATION, TILE_EVIDENCE, TILE_SWEEP, tile_block, tile_grid, tiles_computed
+from ..reference.xattention import check_xattention_params
+from ._common import (
+    EVIDENCE_BLOCK,
+    TILE_CALIBRATION,
+    TILE_EVIDENCE,
+    TILE_SWEEP,
+    keyword_check,
+    tile_block,
+    tile_grid,
+    tiles_computed,
+)
 from ._core import Ablation, BenchSuite, Method, MethodView, SyncStatus, register
 
 
@@ -209,6 +219,7 @@ def tile_suite(method: str) -> BenchSuite:
 
 
 METHOD = register(Method(
+    check=keyword_check(check_xattention_params),
     name="xattention",
     knobs=("threshold",),
     notes="XAttention: antidiagonal stride-level scores, row softmax summed into tiles, greedy "
