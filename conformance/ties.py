@@ -438,7 +438,7 @@ def shareprefill_tie_check(
                                   ref_decision.d_sim, layer=layer)
     verticals, slashes = fast_flex_lines(q, k, gamma=fast_state.gamma, last_q=fast_state.block_m,
                                          init_columns=fast_state.init_columns,
-                                         local_diagonals=fast_state.local_diagonals, scale=scale)
+                                         local_diagonals=fast_state.local_diagonals, line_block=1, scale=scale)
     cpu_decision = LayerDecision(layer=layer, pattern=fast_decision.pattern.cpu(),
                                         d_sparse=fast_decision.d_sparse.cpu(),
                                         d_sim=fast_decision.d_sim.cpu(), cluster=fast_decision.cluster.cpu())

@@ -32,7 +32,7 @@ DISJOINT_COLUMN_BYTES = 512 << 20
 @triton.jit
 def _own_columns_kernel(
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX, OUT_COUNT, OUT_INDEX,
-    num_heads, block_n, out_width,
+    num_heads, block_n, out_width, block_width,
     s_bc0, s_bc1, s_bc2,
     s_bi0, s_bi1, s_bi2, s_bi3,
     s_cc0, s_cc1, s_cc2,
@@ -44,8 +44,12 @@ def _own_columns_kernel(
     num_qb = tl.num_programs(0)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
+    # Counts clamped to the lists' widths: a plan edited after validation (docs/robustness.md)
+    # must not make this pass read past a row.
     n_blocks = tl.load(BLOCK_COUNT + i_b * s_bc0 + i_h * s_bc1 + i_m * s_bc2)
+    n_blocks = tl.minimum(tl.maximum(n_blocks, 0), block_width)
     n_cols = tl.load(COLUMN_COUNT + i_b * s_cc0 + i_h * s_cc1 + i_m * s_cc2)
+    n_cols = tl.minimum(tl.maximum(n_cols, 0), out_width)
     p_blocks = BLOCK_INDEX + i_b * s_bi0 + i_h * s_bi1 + i_m * s_bi2
     p_cols = COLUMN_INDEX + i_b * s_ci0 + i_h * s_ci1 + i_m * s_ci2
     p_out = OUT_INDEX + (i_bh * num_qb + i_m) * out_width
@@ -97,7 +101,7 @@ def disjoint_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
     if width > 0 and count.numel() > 0:
         _own_columns_kernel[(qb, b * h)](
             plan.block_count, plan.block_index, plan.column_count, columns, count, index,
-            h, plan.block_n, width,
+            h, plan.block_n, width, plan.block_index.shape[3],
             *plan.block_count.stride(), *plan.block_index.stride(),
             *plan.column_count.stride(), *columns.stride(),
             CHUNK=_CHUNK, SEARCH_STEPS=max(1, plan.block_index.shape[3].bit_length()), num_warps=4,
