@@ -532,13 +532,8 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
         picks = [best if bool(serve[best, h]) else None for h in range(hq)]
         spec = layer_spec(method, points, picks)
     whole = measure_spec(method, spec, caps, truths, impl=impl)
-    default = method.demo_params(n)
-    dstats = _combine([plan_stats(t, method.plan_fn(impl)(c.q.float(), c.k.float(),
-                                                          **method.call_params(default, c.q)), c.v)
-                       for c, t in zip(caps, truths)])
+    default, dstats, oracle = _default_and_oracle(method, caps, truths, impl=impl, share=share)
     d, rm, rn, err = _head_lists(whole)
-    idx = list(truths[0].shares).index(share)
-    oracle = torch.stack([t.oracle[..., idx].mean(0) for t in truths]).mean(0)
     result = LayerResult(
         method=method.name, layer=caps[0].layer, sources=[Path(c.source).name for c in caps], seqlen=n,
         spec=spec, picks=picks, chosen_params=[points[i] if i is not None else None for i in picks],
@@ -554,19 +549,27 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
     return result
 
 
+def _default_and_oracle(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], *,
+                        impl: str, share: float) -> tuple[dict[str, Any], Any, torch.Tensor]:
+    """The method's default parameters at the captures' length, its per-head stats there,
+    and the oracle's density at `share` per head (mean over the captures)."""
+    default = method.demo_params(caps[0].seqlen)
+    dstats = _combine([plan_stats(t, method.plan_fn(impl)(c.q.float(), c.k.float(),
+                                                          **method.call_params(default, c.q)), c.v)
+                       for c, t in zip(caps, truths)])
+    idx = list(truths[0].shares).index(share)
+    oracle = torch.stack([t.oracle[..., idx].mean(0) for t in truths]).mean(0)
+    return dict(default), dstats, oracle
+
+
 def evaluate_layer(method: Any, spec: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], *,
                    impl: str = "reference", share: float = 0.95) -> LayerResult:
     """A written layer config measured on (held-out) captures of that layer."""
     t0 = time.perf_counter()
     whole = measure_spec(method, spec, caps, truths, impl=impl)
     n = caps[0].seqlen
-    default = method.demo_params(n)
-    dstats = _combine([plan_stats(t, method.plan_fn(impl)(c.q.float(), c.k.float(),
-                                                          **method.call_params(default, c.q)), c.v)
-                       for c, t in zip(caps, truths)])
+    default, dstats, oracle = _default_and_oracle(method, caps, truths, impl=impl, share=share)
     d, rm, rn, err = _head_lists(whole)
-    idx = list(truths[0].shares).index(share)
-    oracle = torch.stack([t.oracle[..., idx].mean(0) for t in truths]).mean(0)
     hq = int(caps[0].q.shape[1])
     if spec is None:
         picks: list[int | None] = [None] * hq
