@@ -63,6 +63,7 @@ from ..reference.anchor_attention import (
 from ..reference.block_sparse import block_scores, mean_pooling
 from ..reference.flexprefill_vs import (
     GAMMA,
+    LINE_BLOCK,
     band_lines,
     first_lines,
     lines_index,
@@ -310,7 +311,7 @@ def flexprefill_vs_tie_check(
     last_q = int(params.get("last_q", 64))
     init_columns = int(params.get("init_columns", 1))
     local_diagonals = int(params.get("local_diagonals", 1))
-    line_block = int(params.get("line_block", 1))
+    line_block = int(params.get("line_block", LINE_BLOCK))
     scale = params.get("scale")
     verticals, slashes = fast_flex_lines(q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
                                          local_diagonals=local_diagonals, line_block=line_block, scale=scale)
