@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One batched GPU session (the `device` tool's run, or any CUDA machine): install, then
+# One batched GPU session (the `device` tool's run, or any CUDA machine): the checkout made importable, then
 # the named steps, each under its own time limit; logs and JSON go to $OUT (default ./gpu-out),
 # the JSON also packed into $OUT/results.tar.
 #   bash benches/gpu_session.sh sanitize serving sweep anchor sample delta_kv guard
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT/res"; R="$OUT/res"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.txt" 2>&1 || cat "$OUT/install.txt"
+source benches/device_env.sh  # import from the checkout, no install (see that file)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B="python3 -m sparseprefill.cli bench --no-flex"
