@@ -42,3 +42,30 @@ if [ "$MODE" = probe ]; then
         --json "$OUT/dense-d64.json" 2>&1 | grep -v Warn | tee -a "$OUT/variants.log"
     grep -E "^    (Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Issue Slots Busy|No Eligible|Registers Per|Achieved Occupancy|Local Memory Spilling|Warp Cycles Per Issued)|_block_column_fwd" "$OUT/ncu-32k.txt" | head -60
 fi
+if [ "$MODE" = final ]; then
+    # Workloads: 128K in the background while the GPU works on 8K / 32K.
+    python "$S/discrete_keys.py" workload --seqlens 131072 --head-dims 128 > "$OUT/workload.log" 2>&1 &
+    python "$S/discrete_keys.py" workload --seqlens 131072 --head-dims 64 >> /tmp/wl64.log 2>&1 &
+    python "$S/discrete_keys.py" workload --seqlens 8192,32768 --head-dims 64 >> /tmp/wlshort.log 2>&1 &
+    python "$S/discrete_keys.py" workload --seqlens 32768,8192 --head-dims 128 >> "$OUT/workload.log" 2>&1
+    SAN="anchor_attention,columns20"
+    SPARSEPREFILL_TILE_MAJOR=1 timeout 22 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python "$S/discrete_keys.py" run --sanitize --label san --seqlens 1500 --heads 8 --kv-heads 2 \
+        --plans "$SAN" --json /tmp/san.json > /tmp/san.txt 2>&1
+    echo "memcheck (column split + tile-major grid): exit $?" | tee -a /tmp/san.txt; grep -E "ERROR SUMMARY|ran under" /tmp/san.txt
+    P32="anchor_attention,blocks_like_anchor_attention,columns20,blocks_like_columns20"
+    timeout 27 python "$S/kernel_variants.py" --seqlens 32768 --head-dims 128 --plans "$P32" \
+        --variants "before:COL_SPLIT=0;after:COL_SPLIT=1" --json "$OUT/cols-32k-d128.json" 2>&1 | grep -v Warn | tee "$OUT/final.log"
+    timeout 26 python "$S/kernel_variants.py" --seqlens 8192,32768 --head-dims 128,64 --plans dense \
+        --variants "head_major:;tile_major:TILE_MAJOR=1" --json "$OUT/dense-short.json" 2>&1 | grep -v Warn | tee -a "$OUT/final.log"
+    wait
+    P128="anchor_attention,blocks_like_anchor_attention,columns20,blocks_like_columns20,flexprefill_vs_0.95_lines,blocks_like_flexprefill_vs_0.95_lines,dense"
+    timeout 55 python "$S/kernel_variants.py" --seqlens 131072 --head-dims 128 --plans "$P128" --warmup 10 --rep 60 \
+        --variants "before:COL_SPLIT=0;after:COL_SPLIT=1;budget4g:COL_SPLIT=1,BUDGET_GIB=4;tile_major:TILE_MAJOR=1" \
+        --json "$OUT/cols-128k-d128.json" 2>&1 | grep -v Warn | tee -a "$OUT/final.log"
+    timeout 22 python "$S/kernel_variants.py" --seqlens 131072 --head-dims 64 --warmup 10 --rep 60 \
+        --plans "anchor_attention,blocks_like_anchor_attention,columns20,blocks_like_columns20" \
+        --variants "after:COL_SPLIT=1" --json "$OUT/cols-128k-d64.json" 2>&1 | grep -v Warn | tee -a "$OUT/final.log"
+    cp /tmp/san.txt "$OUT/sanitizer.txt"
+    grep -E "block path|cuDNN [0-9]" "$OUT/final.log"
+fi

@@ -1,8 +1,9 @@
 """Kernel variants of the block/column kernel timed in one process, beside cuDNN (issue 21).
 
 A variant is a set of the launcher's tuning switches (module attributes of
-`fast.kernels.block_column`: `_COL_SPLIT`, `_COL_TILE`, `_COL_PREFETCH`) and an optional
-tile override (`SPARSEPREFILL_TILE="BM,BN,warps,stages"`). For every (N, D) the bench's
+`fast.kernels.block_column`: `_COL_SPLIT`, `_COL_TILE`, `_COL_PREFETCH`, `_TILE_MAJOR`; and
+`BUDGET_GIB`, the front door's `own_columns.DISJOINT_COLUMN_BYTES`) and an optional tile
+override (`SPARSEPREFILL_TILE="BM,BN,warps,stages"`). For every (N, D) the bench's
 workload (`discrete_keys.workload`) and each plan are built once; every variant of every
 plan is then timed (`triton.testing.do_bench`, median) and its output compared with the
 first variant's (relative Frobenius difference), and cuDNN SDPA dense is timed in the same
@@ -47,6 +48,10 @@ def apply(sets: dict[str, str]) -> None:
     bc._COL_SPLIT = sets.get("COL_SPLIT", "1") == "1"
     bc._COL_TILE = int(sets.get("COL_TILE", "0"))
     bc._COL_PREFETCH = sets.get("COL_PREFETCH", "1") == "1"
+    bc._TILE_MAJOR = sets.get("TILE_MAJOR", "0") == "1"
+    from sparseprefill.fast.kernels import own_columns
+
+    own_columns.DISJOINT_COLUMN_BYTES = int(float(sets.get("BUDGET_GIB", "0.5")) * 2**30)
     tile = sets.get("TILE")
     if tile:
         os.environ["SPARSEPREFILL_TILE"] = tile.replace(".", ",")
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 # A block-path twin does not depend on the column switches: its first variant only.
                 for vname, sets in (variants[:1] if name.startswith("blocks_like_") else variants):
                     apply(sets)
+                    plan.__dict__.pop("_resolved_columns", None)  # the front door's cache (budget variants)
                     try:
                         out, _ = block_column_attention(q, k, v, plan, validate_plan=False)
                         torch.cuda.synchronize()

@@ -275,7 +275,7 @@ def _block_column_fwd(
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
     GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr, COL_N: tl.constexpr,
-    COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr,
+    COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr, TILE_MAJOR: tl.constexpr,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -312,8 +312,14 @@ def _block_column_fwd(
                 return
     # Longest rows first: later query tiles list more blocks. (A tile-major 1-D grid for
     # varlen batches measured slower on the H200: 89.6 vs 83.3 ms on 4K + 16K + 60K.)
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
+    if TILE_MAJOR:
+        # Query tiles on the slow grid axis: the programs start in one global
+        # longest-first order (every head's last query tile, then the one before, ...).
+        i_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        i_bh = tl.program_id(0)
+    else:
+        i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
     i_hkv = i_h // group
@@ -555,6 +561,9 @@ _COL_PREFETCH = os.environ.get("SPARSEPREFILL_COL_PREFETCH", "1") == "1"
 _COL_TILE = int(os.environ.get("SPARSEPREFILL_COL_TILE", "0"))
 # Column tiles wholly before a query tile's first row run without masks (on by default).
 _COL_SPLIT = os.environ.get("SPARSEPREFILL_COL_SPLIT", "1") == "1"
+# Grid order (a tuning switch): query tiles on the slow axis, so programs start longest
+# first over all heads, not head after head (docs/plan-and-kernels.md, short prompts).
+_TILE_MAJOR = os.environ.get("SPARSEPREFILL_TILE_MAJOR", "0") == "1"
 # Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
 # clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
 # keeps NaN values out of rows that do not keep their key. Never turn them off in use.
@@ -919,7 +928,8 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
 
                 k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
                 v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
-            grid = (triton.cdiv(n, block_m), b * hq)
+            tile_major = _TILE_MAJOR and call.varlen is None
+            grid = (b * hq, triton.cdiv(n, block_m)) if tile_major else (triton.cdiv(n, block_m), b * hq)
             try:
                 _block_column_fwd[grid](
                     q, k, v, out, lse, mask_arg,
@@ -944,6 +954,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     COL_N=min(block_n, _COL_TILE) if _COL_TILE else block_n,
                     COL_SPLIT=_COL_SPLIT and has_columns,
                     COL_TAIL=triton.next_power_of_2(plan.block_m) if has_columns else 1,
+                    TILE_MAJOR=tile_major,
                     num_warps=num_warps, num_stages=num_stages,
                 )
             except OutOfResources:
