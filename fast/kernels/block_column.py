@@ -6,13 +6,14 @@ listed key blocks in `BLOCK_N`-key tiles, then over the listed key columns gathe
 `BLOCK_N` at a time, keeping the online-softmax state `(m_i, l_i, acc)` in fp32.
 Because block lists are sorted and causal, only the last few listed blocks can
 cross the diagonal or the end of the sequence: the kernel runs the block list in
-two loops, an unmasked one and a masked one, and masks only the latter and the
-columns. A column inside a listed block (allowed by the plan format, so column
+two loops, an unmasked one and a masked one; sorted causal column lists likewise
+run their tiles before the query tile's first row unmasked and mask only the rest
+(disjoint lists). A column inside a listed block (allowed by the plan format, so column
 lists can be shared) is dropped by a binary search in the block list, so no key
 counts twice (plans normally arrive with such columns already resolved at the front
-door, `resolve_covered_columns`). Column tiles are always masked, so the step that
-keeps NaN / inf values out of rows that skip their key would run on every one of
-them; for plans with columns the launcher computes a one-element flag (does V hold a
+door, `resolve_covered_columns`). Masked column tiles would run the step that
+keeps NaN / inf values out of rows that skip their key on every one of them; for
+plans with columns the launcher computes a one-element flag (does V hold a
 non-finite value at all, `torch.aminmax`, no host sync) and launches two compiled
 copies of the kernel, with and without that step: the programs of the copy that does
 not match the flag return at once. Grouped-query attention maps query head `h` to KV head `h // G`; K
@@ -167,8 +168,10 @@ def _column_tiles(
 ):
     """Fold the listed columns into `(acc, l_i, m_i)`, gathered `BLOCK_N` at a time.
 
-    Every column tile is masked (column count, causality, covered columns), so with
-    NONFINITE each tile also passes its V tile through registers to test it for
+    With COL_SPLIT (disjoint lists, no dense mask) the whole tiles of columns before the
+    tile's first row run unmasked, like key blocks before the diagonal; the remaining
+    column tiles are masked (column count, causality, covered columns), so with
+    NONFINITE each of those also passes its V tile through registers to test it for
     NaN / inf (`_softmax_step`); the launcher runs that copy of the kernel only when
     V holds a non-finite value at all.
     """
