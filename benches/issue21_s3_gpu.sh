@@ -3,7 +3,9 @@
 #   probe: ncu on anchor_attention's plan and its block-path twin at 32K (D 128), then the
 #          column-loop variants (unmasked column tiles, 64-key column tiles) at 32K for
 #          D 128 / 64, and dense tile shapes at 8K / 32K for D 128 / 64, all beside cuDNN.
-#   final BEFORE_DIR: before / after (BEFORE_DIR = the session's start) at 32K and 128K.
+#   final: before / after (COL_SPLIT=0 / 1 in one process) at 32K and 128K, dense grid orders,
+#          sanitizer (steps cut short by design: a 170 s call).
+#   owed:  what final cut (about 4 to 8 minutes).
 set -uo pipefail
 MODE=$1; shift
 OUT=${OUT:-/tmp/out}
@@ -68,4 +70,24 @@ if [ "$MODE" = final ]; then
         --variants "after:COL_SPLIT=1" --json "$OUT/cols-128k-d64.json" 2>&1 | grep -v Warn | tee -a "$OUT/final.log"
     cp /tmp/san.txt "$OUT/sanitizer.txt"
     grep -E "block path|cuDNN [0-9]" "$OUT/final.log"
+fi
+if [ "$MODE" = owed ]; then
+    # What the session-3 final call's step budgets cut (about 4 minutes): the 64 x 64 column
+    # plans before / after the unmasked column tiles beside their block twins at 32K and 128K,
+    # the 4 GiB front-door budget for flexprefill's shared single lines, dense at 128K, and the
+    # sanitizer over the new paths run to its end.
+    python "$S/discrete_keys.py" workload --seqlens 32768,131072 --head-dims 128,64 > "$OUT/workload.log" 2>&1
+    P="columns20,blocks_like_columns20,flexprefill_vs_0.95_lines,blocks_like_flexprefill_vs_0.95_lines"
+    P="$P,vertical_slash,blocks_like_vertical_slash,anchor_attention,blocks_like_anchor_attention"
+    timeout 240 python "$S/kernel_variants.py" --seqlens 32768,131072 --head-dims 128,64 --plans "$P" \
+        --variants "before:COL_SPLIT=0;after:COL_SPLIT=1;budget4g:COL_SPLIT=1,BUDGET_GIB=4" \
+        --json "$OUT/owed-columns.json" 2>&1 | grep -v Warn | tee "$OUT/owed.log"
+    timeout 60 python "$S/kernel_variants.py" --seqlens 131072 --head-dims 128 --plans dense \
+        --variants "head_major:;tile_major:TILE_MAJOR=1" --json "$OUT/owed-dense.json" 2>&1 | grep -v Warn | tee -a "$OUT/owed.log"
+    SPARSEPREFILL_TILE_MAJOR=1 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python "$S/discrete_keys.py" run --sanitize --label san --seqlens 1500 --heads 8 --kv-heads 2 \
+        --plans anchor_attention,columns20,flexprefill_vs_0.95_lines,vertical_slash --json /tmp/san.json \
+        > "$OUT/sanitizer.txt" 2>&1
+    echo "memcheck: exit $?"; grep -E "ERROR SUMMARY|ran under" "$OUT/sanitizer.txt"
+    grep -E "block path|cuDNN [0-9]" "$OUT/owed.log"
 fi
