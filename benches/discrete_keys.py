@@ -129,6 +129,8 @@ def method_plans(q: torch.Tensor, k: torch.Tensor, names: tuple[str, ...]) -> It
         "vertical_slash": lambda: fast.vertical_slash_plan(q, k, vertical_size=1000, slash_size=6096),
         "flexprefill_vs_0.9": lambda: fast.flexprefill_vs_plan(q, k, gamma=0.9),
         "flexprefill_vs_0.95": lambda: fast.flexprefill_vs_plan(q, k, gamma=0.95),
+        # Single lines (line_block 1, SharePrefill's setting; the default bands are blocks).
+        "flexprefill_vs_0.95_lines": lambda: fast.flexprefill_vs_plan(q, k, gamma=0.95, line_block=1),
         "anchor_attention": lambda: fast.anchor_attention_plan(q, k),
         "columns20": lambda: column_plan(q),
     }

@@ -243,3 +243,33 @@ def test_narrow_column_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     mask = plan.to_dense_mask()
     golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
     check_attention(out, lse, golden, baseline, context="16-key column tiles")
+
+
+def test_unmasked_column_tiles_and_grid_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole column tiles before a query tile's first row run without masks (`_COL_SPLIT`),
+    and the tile-major grid (`_TILE_MAJOR`) starts the same programs in another order:
+    the same attention either way, on grouped disjoint lists with a head dim that is not
+    a power of two, a NaN in V included (unmasked column tiles skip the non-finite step:
+    every row keeps every key there)."""
+    from sparseprefill.fast.kernels import block_column
+
+    monkeypatch.setattr(block_column, "_COL_SPLIT", True)
+    monkeypatch.setattr(block_column, "_TILE_MAJOR", True)
+    gen = torch.Generator().manual_seed(5)
+    grouped = _grouped_plan(gen, 200, 32, 32, 2, b=1)
+    # Blocks with per-query-block disjoint columns, and grouped lists alone (disjoint too).
+    plans = [grouped.ungrouped().with_disjoint_columns(),
+             replace(grouped, block_count=torch.zeros_like(grouped.block_count), columns_disjoint=True).validate()]
+    q = torch.randn(1, 2, 200, 24, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 1, 200, 24, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, 1, 200, 24, generator=gen).to(torch.bfloat16)
+    for plan in plans:
+        assert int(plan.column_count.max()) > 48
+        out, lse = fast.sparse_attention(q, k, v, plan, return_lse=True)
+        mask = plan.to_dense_mask()
+        golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
+        check_attention(out, lse, golden, baseline, context="unmasked column tiles")
+    v[0, 0, 7] = float("nan")
+    out = fast.sparse_attention(q, k, v, plans[1])
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), plans[1])
+    assert torch.equal(torch.isnan(out).any(-1), torch.isnan(ref).any(-1))

@@ -6,13 +6,14 @@ listed key blocks in `BLOCK_N`-key tiles, then over the listed key columns gathe
 `BLOCK_N` at a time, keeping the online-softmax state `(m_i, l_i, acc)` in fp32.
 Because block lists are sorted and causal, only the last few listed blocks can
 cross the diagonal or the end of the sequence: the kernel runs the block list in
-two loops, an unmasked one and a masked one, and masks only the latter and the
-columns. A column inside a listed block (allowed by the plan format, so column
+two loops, an unmasked one and a masked one; sorted causal column lists likewise
+run their tiles before the query tile's first row unmasked and mask only the rest
+(disjoint lists). A column inside a listed block (allowed by the plan format, so column
 lists can be shared) is dropped by a binary search in the block list, so no key
 counts twice (plans normally arrive with such columns already resolved at the front
-door, `resolve_covered_columns`). Column tiles are always masked, so the step that
-keeps NaN / inf values out of rows that skip their key would run on every one of
-them; for plans with columns the launcher computes a one-element flag (does V hold a
+door, `resolve_covered_columns`). Masked column tiles would run the step that
+keeps NaN / inf values out of rows that skip their key on every one of them; for
+plans with columns the launcher computes a one-element flag (does V hold a
 non-finite value at all, `torch.aminmax`, no host sync) and launches two compiled
 copies of the kernel, with and without that step: the programs of the copy that does
 not match the flag return at once. Grouped-query attention maps query head `h` to KV head `h // G`; K
@@ -159,15 +160,18 @@ def _listed_block(p_bindex, stride_bik, count, i_blk, SEARCH_STEPS: tl.constexpr
 def _column_tiles(
     acc, l_i, m_i, poison, b_q, b_bias, ccount, count, p_cindex, stride_cik, p_bindex, stride_bik,
     p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale,
+    m_row, m_d, o_m, o_n, key_len, plan_block_n, qk_scale, sm_scale, row0_g,
     BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr,
     SKIP_COVERED: tl.constexpr, WIN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     NONFINITE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+    EVEN_D: tl.constexpr, COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr,
 ):
     """Fold the listed columns into `(acc, l_i, m_i)`, gathered `BLOCK_N` at a time.
 
-    Every column tile is masked (column count, causality, covered columns), so with
-    NONFINITE each tile also passes its V tile through registers to test it for
+    With COL_SPLIT (disjoint lists, no dense mask) the whole tiles of columns before the
+    tile's first row run unmasked, like key blocks before the diagonal; the remaining
+    column tiles are masked (column count, causality, covered columns), so with
+    NONFINITE each of those also passes its V tile through registers to test it for
     NaN / inf (`_softmax_step`); the launcher runs that copy of the kernel only when
     V holds a non-finite value at all.
     """
@@ -177,13 +181,46 @@ def _column_tiles(
     # back to a binary search (a per-column search in every tile was 5x slower).
     ptr = count * 0
     o_w = tl.arange(0, WIN)
+    c_start = ccount * 0
+    if COL_SPLIT and not SKIP_COVERED and not HAS_MASK:
+        # Sorted causal lists: only columns after the tile's first row need the causal
+        # mask, and a query block lists at most its own rows' keys past that row, so they
+        # are among the last COL_TAIL (>= plan block_m) entries. Whole tiles before them
+        # run like unmasked key blocks: no keep mask, no load predicates, and (every row
+        # keeping every key) no non-finite step.
+        o_t = ccount - COL_TAIL + tl.arange(0, COL_TAIL)
+        c_tail = tl.load(p_cindex + o_t * stride_cik, mask=o_t >= 0, other=-1)
+        n_late = tl.sum(((c_tail > row0_g) & (o_t >= 0)).to(tl.int32), 0)
+        c_start = ((ccount - n_late) // BLOCK_N) * BLOCK_N
+        if PREFETCH:
+            i_col_nx = tl.load(p_cindex + o_n * stride_cik, mask=o_n < c_start, other=0)
+        for c0 in range(0, c_start, BLOCK_N):
+            if PREFETCH:
+                i_col = i_col_nx
+                i_col_nx = tl.load(p_cindex + (c0 + BLOCK_N + o_n) * stride_cik,
+                                   mask=c0 + BLOCK_N + o_n < c_start, other=0)
+            else:
+                i_col = tl.load(p_cindex + (c0 + o_n) * stride_cik)
+            if GUARD:
+                i_col = tl.minimum(tl.maximum(i_col, 0), key_len - 1)
+            if EVEN_D:
+                b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn)
+                b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn)
+            else:
+                b_k = tl.load(p_k_cols + i_col.to(tl.int64)[None, :] * stride_kn, mask=m_d[:, None], other=0.0)
+                b_v = tl.load(p_v_cols + i_col.to(tl.int64)[:, None] * stride_vn, mask=m_d[None, :], other=0.0)
+            if HAS_BIAS:
+                b_bias = tl.load(x_base + i_col.to(tl.int64) * stride_xn) * K_LOG2E
+            acc, l_i, m_i, poison, tile_sum = _softmax_step(
+                acc, l_i, m_i, poison, b_q, b_k, b_v, b_q, b_bias, qk_scale, sm_scale,
+                False, DOT_F32, False, NONFINITE, HAS_BIAS)
     # The gathers below depend on the column indices: with disjoint columns, load the
     # next tile's one step ahead (H200, 128K MInference plan: 33.2 -> 32.4 ms). With
     # the column-in-block test it made the loop 1.75x slower (43.2 -> 75.7 ms), so
     # that path loads them in place.
     if PREFETCH and not SKIP_COVERED:
-        i_col_next = tl.load(p_cindex + o_n * stride_cik, mask=o_n < ccount, other=0)
-    for c0 in range(0, ccount, BLOCK_N):
+        i_col_next = tl.load(p_cindex + (c_start + o_n) * stride_cik, mask=c_start + o_n < ccount, other=0)
+    for c0 in range(c_start, ccount, BLOCK_N):
         o_c = c0 + o_n
         m_c = o_c < ccount
         if PREFETCH and not SKIP_COVERED:
@@ -241,6 +278,7 @@ def _block_column_fwd(
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PREFETCH: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
     GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr, COL_N: tl.constexpr,
+    COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr, TILE_MAJOR: tl.constexpr,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -277,8 +315,14 @@ def _block_column_fwd(
                 return
     # Longest rows first: later query tiles list more blocks. (A tile-major 1-D grid for
     # varlen batches measured slower on the H200: 89.6 vs 83.3 ms on 4K + 16K + 60K.)
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
+    if TILE_MAJOR:
+        # Query tiles on the slow grid axis: the programs start in one global
+        # longest-first order (every head's last query tile, then the one before, ...).
+        i_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        i_bh = tl.program_id(0)
+    else:
+        i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
     i_hkv = i_h // group
@@ -434,9 +478,9 @@ def _block_column_fwd(
             acc, l_i, m_i, poison, b_q, tl.zeros([COL_N], dtype=tl.float32), ccount, count, p_cindex,
             stride_cik, p_bindex, stride_bik,
             p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
-            m_row, m_d, o_m, tl.arange(0, COL_N), key_len, plan_block_n, qk_scale, sm_scale,
+            m_row, m_d, o_m, tl.arange(0, COL_N), key_len, plan_block_n, qk_scale, sm_scale, row0_g,
             COL_N, DOT_F32, GUARD, COL_PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, NONFINITE,
-            HAS_BIAS, HAS_MASK)
+            HAS_BIAS, HAS_MASK, EVEN_D, COL_SPLIT, COL_TAIL)
 
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
     # output (a convex combination of values), so any infinity is such a row too.
@@ -518,6 +562,11 @@ _COL_PREFETCH = os.environ.get("SPARSEPREFILL_COL_PREFETCH", "1") == "1"
 # Tuning switches only: the column loop's index prefetch, and its tile width (keys per
 # column tile, a power of two >= 16; 0 = the key tile's). docs/plan-and-kernels.md.
 _COL_TILE = int(os.environ.get("SPARSEPREFILL_COL_TILE", "0"))
+# Column tiles wholly before a query tile's first row run without masks (on by default).
+_COL_SPLIT = os.environ.get("SPARSEPREFILL_COL_SPLIT", "1") == "1"
+# Grid order (a tuning switch): query tiles on the slow axis, so programs start longest
+# first over all heads, not head after head (docs/plan-and-kernels.md, short prompts).
+_TILE_MAJOR = os.environ.get("SPARSEPREFILL_TILE_MAJOR", "0") == "1"
 # Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
 # clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
 # keeps NaN values out of rows that do not keep their key. Never turn them off in use.
@@ -882,7 +931,8 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
 
                 k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
                 v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
-            grid = (triton.cdiv(n, block_m), b * hq)
+            tile_major = _TILE_MAJOR and call.varlen is None
+            grid = (b * hq, triton.cdiv(n, block_m)) if tile_major else (triton.cdiv(n, block_m), b * hq)
             try:
                 _block_column_fwd[grid](
                     q, k, v, out, lse, mask_arg,
@@ -905,6 +955,9 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     SKIP_COVERED=has_columns and not plan.columns_disjoint,
                     GUARD=_GUARD, NONFINITE=nonfinite, COL_PREFETCH=_COL_PREFETCH,
                     COL_N=min(block_n, _COL_TILE) if _COL_TILE else block_n,
+                    COL_SPLIT=_COL_SPLIT and has_columns,
+                    COL_TAIL=triton.next_power_of_2(plan.block_m) if has_columns else 1,
+                    TILE_MAJOR=tile_major,
                     num_warps=num_warps, num_stages=num_stages,
                 )
             except OutOfResources:
