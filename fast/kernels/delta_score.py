@@ -5,19 +5,20 @@
    queries and on the keys; each row's anchor positions are then packed to its front
    (`[B * H, N]`, one cumsum and one scatter) with each tile's first slot
    (`[B * H, T + 1]`), `delta_anchor_packed`.
-2. `_anchor_row_kernel`: per (query tile, query head), the Q anchors of the query tile
-   against the packed K anchors of key tiles `0..i`, `BLOCK_K` of them per step whatever
-   tile they belong to, so the work is the anchor pairs (`alpha * beta` of the causal
-   tile pairs) with no per-tile padding; `sum exp2(s - m)` per key, `m` the running
-   maximum over the row; the keys' sums are added per key tile by a segmented scan, and
-   a tile's sum is stored with the `m` it is relative to once its last anchor is seen.
-   The launcher rescales the row to its final maximum and normalises it. Only
-   `[B, Hq, T, T]` is written.
+2. `_anchor_tile_kernel`: per query head and `TQ` consecutive query tiles, the Q
+   anchors of those tiles (`BLOCK_M` at a time, whatever tile they belong to) against
+   each key tile's packed K anchors (`BLOCK_K` at a time), key tiles `0..last`: the
+   work is the anchor pairs (`alpha * beta` of the causal tile pairs) plus one partial
+   chunk per key tile. Per query tile a running maximum over its row of tiles (rows map
+   to their query tile through a one-hot `[BLOCK_M, TQ]` mask); per (query tile, key
+   tile) the log2-sum-exp of its pairs is stored in the output, and at the end the
+   program rescales its rows to their final maxima and normalises them in place. Only
+   `[B, Hq, T, T]` is written, once (plus the rescaling pass), with no scan.
 
-   The kernel it replaces gave every key tile `BLOCK_A` = 32 slots and gathered them
-   through per-tile position lists: at the bench workload's 7.5% anchors (10 per
-   128-token tile) three slots in four were padding, 157 ms at 128K on an H200
-   (docs/xattention.md has the figures).
+   The kernels it replaces (docs/xattention.md, "DPXA scoring"): per-tile slots of 32 (157
+   ms at 128K on an H200: three slots in four padding), then 16 output rows per program
+   against 64 packed K anchors a step with a segmented scan per step (52.6 ms at 128K on an
+   H100: few Q rows per K read, a scan per step, and 8-17 s a call in the interpreter).
 
 GQA maps query head `h` to KV head `h // G` (K anchors are computed once per KV
 head). No host synchronisation.
@@ -193,11 +194,12 @@ def delta_anchor_packed(
 
 
 # The scoring kernel's tiles on the GPU: (most query tiles per program, Q anchors per
-# step, K anchors per step, warps, stages); measured in docs/xattention.md ("DPXA
-# scoring"). Fewer query tiles per program (halving down to 16) while the launch has
-# fewer than MIN_PROGRAMS programs, so 8K-32K spread over the SMs too.
-SCORE_CONFIG = (64, 64, 32, 4, 2)
-MIN_PROGRAMS = 512
+# step, K anchors per step, warps, stages); the variants measured are in docs/xattention.md
+# ("DPXA scoring"). Fewer query tiles per program (halving, down to 16) while the launch
+# has fewer than MIN_PROGRAMS programs: measured at 32K with 32 K anchors a step (TQ 16 /
+# 32 / 64: 3.14 / 3.07 / 3.39 ms), so off (0) with the kept 64 a step, which was timed at TQ 64.
+SCORE_CONFIG = (64, 64, 64, 4, 2)
+MIN_PROGRAMS = 0
 
 
 def _score_config(rows: int, tiles: int) -> tuple[int, int, int, int, int]:
