@@ -299,9 +299,10 @@ def _flexprefill_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: A
 
 
 # Line granularity variants (issue 22): (line_block, block_m = block_n) at each gamma.
-BAND_CONFIGS = ((128, 128),)
+BAND_CONFIGS = ((128, 64), (128, 128))
 BAND_GAMMAS = (0.9, 0.95)
-# The 2026-11-25 32K run also timed (64, 64) and (128, 64) at gamma 0.85 (docs/flexprefill_vs.md).
+# The default is (128, 64). The 2026-11-25 32K run also timed (64, 64) and gamma 0.85
+# (docs/flexprefill_vs.md); the session-3 run timed (128, 128) only.
 
 
 def _flexprefill_band_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: Any, ff: Any, add: Any,
