@@ -41,6 +41,15 @@ from typing import Any
 import torch
 
 
+# Wall-clock time (time.time()) after which no new section starts (`--deadline`): a device
+# call's budget cuts the tail of the run, not the middle of a section.
+DEADLINE = math.inf
+
+
+def past_deadline() -> bool:
+    return time.time() > DEADLINE
+
+
 def _ms(fn: Callable[[], Any], rep: int = 100) -> float:
     import triton.testing
 
@@ -87,7 +96,9 @@ def workload(n: int, device: torch.device, cache: str,
 
         q, k, v = synthetic_qkv(Shape(1, 32, 8, n, head_dim, torch.bfloat16), device=torch.device("cpu"))
         os.makedirs(cache, exist_ok=True)
-        torch.save((q, k, v), path)
+        # Written aside, then renamed: a run reading the cache never sees half a file.
+        torch.save((q, k, v), path + f".{os.getpid()}")
+        os.replace(path + f".{os.getpid()}", path)
     return q.to(device), k.to(device), v.to(device)
 
 
@@ -202,13 +213,16 @@ def stage_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense:
     def guarded(section: str, fn: Callable[[], None]) -> None:
         if methods and section not in methods:
             return
+        if past_deadline():
+            log(f"N={n} {section}: skipped (past the deadline)")
+            return
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - one failing section leaves the others
             log(f"N={n} {section}: {type(exc).__name__}: {str(exc)[:300]}")
 
-    guarded("xattention", lambda: _xattention_rows(n, q, k, v, fast, fx, add, plan_row))
     guarded("dpxa", lambda: _dpxa_rows(q, k, v, fast, add, plan_row, rows))
+    guarded("xattention", lambda: _xattention_rows(n, q, k, v, fast, fx, add, plan_row))
     guarded("flexprefill_vs", lambda: _flexprefill_rows(q, k, v, fast, ff, add, plan_row))
     guarded("flexprefill_vs", lambda: _flexprefill_band_rows(q, k, v, fast, ff, add, plan_row))
     for method in ("vertical_slash", "sample_attention", "anchor_attention", "minference", "block_sparse"):
@@ -228,7 +242,7 @@ def _xattention_rows(n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         name = f"xattention s{stride}"
         params = {"stride": stride, "threshold": 0.9, "block": 128}
         plan_row(name, lambda p=params: fast.xattention_plan(q, k, **p),
-                 lambda p=params: fast.xattention(q, k, v, **p))
+                 lambda p=params: fast.xattention(q, k, v, **p), recall=True)
         weights = fast.xattention_tile_weights(q, k, stride=stride, block=128)
         add(name, "score", lambda s=stride: fast.xattention_tile_weights(q, k, stride=s, block=128))
         add(name, "select", lambda w=weights: fast.select_tiles(w, 0.9))
@@ -246,7 +260,7 @@ def _dpxa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: Any, add
     from sparseprefill.fast.kernels import delta_score
 
     name = "dpxa cos0.75"
-    plan_row(name, lambda: fast.dpxa_plan(q, k), lambda: fast.dpxa(q, k, v))
+    plan_row(name, lambda: fast.dpxa_plan(q, k), lambda: fast.dpxa(q, k, v), recall=True)
     anchors = getattr(delta_score, "delta_anchor_packed", None) or delta_score.delta_anchor_lists
     add(name, "anchors (q and k)", lambda: (anchors(q, cos_threshold=0.75, block=128),
                                             anchors(k, cos_threshold=0.75, block=128)))
@@ -256,6 +270,14 @@ def _dpxa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: Any, add
     ratio = float(fast.dpxa_scoring_ratio(q, k).mean())
     rows[-1]["scoring_ratio"] = ratio
     del weights
+    # Higher thresholds, for DPXA against XAttention stride 8 at equal recall (the scoring
+    # is the same at every threshold; only the selection and the recall change).
+    for tau in DPXA_THRESHOLDS:
+        plan_row(f"dpxa cos0.75 t{tau}", lambda t=tau: fast.dpxa_plan(q, k, threshold=t),
+                 None, recall=True)
+
+
+DPXA_THRESHOLDS = (0.95, 0.99)
 
 
 def _flexprefill_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: Any, ff: Any, add: Any,
@@ -277,8 +299,10 @@ def _flexprefill_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: A
 
 
 # Line granularity variants (issue 22): (line_block, block_m = block_n) at each gamma.
-BAND_CONFIGS = ((64, 64), (128, 128), (128, 64))
-BAND_GAMMAS = (0.85, 0.9, 0.95)
+BAND_CONFIGS = ((128, 64), (128, 128))
+BAND_GAMMAS = (0.9, 0.95)
+# The default is (128, 64). The 2026-11-25 32K run also timed (64, 64) and gamma 0.85
+# (docs/flexprefill_vs.md); the session-3 run timed (128, 128) only.
 
 
 def _flexprefill_band_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fast: Any, ff: Any, add: Any,
@@ -353,16 +377,18 @@ def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], 
     """The XAttention scoring kernel at other tile configurations and program orders (after only)."""
     from sparseprefill.fast.kernels import xattention_score as xs
 
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = _dpxa_variant_rows(n, q, k, log)
     default, order = xs.SCORE_CONFIGS, getattr(xs, "LONGEST_FIRST", None)
     orders = (False, True) if order is not None else (None,)
-    for config in ((128, 128, 8, 3), (64, 64, 4, 2), (128, 256, 8, 2), (256, 128, 8, 2)):
+    for config in XATTENTION_VARIANTS:
         xs.SCORE_CONFIGS = (config,)
         for longest in orders:
             if longest is not None:
                 xs.LONGEST_FIRST = longest
             label = f"score {config}" + (" longest first" if longest else "")
             for stride in (8, 16):
+                if past_deadline():
+                    break
                 try:
                     ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
                 except Exception as exc:  # noqa: BLE001
@@ -379,6 +405,8 @@ def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], 
         for steps in (2, 4, 8):
             xs.KEY_SPLIT_STEPS = steps
             for stride in (8, 16):
+                if past_deadline():
+                    break
                 try:
                     ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
                 except Exception as exc:  # noqa: BLE001
@@ -388,6 +416,43 @@ def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], 
                 rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": label, "ms": ms})
                 log(f"N={n} xattention s{stride} {label}: {ms:.3f} ms")
         xs.KEY_SPLIT_STEPS = split_default
+    return rows
+
+
+# XAttention scoring configurations timed by `--variants`, each in both program orders,
+# before the key splits. The 2026-11-25 32K run timed (128, 128, 8, 3), (64, 64, 4, 2),
+# (128, 256, 8, 2) and (256, 128, 8, 2) (docs/xattention.md); pass them here to time them again.
+XATTENTION_VARIANTS: tuple[tuple[int, int, int, int], ...] = ()
+# DPXA scoring configurations (`delta_score.SCORE_CONFIG`: query tiles per program, Q
+# anchors per step, K anchors per step, warps, stages), each with TQ fixed (no halving).
+DPXA_VARIANTS = ((64, 64, 32, 4, 2), (32, 64, 32, 4, 2), (64, 64, 64, 4, 2), (64, 32, 32, 4, 2))
+
+
+def _dpxa_variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """DPXA's scoring kernel at other tile configurations (where this version has them)."""
+    from sparseprefill import fast
+    from sparseprefill.fast.kernels import delta_score as ds
+
+    rows: list[dict[str, Any]] = []
+    if not hasattr(ds, "SCORE_CONFIG"):
+        return rows
+    default, min_programs = ds.SCORE_CONFIG, ds.MIN_PROGRAMS
+    ds.MIN_PROGRAMS = 0
+    try:
+        for config in DPXA_VARIANTS:
+            if past_deadline():
+                break
+            ds.SCORE_CONFIG = config
+            label = f"score {config}"
+            try:
+                ms = _ms(lambda: fast.dpxa_tile_weights(q, k))
+            except Exception as exc:  # noqa: BLE001
+                log(f"variant dpxa {label}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            rows.append({"seqlen": n, "method": "dpxa cos0.75", "stage": label, "ms": ms})
+            log(f"N={n} dpxa cos0.75 {label}: {ms:.3f} ms")
+    finally:
+        ds.SCORE_CONFIG, ds.MIN_PROGRAMS = default, min_programs
     return rows
 
 
@@ -491,6 +556,20 @@ def format_table(merged: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _load_runs(paths: str) -> dict[str, Any]:
+    """One run's JSON, or several (comma-separated, e.g. one per N) joined: rows in order."""
+    joined: dict[str, Any] = {"rows": []}
+    for path in paths.split(","):
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            run = json.load(f)
+        joined.setdefault("environment", run.get("environment"))
+        joined["rows"] += run["rows"]
+        joined["capture"] = joined.get("capture", []) + run.get("capture", [])
+    return joined
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=int, nargs="*", default=[32768, 131072])
@@ -506,16 +585,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="*", default=None,
                         help="sections to time (xattention, dpxa, flexprefill_vs, vertical_slash, ...); all if omitted")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--deadline", type=float, default=math.inf,
+                        help="time.time() after which no new section starts (a device call's budget)")
     args = parser.parse_args(argv)
+    global DEADLINE
+    DEADLINE = args.deadline
 
     if args.merge:
-        with open(args.merge[1]) as fa:
-            after_run = json.load(fa)
-        if args.merge[0] == "none":  # an after-only run (e.g. the D = 64 rows)
-            before_run: dict[str, Any] = {"rows": []}
-        else:
-            with open(args.merge[0]) as fb:
-                before_run = json.load(fb)
+        after_run = _load_runs(args.merge[1])
+        # "none": an after-only run (e.g. the D = 64 rows)
+        before_run = {"rows": []} if args.merge[0] == "none" else _load_runs(args.merge[0])
         merged = merge(before_run, after_run)
         if args.json:
             with open(args.json, "w") as out:
@@ -539,15 +618,18 @@ def main(argv: list[str] | None = None) -> int:
     log(str(env))
     rows: list[dict[str, Any]] = []
     for n in args.seqlens:
+        if past_deadline():
+            log(f"N={n}: skipped (past the deadline)")
+            continue
         q, k, v = workload(n, dev, args.cache, head_dim=args.head_dim)
         ms, dense = cudnn_ms(q, k, v)
         rows.append({"seqlen": n, "method": "cuDNN SDPA", "stage": "dense", "ms": ms})
         log(f"N={n} cuDNN SDPA dense {ms:.3f} ms")
         with torch.no_grad():
             rows += stage_rows(n, q, k, v, dense, log, args.methods)
-            if args.variants:
+            if args.variants and not past_deadline():
                 rows += variant_rows(n, q, k, log)
-            if args.peer:
+            if args.peer and not past_deadline():
                 rows += peer_rows(n, q, k, v, dense, args.peer, log)
         del q, k, v, dense
         torch.cuda.empty_cache()

@@ -260,6 +260,25 @@ def test_scoring_program_orders_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(got[False, 0], got[True, 0])
 
 
+def test_dpxa_scoring_with_the_gpu_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DPXA's scoring kernel at GPU-like tiles (the interpreter's default takes every tile
+    in one program): several query-tile groups per head launched longest first, key tiles
+    with more anchors than a step, more Q anchors than a step (the hoisted first chunk and
+    the reloaded ones), GQA and batch 2; weights within tolerance of the reference."""
+    from sparseprefill.fast.kernels import delta_score as ds
+
+    # 4 query tiles a program (2 groups of the 5 tiles), 16 Q and 16 K anchors a step.
+    monkeypatch.setattr(ds, "_score_config", lambda rows, tiles: (4, 16, 16, 4, 1))
+    q, k, _ = _qk(2, 2, 1, 160, 16, seed=5, smooth=True)
+    keep_q = ds.delta_anchor_lists(q, cos_threshold=0.95, block=32)[2]
+    keep_k = ds.delta_anchor_lists(k, cos_threshold=0.95, block=32)[2]
+    assert int(keep_k.max()) > 16 and int(keep_q[..., :4].sum(-1).max()) > 16
+    want = reference.dpxa_tile_weights(q, k, cos_threshold=0.95, block=32)
+    got = fast.dpxa_tile_weights(q, k, cos_threshold=0.95, block=32)
+    assert float((got.double() - want).abs().max()) <= tile_weight_tolerance(q, k, None)
+    assert bool((got.triu(1) == 0).all())
+
+
 def test_packed_anchors_are_positions_in_order() -> None:
     q, _, _ = _qk(2, 2, 1, 45, 32, smooth=True)
     keep, pos, start = delta_anchor_packed(q, cos_threshold=0.6, block=16)

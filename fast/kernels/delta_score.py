@@ -5,19 +5,20 @@
    queries and on the keys; each row's anchor positions are then packed to its front
    (`[B * H, N]`, one cumsum and one scatter) with each tile's first slot
    (`[B * H, T + 1]`), `delta_anchor_packed`.
-2. `_anchor_row_kernel`: per (query tile, query head), the Q anchors of the query tile
-   against the packed K anchors of key tiles `0..i`, `BLOCK_K` of them per step whatever
-   tile they belong to, so the work is the anchor pairs (`alpha * beta` of the causal
-   tile pairs) with no per-tile padding; `sum exp2(s - m)` per key, `m` the running
-   maximum over the row; the keys' sums are added per key tile by a segmented scan, and
-   a tile's sum is stored with the `m` it is relative to once its last anchor is seen.
-   The launcher rescales the row to its final maximum and normalises it. Only
-   `[B, Hq, T, T]` is written.
+2. `_anchor_tile_kernel`: per query head and `TQ` consecutive query tiles, the Q
+   anchors of those tiles (`BLOCK_M` at a time, whatever tile they belong to) against
+   each key tile's packed K anchors (`BLOCK_K` at a time), key tiles `0..last`: the
+   work is the anchor pairs (`alpha * beta` of the causal tile pairs) plus one partial
+   chunk per key tile. Per query tile a running maximum over its row of tiles (rows map
+   to their query tile through a one-hot `[BLOCK_M, TQ]` mask); per (query tile, key
+   tile) the log2-sum-exp of its pairs is stored in the output, and at the end the
+   program rescales its rows to their final maxima and normalises them in place. Only
+   `[B, Hq, T, T]` is written, once (plus the rescaling pass), with no scan.
 
-   The kernel it replaces gave every key tile `BLOCK_A` = 32 slots and gathered them
-   through per-tile position lists: at the bench workload's 7.5% anchors (10 per
-   128-token tile) three slots in four were padding, 157 ms at 128K on an H200
-   (docs/xattention.md has the figures).
+   The kernels it replaces (docs/xattention.md, "DPXA scoring"): per-tile slots of 32 (157
+   ms at 128K on an H200: three slots in four padding), then 16 output rows per program
+   against 64 packed K anchors a step with a segmented scan per step (52.6 ms at 128K on an
+   H100: few Q rows per K read, a scan per step, and 8-17 s a call in the interpreter).
 
 GQA maps query head `h` to KV head `h // G` (K anchors are computed once per KV
 head). No host synchronisation.
@@ -40,7 +41,6 @@ from ._common import (
     check_device_memory,
     check_forward_only,
     check_kernel_device,
-    dot as _dot,
     interpreter_active,
 )
 from .delta_pack import keep_mask
@@ -48,106 +48,103 @@ from .xattention_score import check_fast_block
 
 
 @triton.jit
-def _segment_add(v1, f1, v2, f2):
-    # Segmented sum: a flag opens a new segment (run of keys of one tile).
-    return tl.where(f2 != 0, v2, v1 + v2), f1 | f2
-
-
-@triton.jit
-def _anchor_row_kernel(
-    Q, K, Q_POS, Q_START, K_POS, K_START, ACC, MAX,
+def _anchor_tile_kernel(
+    Q, K, Q_POS, Q_START, K_POS, K_START, W,
     qk_scale, head_dim, num_heads, group, num_kv_heads, block, num_tiles, pos_stride,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
-    G_PAD: tl.constexpr, TQ: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr,
+    TQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    # OUT = G_PAD x TQ output rows per program: the query heads of one KV head times TQ
-    # query tiles. They share the KV head, so one pass over its packed K anchors (those of
-    # key tiles up to the last query tile) serves them all: the K rows are read once per
-    # OUT rows of weights, not once per row. Each step scores SLOTS Q anchors of every
-    # output row (more passes where a tile has more anchors) against BLOCK_K packed K
-    # anchors whatever tile they belong to: the work is the anchor pairs, no per-tile
-    # padding. Keys past a query anchor are masked (causal per token), so a query tile
-    # earlier than the program's last gets exact zeros for key tiles after it.
-    OUT: tl.constexpr = G_PAD * TQ
-    i_t0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * TQ  # longest rows first
-    i_bkv = tl.program_id(1)
+    # One program: query head h (the group's heads are adjacent programs, so they read the
+    # same K anchors at about the same time, from L2) and TQ consecutive query tiles. Its
+    # rows are the Q anchors of those tiles (R of them, BLOCK_M at a time, whatever tile
+    # they belong to); it walks key tiles 0 .. last, each tile's packed K anchors BLOCK_K
+    # at a time, so the work is the anchor pairs plus one partial chunk per key tile.
+    # Per output row (query tile) t: a running maximum m_t over its whole row of tiles
+    # and, per key tile j, sum exp2(s - m_t) over the pairs of t's anchors and j's anchors
+    # (causal per token), kept as log2-sum-exp lse_tj in W; at the end every lse_tj is
+    # taken relative to the final m_t and the row is normalised in place. No segmented
+    # scan and no [rows, T] scratch: W ([B, Hq, T, T]) is the only output.
+    i_g = tl.program_id(0)
+    i_t0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * TQ  # longest rows first
+    i_bkv = tl.program_id(2)
     i_b = i_bkv // num_kv_heads
     i_hkv = i_bkv % num_kv_heads
-    o_out = tl.arange(0, OUT)
-    i_g = o_out // TQ
-    i_t = i_t0 + o_out % TQ
-    m_out = (i_g < group) & (i_t < num_tiles)
     i_h = i_hkv * group + i_g
     i_bh = i_b * num_heads + i_h
+    t_end = tl.minimum(i_t0 + TQ, num_tiles)
+    p_qs = Q_START + i_bh.to(tl.int64) * (num_tiles + 1)
+    r_begin = tl.load(p_qs + i_t0)
+    r_count = tl.load(p_qs + t_end) - r_begin
+    p_qpos = Q_POS + i_bh.to(tl.int64) * pos_stride + r_begin
+    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh
+    p_kpos = K_POS + i_bkv.to(tl.int64) * pos_stride
+    p_ks = K_START + i_bkv.to(tl.int64) * (num_tiles + 1)
+    p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh
+    o_m = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, HEAD_DIM)
     m_d = o_d < head_dim
     o_k = tl.arange(0, BLOCK_K)
-    p_start = Q_START + i_bh.to(tl.int64) * (num_tiles + 1) + i_t
-    q_start = tl.load(p_start, mask=m_out, other=0)
-    q_end = tl.load(p_start + 1, mask=m_out, other=0)
-    most = tl.max(q_end - q_start, 0)
-    last_tile = tl.minimum(i_t0 + TQ, num_tiles) - 1
-    k_end = tl.load(K_START + i_bkv.to(tl.int64) * (num_tiles + 1) + last_tile + 1)
-    p_q = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64)[:, None, None] * stride_qh \
-        + o_d[None, None, :] * stride_qd
-    p_qpos = Q_POS + i_bh.to(tl.int64) * pos_stride
-    p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh + o_d[:, None] * stride_kd
-    p_kpos = K_POS + i_bkv.to(tl.int64) * pos_stride
-    p_row = (i_bh.to(tl.int64) * num_tiles + i_t) * num_tiles
-    o_s = tl.arange(0, SLOTS)
-    m_run = tl.full([OUT], float("-inf"), tl.float32)
-    carry = tl.zeros([OUT], tl.float32)
-    carry_tile = tl.max(tl.full([BLOCK_K], -1, tl.int32), 0)  # none yet (a scalar tensor)
-    for c0 in range(0, k_end, BLOCK_K):
-        o_c = c0 + o_k
-        m_c = o_c < k_end
-        k_pos = tl.load(p_kpos + o_c, mask=m_c, other=0)
-        k_tile = tl.where(m_c, k_pos // block, num_tiles)
-        b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn, mask=m_c[None, :] & m_d[:, None], other=0.0)
-        col = tl.zeros([OUT, BLOCK_K], tl.float32)
-        for a0 in range(0, most, SLOTS):
-            # Slot s of output row o: the (a0 + s)-th Q anchor of its query tile.
-            i_a = q_start[:, None] + a0 + o_s[None, :]
-            m_a = m_out[:, None] & (i_a < q_end[:, None])
-            q_pos = tl.load(p_qpos[:, None] + i_a, mask=m_a, other=0)
-            b_q = tl.load(p_q + q_pos.to(tl.int64)[:, :, None] * stride_qn,
-                          mask=m_a[:, :, None] & m_d[None, None, :], other=0.0)
-            # Sec. 4.3: one cell of the full tile per anchor pair; causal per token.
-            b_s = _dot(tl.reshape(b_q, (OUT * SLOTS, HEAD_DIM)), b_k, DOT_F32) * qk_scale
-            b_s = tl.reshape(b_s, (OUT, SLOTS, BLOCK_K))
-            valid = m_a[:, :, None] & m_c[None, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None]) \
-                & (tl.abs(b_s) < float("inf"))
-            b_s = tl.where(valid, b_s, float("-inf"))
-            m_new = tl.maximum(m_run, tl.max(tl.max(b_s, 2), 1))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_run - m_shift)
-            col = col * alpha[:, None] + tl.sum(tl.math.exp2(b_s - m_shift[:, None, None]), 1)
-            carry = carry * alpha
-            m_run = m_new
-        # The tile before this step's first key is complete unless it continues here.
-        first_tile = tl.min(k_tile, 0)
-        done = m_out & (tl.zeros([OUT], tl.int32) + carry_tile >= 0) & (tl.zeros([OUT], tl.int32) + carry_tile != first_tile)
-        tl.store(ACC + p_row + carry_tile, carry, mask=done)
-        tl.store(MAX + p_row + carry_tile, m_run, mask=done)
-        col = col + tl.where((o_k[None, :] == 0) & (k_tile[None, :] == carry_tile), carry[:, None], 0.0)
-        prev_pos = tl.load(p_kpos + o_c - 1, mask=m_c & (o_c > 0), other=-block)
-        opens = tl.zeros([OUT, BLOCK_K], tl.int32) + (prev_pos // block != k_tile).to(tl.int32)[None, :]
-        seg, _ = tl.associative_scan((col, opens), 1, _segment_add)
-        next_pos = tl.load(p_kpos + o_c + 1, mask=(o_k + 1 < BLOCK_K) & (o_c + 1 < k_end), other=-block)
-        closes = m_c & (o_k + 1 < BLOCK_K) & (o_c + 1 < k_end) & (next_pos // block != k_tile)
-        m_store = m_out[:, None] & closes[None, :]
-        tl.store(ACC + p_row[:, None] + k_tile[None, :], seg, mask=m_store)
-        tl.store(MAX + p_row[:, None] + k_tile[None, :], tl.zeros([OUT, BLOCK_K], tl.float32) + m_run[:, None],
-                 mask=m_store)
-        # The step's last tile may go on in the next step: carry it.
-        last = tl.minimum(BLOCK_K, k_end - c0) - 1
-        carry = tl.sum(tl.where(o_k[None, :] == last, seg, 0.0), 1)
-        carry_tile = tl.max(tl.where(o_k == last, k_tile, -1), 0)
-    done = m_out & (tl.zeros([OUT], tl.int32) + carry_tile >= 0)
-    tl.store(ACC + p_row + carry_tile, carry, mask=done)
-    tl.store(MAX + p_row + carry_tile, m_run, mask=done)
+    o_t = tl.arange(0, TQ)
+    m_t = i_t0 + o_t < num_tiles
+    p_w = W + (i_bh.to(tl.int64) * num_tiles + i_t0 + o_t) * num_tiles
+    m_run = tl.full([TQ], float("-inf"), tl.float32)
+    # The first BLOCK_M rows stay in registers (all of them where the tiles have few Q
+    # anchors, as on the bench workload); later row chunks are reloaded every step.
+    m_r0 = o_m < r_count
+    q_pos0 = tl.load(p_qpos + o_m, mask=m_r0, other=0)
+    b_q0 = tl.load(p_q + q_pos0.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd,
+                   mask=m_r0[:, None] & m_d[None, :], other=0.0)
+    for j in range(0, t_end):
+        k0 = tl.load(p_ks + j)
+        k1 = tl.load(p_ks + j + 1)
+        acc = tl.zeros([TQ], tl.float32)
+        for c0 in range(k0, k1, BLOCK_K):
+            o_c = c0 + o_k
+            m_c = o_c < k1
+            k_pos = tl.load(p_kpos + o_c, mask=m_c, other=0)
+            b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn + o_d[:, None] * stride_kd,
+                          mask=m_c[None, :] & m_d[:, None], other=0.0)
+            for r0 in range(0, r_count, BLOCK_M):
+                m_r = m_r0
+                q_pos = q_pos0
+                b_q = b_q0
+                if r0 > 0:
+                    m_r = r0 + o_m < r_count
+                    q_pos = tl.load(p_qpos + r0 + o_m, mask=m_r, other=0)
+                    b_q = tl.load(p_q + q_pos.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd,
+                                  mask=m_r[:, None] & m_d[None, :], other=0.0)
+                # Sec. 4.3: one cell of the full tile per anchor pair; causal per token.
+                # (`_common.dot` inlined: a nested jit call costs the interpreter ~10 ms.)
+                if DOT_F32:
+                    b_s = tl.dot(b_q.to(tl.float32), b_k.to(tl.float32)) * qk_scale
+                else:
+                    b_s = tl.dot(b_q, b_k) * qk_scale
+                valid = m_r[:, None] & m_c[None, :] & (k_pos[None, :] <= q_pos[:, None]) \
+                    & (tl.abs(b_s) < float("inf"))
+                b_s = tl.where(valid, b_s, float("-inf"))
+                # Row r belongs to output row (query tile) q_pos // block - i_t0.
+                hot = ((q_pos // block - i_t0)[:, None] == o_t[None, :]) & m_r[:, None]
+                t_max = tl.max(tl.where(hot, tl.max(b_s, 1)[:, None], float("-inf")), 0)
+                m_new = tl.maximum(m_run, t_max)
+                m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                r_shift = tl.sum(tl.where(hot, m_shift[None, :], 0.0), 1)
+                r_sum = tl.sum(tl.math.exp2(b_s - r_shift[:, None]), 1)
+                acc = acc * tl.math.exp2(m_run - m_shift) + tl.sum(tl.where(hot, r_sum[:, None], 0.0), 0)
+                m_run = m_new
+        # acc > 0 only where m_run is finite.
+        lse = tl.where(acc > 0, m_run + tl.math.log2(acc), float("-inf"))
+        tl.store(p_w + j, lse, mask=m_t)
+    # Relative to each row's final maximum, then normalised (a row without any finite
+    # score has m_run = -inf and becomes NaN, every entry, as the reference's).
+    total = tl.zeros([TQ], tl.float32)
+    for j in range(0, t_end):
+        total += tl.math.exp2(tl.load(p_w + j, mask=m_t, other=float("-inf")) - m_run)
+    for j in range(0, num_tiles):
+        # Past the last key tile walked (never written): no pairs.
+        lse = tl.where(j < t_end, tl.load(p_w + j, mask=m_t, other=float("-inf")), float("-inf"))
+        tl.store(p_w + j, tl.math.exp2(lse - m_run) / total, mask=m_t)
 
 
 def delta_anchor_lists(
@@ -196,38 +193,49 @@ def delta_anchor_packed(
     return keep, pos, start
 
 
+# The scoring kernel's tiles on the GPU: (most query tiles per program, Q anchors per
+# step, K anchors per step, warps, stages); the variants measured are in docs/xattention.md
+# ("DPXA scoring"). Fewer query tiles per program (halving, down to 16) while the launch
+# has fewer than MIN_PROGRAMS programs: measured at 32K with 32 K anchors a step (TQ 16 /
+# 32 / 64: 3.14 / 3.07 / 3.39 ms), so off (0) with the kept 64 a step, which was timed at TQ 64.
+SCORE_CONFIG = (64, 64, 64, 4, 2)
+MIN_PROGRAMS = 0
+
+
+def _score_config(rows: int, tiles: int) -> tuple[int, int, int, int, int]:
+    """`(TQ, BLOCK_M, BLOCK_K, warps, stages)` for `rows` (batch x query heads) rows of tiles."""
+    if interpreter_active():
+        # Few, wide steps: the interpreter pays per operation, not per element.
+        return min(64, triton.next_power_of_2(tiles)), 128, 128, 4, 1
+    tq, block_m, block_k, warps, stages = SCORE_CONFIG
+    while tq > 16 and rows * cdiv(tiles, tq) < MIN_PROGRAMS:
+        tq //= 2
+    return tq, block_m, block_k, warps, stages
+
+
 def _anchor_tile_weights(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, block: int,
                          sm_scale: float) -> torch.Tensor:
     """`dpxa_tile_weights` on checked inputs and parameters."""
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     tiles = cdiv(n, block)
-    # Quadratic in tokens: sums and running maxima, the rescaling's temporaries and the
-    # normalised weights (5 float32 copies), then the selection's mask and lists (1 + 4).
+    # Quadratic in tokens: the float32 weights (the kernel's only output), then the
+    # selection's mask and lists (1 + 4 bytes a tile).
     check_device_memory(f"DPXA's tile scores and tile lists ([B, Hq, T, T], T = ceil(N / block) = {tiles})",
-                        b * hq * tiles * tiles * (5 * 4 + 5), q.device,
+                        b * hq * tiles * tiles * (4 + 5), q.device,
                         hint="A larger `block` (T falls with its square) or fewer query heads per call fit.")
     _, q_pos, q_start = delta_anchor_packed(q, cos_threshold=cos_threshold, block=block)
     _, k_pos, k_start = delta_anchor_packed(k, cos_threshold=cos_threshold, block=block)
-    acc = torch.zeros(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
-    row_max = torch.full((b, hq, tiles, tiles), float("-inf"), dtype=torch.float32, device=q.device)
-    # 16 output rows per program (the group's heads x query tiles) where the group allows,
-    # and slots enough for a dot of at least 16 rows.
-    g_pad = triton.next_power_of_2(hq // hkv)
-    tq = max(1, 16 // g_pad)
-    slots = max(1, 16 // (g_pad * tq))
-    block_k = 128 if interpreter_active() else 64
-    _anchor_row_kernel[(cdiv(tiles, tq), b * hkv)](
-        q, k, q_pos, q_start, k_pos, k_start, acc, row_max,
+    weights = torch.empty(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
+    tq, block_m, block_k, warps, stages = _score_config(b * hq, tiles)
+    _anchor_tile_kernel[(hq // hkv, cdiv(tiles, tq), b * hkv)](
+        q, k, q_pos, q_start, k_pos, k_start, weights,
         sm_scale * LOG2E, d, hq, hq // hkv, hkv, block, tiles, n + 1, *q.stride(), *k.stride(),
-        G_PAD=g_pad, TQ=tq, SLOTS=slots, BLOCK_K=block_k, HEAD_DIM=max(16, triton.next_power_of_2(d)),
+        TQ=tq, BLOCK_M=block_m, BLOCK_K=block_k, HEAD_DIM=max(16, triton.next_power_of_2(d)),
         DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
-        num_warps=4, num_stages=1 if interpreter_active() else 2,
+        num_warps=warps, num_stages=stages,
     )
-    # Each tile's sum is relative to the running maximum when it was written.
-    final = row_max.amax(dim=-1, keepdim=True)
-    scores = acc * torch.exp2(row_max - final)
-    return scores / scores.sum(dim=-1, keepdim=True)
+    return weights
 
 
 def check_dpxa_inputs(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, threshold: object,

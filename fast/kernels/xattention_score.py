@@ -176,13 +176,17 @@ def _tile_weight_kernel(
             o_t = j0 + tl.arange(0, BLOCK_T)
             t_lse = tl.load(p_lse + o_t[None, :], mask=m_g[:, None] & (o_t <= i_q)[None, :], other=float("-inf"))
             m_i = tl.maximum(m_i, tl.max(t_lse, 1))
-        m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+        # Each loop's result is used once after it: triton 3.6's OptimizeThreadLocality pass
+        # asserts that of a loop-carried reduction (`loopResult.hasOneUse()`; the H100 run of
+        # 2026-11-25 failed to compile the two-use form). A group without any finite tile
+        # gets a finite shift (-3e38), l_i = 0 and log2(0) = -inf: its lse is -inf as before.
+        m_shift = tl.maximum(m_i, -3.0e38)
         l_i = tl.zeros([GPT_PAD], dtype=tl.float32)
         for j0 in range(0, i_q + 1, BLOCK_T):
             o_t = j0 + tl.arange(0, BLOCK_T)
             t_lse = tl.load(p_lse + o_t[None, :], mask=m_g[:, None] & (o_t <= i_q)[None, :], other=float("-inf"))
             l_i += tl.sum(tl.math.exp2(t_lse - m_shift[:, None]), 1)
-        row_lse = tl.where(l_i > 0.0, m_shift + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        row_lse = m_shift + tl.math.log2(l_i)
         # Padding groups (past the tile or N) load -inf tiles: 0 keeps them out of the sums.
         row_lse = tl.where(m_g, row_lse, 0.0)
     else:
@@ -238,7 +242,9 @@ _MAX_GRID_Y = 65535
 # Key steps per program when a row block's key range is split over several programs
 # launched together (0: one program per row block). Meant to share the query rows in L2
 # (the ncu profile of 2026-11-25: DRAM-bound, tensor pipe 25%) and to spread the work
-# at 8K-32K; not yet timed on a GPU (docs/xattention.md), so off by default.
+# at 8K-32K. Not yet timed on a GPU (docs/xattention.md): the H100 run of 2026-11-25
+# (session 3) failed to compile its `_tile_weight_kernel` on triton 3.6; rewritten so each
+# loop result has one use, which compiles with triton 3.9 here, untested on 3.6. Off by default.
 KEY_SPLIT_STEPS = 0
 
 
