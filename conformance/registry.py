@@ -74,6 +74,12 @@ class Checks:
             then also checks the reference's GQA head map on a built four-head, two-KV-head
             input against single-head calls (`properties.check_head_map`), which a
             wrong map (`h % Hkv` for `h // G`) cannot pass, whatever shape was drawn.
+        tie_check_always: the plan property runs `tie_check` on every example, also where
+            the two plans are equal. For methods whose plans are built from lines that a
+            tie check judges one by one: at the CI's sizes (a few blocks) many different
+            line sets give the same block plan, so a fast line bug (a wrong forced count,
+            a line too few) often leaves the plan unchanged and only the lines show it.
+            Costs one more fast line estimate per example.
     """
 
     params: ParamsFn | None = None
@@ -86,6 +92,7 @@ class Checks:
     plan_check: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None = None
     min_heads: int = 1
     head_local: bool = False
+    tie_check_always: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,10 @@ class MethodSpec:
     @property
     def input_kinds(self) -> tuple[str, ...]:
         return self.checks.input_kinds
+
+    @property
+    def tie_check_always(self) -> bool:
+        return self.checks.tie_check_always
 
     @property
     def plan_check(self) -> Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None:
@@ -419,6 +430,7 @@ CHECKS["vertical_slash"] = Checks(
     tie_check=vertical_slash_tie_check,
     estimate=_vertical_slash_estimate,
     input_kinds=("lines", "normal", "lattice"),
+    tie_check_always=True,
 )
 
 CHECKS["block_sparse"] = Checks(
@@ -780,7 +792,7 @@ def _flexprefill_vs_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str,
 
     params: dict[str, Any] = _minference_blocks(draw)
     # Low gammas half the time: the forced lines then decide most of the plan.
-    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 0.95, 1.0, 0.99, 0.0, 0.2, 0.3, 0.5]))
+    params["gamma"] = draw(st.sampled_from([0.9, 0.0, 0.5, 0.95, 1.0, 0.99, 0.0, 0.2, 0.3, 0.0]))
     everything = [seqlen, seqlen + 7] if seqlen <= 1024 else [1000]
     params["last_q"] = draw(st.sampled_from([1, 16, 64, *everything]))
     # Mostly different forced counts, so a count applied to the wrong kind of line shows.
