@@ -28,7 +28,9 @@ from .ties import (
     flexprefill_vs_tie_check,
     dpxa_tie_check,
     sample_attention_tie_check,
+    shareprefill_lines_check,
     shareprefill_tie_check,
+    vertical_slash_lines_check,
     vertical_slash_tie_check,
     xattention_tie_check,
 )
@@ -74,12 +76,13 @@ class Checks:
             then also checks the reference's GQA head map on a built four-head, two-KV-head
             input against single-head calls (`properties.check_head_map`), which a
             wrong map (`h % Hkv` for `h // G`) cannot pass, whatever shape was drawn.
-        tie_check_always: the plan property runs `tie_check` on every example, also where
-            the two plans are equal. For methods whose plans are built from lines that a
-            tie check judges one by one: at the CI's sizes (a few blocks) many different
-            line sets give the same block plan, so a fast line bug (a wrong forced count,
-            a line too few) often leaves the plan unchanged and only the lines show it.
-            Costs one more fast line estimate per example.
+        lines_check: `(q, k, params) -> None`, run by the plan property on every example
+            (also where the two plans are equal): judges the fast lines a plan is built
+            from against their definition, modulo ties (raises AssertionError). At the
+            CI's sizes (a few blocks) many line sets give the same block plan, so a line
+            bug (a wrong forced count, a line too few, too few estimate rows) often
+            leaves the plan unchanged and only the lines show it. Costs one more fast
+            line estimate per example.
     """
 
     params: ParamsFn | None = None
@@ -92,7 +95,7 @@ class Checks:
     plan_check: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None = None
     min_heads: int = 1
     head_local: bool = False
-    tie_check_always: bool = False
+    lines_check: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], object] | None = None
 
 
 @dataclass(frozen=True)
@@ -203,8 +206,8 @@ class MethodSpec:
         return self.checks.input_kinds
 
     @property
-    def tie_check_always(self) -> bool:
-        return self.checks.tie_check_always
+    def lines_check(self) -> Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], object] | None:
+        return self.checks.lines_check
 
     @property
     def plan_check(self) -> Callable[[torch.Tensor, torch.Tensor, dict[str, Any], BlockColumnPlan], None] | None:
@@ -430,7 +433,7 @@ CHECKS["vertical_slash"] = Checks(
     tie_check=vertical_slash_tie_check,
     estimate=_vertical_slash_estimate,
     input_kinds=("lines", "normal", "lattice"),
-    tie_check_always=True,
+    lines_check=vertical_slash_lines_check,
 )
 
 CHECKS["block_sparse"] = Checks(
@@ -880,4 +883,5 @@ CHECKS["shareprefill"] = Checks(
     tie_check=shareprefill_tie_check,
     estimate=_shareprefill_estimate,
     head_local=True,
+    lines_check=shareprefill_lines_check,
 )
