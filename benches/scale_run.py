@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", default="524288,1048576")
     parser.add_argument("--methods", default="", help="comma-separated subset of the registry (default: all)")
-    parser.add_argument("--warmup-seqlen", type=int, default=16384)
+    parser.add_argument("--warmup-seqlen", type=int, default=16384, help="0: no warm-up (times include compiles)")
     parser.add_argument("--budget-s", type=float, default=1e9)
     parser.add_argument("--method-limit-s", type=float, default=60.0)
     parser.add_argument("--json", default=None)
@@ -195,15 +195,18 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as fh:
                 json.dump(payload, fh, indent=1)
 
-    # Compile every method's kernels once at a small length.
-    q, k, v = device_qkv(args.warmup_seqlen)
-    for name in names:
-        try:
-            run_method(registry[name], q, k, v)
-        except Exception as err:  # recorded; the long runs below say the same
-            print(f"warmup {name}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-    del q, k, v
-    print(f"warmup done in {time.perf_counter() - t_start:.1f} s", flush=True)
+    # Compile every method's kernels once at a small length (0: no warm-up; the first
+    # call of each stage then includes its compiles, peaks are unchanged).
+    if args.warmup_seqlen > 0:
+        q, k, v = device_qkv(args.warmup_seqlen)
+        for name in names:
+            try:
+                run_method(registry[name], q, k, v)
+            except Exception as err:  # recorded; the long runs below say the same
+                print(f"warmup {name}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        del q, k, v
+        print(f"warmup done in {time.perf_counter() - t_start:.1f} s", flush=True)
+    payload["warmup_seqlen"] = args.warmup_seqlen
     last_total: dict[str, float] = {}
     for n in seqlens:
         torch.cuda.empty_cache()

@@ -159,6 +159,41 @@ def _check_valid(plan: BlockColumnPlan, which: str, context: str) -> None:
         raise _fail(context, f"the {which} plan breaks an invariant: {err}") from err
 
 
+# The power of two by which `check_scale_forwarded` scales q (and the explicit scale).
+SCALE_FACTOR = 4.0
+
+
+def check_scale_forwarded(
+    spec: MethodSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    params: dict[str, Any],
+    *,
+    context: str = "",
+) -> None:
+    """The reference plan at the explicit scale `4 / sqrt(D)` is its plan of `4 q` at the
+    default scale, exactly (methods whose plans take `scale`).
+
+    Both are plans of the same float64 logits: scaling by a power of two is exact in
+    fp16 / bf16 (inputs this small do not overflow) and commutes with every rounding, so
+    no tie forgives a difference. A reference estimate that drops an explicit scale
+    somewhere (and uses `1/sqrt(D)`) fails wherever a four times sharper softmax changes
+    the plan, on every example, not only on the fifth that draws an explicit scale.
+
+    Raises:
+        AssertionError: the two plans differ.
+    """
+    from ..reference._checks import resolve_scale
+
+    base = {key: value for key, value in params.items() if key != "scale"}
+    plan_fn = spec.plan_fn("reference")
+    explicit = plan_fn(q, k, **base, scale=SCALE_FACTOR * resolve_scale(None, q.shape[-1]))
+    scaled = plan_fn(q * SCALE_FACTOR, k, **base)
+    if not explicit.equal(scaled):
+        raise _fail(context, f"reference plan at scale={SCALE_FACTOR:g}/sqrt(D) differs from its plan of "
+                             f"{SCALE_FACTOR:g} q at the default scale: an explicit scale is not passed on")
+
+
 def check_method_plan(
     spec: MethodSpec,
     q: torch.Tensor,
@@ -170,7 +205,9 @@ def check_method_plan(
     """`fast.<name>_plan` equals `reference.<name>_plan` on the same inputs.
 
     For methods with `exact_plans=False`, a difference is handed to the method's
-    `tie_check`, which must show that every difference is decided by a tie. Both plans
+    `tie_check`, which must show that every difference is decided by a tie; where they
+    are equal, the method's `lines_check` judges the fast lines. Methods whose plans take `scale` must pass
+    `check_scale_forwarded`. Both plans
     must pass `validate()` from scratch (whatever `mark_valid` said), and a method's
     `plan_check` first checks the reference plan against its definition.
 
@@ -185,6 +222,8 @@ def check_method_plan(
             spec.plan_check(q, k, params, expected)
         except AssertionError as err:
             raise _fail(context, f"reference plan: {err}") from err
+    if "scale" in params:
+        check_scale_forwarded(spec, q, k, params, context=context)
     got = spec.plan_fn("fast")(q, k, **params)
     if got.device != q.device:
         raise _fail(context, f"fast plan is on {got.device}, q on {q.device}")
@@ -199,6 +238,13 @@ def check_method_plan(
             raise _fail(context, f"{err}; method {spec.name!r} has exact_plans=False but no "
                                  "tie_check to show the difference is a tie") from err
         spec.tie_check(q, k, params, expected, got)
+        return
+    if spec.lines_check is not None:
+        # Equal plans can still come from wrong lines that the block index hides.
+        try:
+            spec.lines_check(q, k, params)
+        except AssertionError as err:
+            raise _fail(context, f"plans are equal, but the fast lines are wrong: {err}") from err
 
 
 def check_method_estimate(

@@ -319,9 +319,11 @@ def _runs_inputs(
         base = _lattice(gen, b, hkv, 1, d)[:, :, 0]
         k[:, :, s0:s1] = base.unsqueeze(2)
         if style in (2, 3):
-            step = (0.5, 1.0, 2.0)[int(torch.randint(0, 3, (1,), generator=gen))]
+            # Each member its own step, so every exact Euclidean threshold (0.5, 1, 2)
+            # meets a key exactly at it in most runs, whatever the run's length.
             for t in range(s0 + 1, s1):
                 if style == 3 or bool(torch.rand(1, generator=gen) < 0.5):
+                    step = (0.5, 1.0, 2.0)[int(torch.randint(0, 3, (1,), generator=gen))]
                     k[:, :, t, int(torch.randint(0, d, (1,), generator=gen))] += step
     return q, k, f"runs at {starts[:8]}{'...' if len(starts) > 8 else ''} styles {styles[:8]}"
 

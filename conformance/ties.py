@@ -48,6 +48,7 @@ import torch
 from ..fast.flexprefill_vs import flexprefill_vs_lines as fast_flex_lines
 from ..fast.sample_attention import sample_attention_selection as fast_selection
 from ..fast.shareprefill import decide_layer as fast_decide
+from ..fast.shareprefill import fallback_lines as fast_fallback_lines
 from ..fast.vertical_slash import vertical_slash_lines as fast_lines
 from ..reference._checks import per_head, resolve_scale
 from ..reference.anchor_attention import (
@@ -171,11 +172,15 @@ def check_topk_modulo_ties(
                     f"{float(gap[at]):.3g} > {tolerance:.3g}")
 
 
-def vertical_slash_tie_check(
-    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
-) -> None:
-    """`MethodSpec.tie_check` of vertical-slash (see the module doc)."""
-    del expected
+def vertical_slash_lines_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Checks.lines_check` of vertical-slash: the fast lines are the top-k of the float64
+    scores with the forced first columns and nearest diagonals, modulo exact ties.
+
+    Returns:
+        The fast (verticals, slashes), for the tie check to rebuild the plan from.
+    """
     n = q.shape[2]
     init_columns = int(params.get("init_columns", INIT_COLUMNS))
     local_diagonals = int(params.get("local_diagonals", LOCAL_DIAGONALS))
@@ -185,12 +190,6 @@ def vertical_slash_tie_check(
         q, k, vertical_size=params["vertical_size"], slash_size=params["slash_size"],
         last_q=last_q, init_columns=init_columns, local_diagonals=local_diagonals, scale=scale,
     )
-    rebuilt = vertical_slash_index(
-        verticals.cpu(), slashes.cpu(), seqlen=n, block_m=int(params.get("block_m", 64)),
-        block_n=int(params.get("block_n", 64)),
-    )
-    if not rebuilt.equal(got.to("cpu")):
-        raise _fail("the fast plan is not Alg. 4 of the fast lines")
     vertical, slash = vertical_slash_scores(q, k, last_q=last_q, scale=scale)
     tol = line_tolerance(min(last_q, n))
     hq, cpu = q.shape[1], torch.device("cpu")
@@ -200,6 +199,21 @@ def vertical_slash_tie_check(
     check_topk_modulo_ties(slash, slashes,
                            count=line_counts(params["slash_size"], local_diagonals, n, "slash_size", hq, cpu),
                            forced=local_diagonals, tolerance=tol, what="slashes")
+    return verticals, slashes
+
+
+def vertical_slash_tie_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
+) -> None:
+    """`MethodSpec.tie_check` of vertical-slash (see the module doc)."""
+    del expected
+    verticals, slashes = vertical_slash_lines_check(q, k, params)
+    rebuilt = vertical_slash_index(
+        verticals.cpu(), slashes.cpu(), seqlen=q.shape[2], block_m=int(params.get("block_m", 64)),
+        block_n=int(params.get("block_n", 64)),
+    )
+    if not rebuilt.equal(got.to("cpu")):
+        raise _fail("the fast plan is not Alg. 4 of the fast lines")
 
 
 def block_sparse_tie_check(
@@ -420,13 +434,40 @@ def check_pivot_modulo_ties(block_means: torch.Tensor, pivot: Pivot, *, gamma: f
                             share_tolerance=SHARE_TOLERANCE * float(flat.max()), what=what)
 
 
+def _share_state_args(params: dict[str, Any]) -> dict[str, Any]:
+    keys = ("layout", "tau", "delta", "gamma", "block_m", "block_n", "init_columns", "local_diagonals")
+    return {key: params[key] for key in keys if key in params}
+
+
+def shareprefill_lines_check(
+    q: torch.Tensor, k: torch.Tensor, params: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Checks.lines_check` of SharePrefill: the fast layer's Alg. 5 fallback lines
+    (`fast.shareprefill.fallback_lines`, every head) are covers of the float64 shares of
+    the last `block_m` queries with the forced lines, modulo ties.
+
+    Returns:
+        The fast (verticals, slashes).
+    """
+    state = SharePrefillState(**_share_state_args(params))
+    scale = resolve_scale(params.get("scale"), q.shape[-1])
+    verticals, slashes = fast_fallback_lines(q, k, state, scale=scale)
+    a_v, a_s = normalized_lines(approximate_attention(q, k, last_q=state.block_m, scale=scale))
+    n, cpu = q.shape[2], torch.device("cpu")
+    gamma = _heads(state.gamma, q.shape[1])
+    check_cover_modulo_ties(a_v, verticals.cpu(), gamma=gamma,
+                            forced=first_lines(state.init_columns, n, cpu), what="verticals")
+    check_cover_modulo_ties(a_s, slashes.cpu(), gamma=gamma,
+                            forced=first_lines(state.local_diagonals, n, cpu), what="slashes")
+    return verticals, slashes
+
+
 def shareprefill_tie_check(
     q: torch.Tensor, k: torch.Tensor, params: dict[str, Any], expected: BlockColumnPlan, got: BlockColumnPlan
 ) -> None:
     """`MethodSpec.tie_check` of SharePrefill's one-layer plan (see the module doc)."""
     del expected
-    keys = ("layout", "tau", "delta", "gamma", "block_m", "block_n", "init_columns", "local_diagonals")
-    state_args = {key: params[key] for key in keys if key in params}
+    state_args = _share_state_args(params)
     layer = int(params.get("layer", 0))
     scale = resolve_scale(params.get("scale"), q.shape[-1])
     ref_state = SharePrefillState(**state_args)
@@ -437,9 +478,7 @@ def shareprefill_tie_check(
     ref_state = SharePrefillState(**state_args)
     check_decisions_modulo_margin(ref_state, fast_decision.pattern, ref_decision.d_sparse,
                                   ref_decision.d_sim, layer=layer)
-    verticals, slashes = fast_flex_lines(q, k, gamma=fast_state.gamma, last_q=fast_state.block_m,
-                                         init_columns=fast_state.init_columns,
-                                         local_diagonals=fast_state.local_diagonals, line_block=1, scale=scale)
+    verticals, slashes = shareprefill_lines_check(q, k, params)
     cpu_decision = LayerDecision(layer=layer, pattern=fast_decision.pattern.cpu(),
                                         d_sparse=fast_decision.d_sparse.cpu(),
                                         d_sim=fast_decision.d_sim.cpu(), cluster=fast_decision.cluster.cpu())
@@ -448,13 +487,8 @@ def shareprefill_tie_check(
                                          block_n=ref_state.block_n)
     if not rebuilt.equal(got.to("cpu")):
         raise _fail("the fast plan is not the plan of the fast decisions and Alg. 5 lines")
-    a_v, a_s = normalized_lines(approximate_attention(q, k, last_q=ref_state.block_m, scale=scale))
-    n, cpu = q.shape[2], torch.device("cpu")
-    gamma = _heads(ref_state.gamma, q.shape[1])
-    check_cover_modulo_ties(a_v, verticals, gamma=gamma,
-                            forced=first_lines(ref_state.init_columns, n, cpu), what="verticals")
-    check_cover_modulo_ties(a_s, slashes, gamma=gamma,
-                            forced=first_lines(ref_state.local_diagonals, n, cpu), what="slashes")
+
+
 # -- XAttention / DPXA: greedy threshold selection of tiles ----------------------
 
 

@@ -124,6 +124,17 @@ def decide_layer(
     return determine_sparse_pattern(state, a_hat, layer=layer)
 
 
+def fallback_lines(
+    q: torch.Tensor, k: torch.Tensor, state: SharePrefillState, *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 5, the vertical-slash fallback, for every head: (verticals, slashes) bool
+    `[B, Hq, N]` (see `reference.shareprefill.fallback_lines`); `layer_plan` keeps them
+    for the vertical-slash heads."""
+    return flexprefill_vs_lines(
+        q, k, gamma=state.gamma, last_q=state.block_m, init_columns=state.init_columns,
+        local_diagonals=state.local_diagonals, line_block=1, scale=scale)
+
+
 def layer_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,9 +158,7 @@ def layer_plan(
     pattern = decision.pattern.to(q.device)
     is_vs = pattern == SharePattern.VERTICAL_SLASH
     if bool(is_vs.any()):
-        verticals, slashes = flexprefill_vs_lines(
-            q, k, gamma=state.gamma, last_q=bm, init_columns=state.init_columns,
-            local_diagonals=state.local_diagonals, line_block=1, scale=scale)
+        verticals, slashes = fallback_lines(q, k, state, scale=scale)
         verticals &= is_vs.unsqueeze(-1)
         slashes &= is_vs.unsqueeze(-1)
     else:

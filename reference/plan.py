@@ -843,6 +843,10 @@ def rank_nan_last(scores: torch.Tensor) -> torch.Tensor:
                             neginf=-math.inf)
 
 
+# Elements `mask_to_list` sorts at once (2**26: ~0.6 GiB of sort indices and scratch).
+MASK_LIST_ELEMENTS = 1 << 26
+
+
 def mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn bool `[..., L]` into (count int32 `[...]`, sorted indices int32 `[..., width]`).
 
@@ -850,11 +854,20 @@ def mask_to_list(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     count = mask.sum(dim=-1)
     width = int(count.max().item()) if count.numel() else 0
-    # A stable sort of the negated mask puts the selected positions first, in order.
-    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-    valid = torch.arange(width, device=mask.device) < count.unsqueeze(-1)
-    index = torch.where(valid, order, 0)
-    return count.to(torch.int32), index.to(torch.int32)
+    length = mask.shape[-1]
+    flat = mask.reshape(math.prod(mask.shape[:-1]), length)
+    flat_count = count.reshape(-1, 1)
+    index = torch.zeros(flat.shape[0], width, dtype=torch.int32, device=mask.device)
+    # Rows at a time: the sort's int64 indices (and its scratch) are 8+ bytes an element,
+    # 18 GiB at once for XAttention's [B, Hq, T, T] tile mask at 1M tokens.
+    rows = max(1, MASK_LIST_ELEMENTS // max(1, length))
+    valid_cols = torch.arange(width, device=mask.device)
+    for r0 in range(0, flat.shape[0], rows):
+        r1 = min(r0 + rows, flat.shape[0])
+        # A stable sort of the negated mask puts the selected positions first, in order.
+        order = torch.sort((~flat[r0:r1]).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+        index[r0:r1] = torch.where(valid_cols < flat_count[r0:r1], order, 0)
+    return count.to(torch.int32), index.reshape(*mask.shape[:-1], width)
 
 
 def _check_list(kind: str, count: torch.Tensor, index: torch.Tensor, *, upper: int) -> torch.Tensor:

@@ -631,6 +631,24 @@ def decide_layer(
     return determine_sparse_pattern(state, a_hat, layer=layer)
 
 
+def fallback_lines(
+    q: torch.Tensor, k: torch.Tensor, state: SharePrefillState, *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alg. 5, the vertical-slash fallback (Alg. 1 line 6), for every head of a layer.
+
+    FlexPrefill's lines (`flexprefill_vs_lines`) from the last `block_m` queries (the
+    query block SharePrefill estimates from), with the state's `gamma`, forced
+    `init_columns` / `local_diagonals` and single lines (`line_block = 1`).
+
+    Returns:
+        (verticals, slashes) bool `[B, Hq, N]`; the layer plan keeps those of its
+        vertical-slash heads.
+    """
+    return flexprefill_vs_lines(
+        q, k, gamma=state.gamma, last_q=state.block_m, init_columns=state.init_columns,
+        local_diagonals=state.local_diagonals, line_block=1, scale=scale)
+
+
 def shareprefill_layer_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -661,9 +679,7 @@ def shareprefill_layer_plan(
     sm_scale = resolve_scale(scale, shape.head_dim)
     decision = decide_layer(q, k, state, layer=layer, scale=sm_scale)
     # Alg. 5 (Alg. 1 line 6), computed for every head and used for the vertical-slash ones.
-    verticals, slashes = flexprefill_vs_lines(
-        q, k, gamma=state.gamma, last_q=state.block_m, init_columns=state.init_columns,
-        local_diagonals=state.local_diagonals, line_block=1, scale=sm_scale)
+    verticals, slashes = fallback_lines(q, k, state, scale=sm_scale)
     blocks, columns = layer_masks(verticals, slashes, state, decision)
     plan = BlockColumnPlan.from_masks(blocks, columns, seqlen=shape.seqlen, block_m=state.block_m,
                                       block_n=state.block_n)

@@ -610,12 +610,44 @@ def test_quadratic_stages_refuse_before_allocating(monkeypatch: pytest.MonkeyPat
     CPU tensors are never checked (no driver call)."""
     from sparseprefill.fast.kernels import check_device_memory
 
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 80 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * 2**30)
+    # 10 GiB free; torch's cache gives back 1 GiB more when emptied (not counted before).
+    state = {"free": 10 * 2**30, "emptied": 0}
+
+    def empty_cache() -> None:
+        state["free"], state["emptied"] = 11 * 2**30, state["emptied"] + 1
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     cuda = torch.device("cuda", 0)
-    check_device_memory("tile weights", 11 * 2**30, cuda)  # 10 free + 1 cached: fits
+    check_device_memory("tile weights", 10 * 2**30, cuda)  # fits what is free: the cache is left alone
+    assert state["emptied"] == 0
+    check_device_memory("tile weights", 11 * 2**30, cuda)  # fits once the cache is given back
+    assert state["emptied"] == 1
     with pytest.raises(MemoryError, match=r"tile weights needs 12\.0 GiB .* only 11\.0 GiB .* larger block"):
         check_device_memory("tile weights", 12 * 2**30, cuda, hint="A larger block fits.")
     check_device_memory("tile weights", 2**40, torch.device("cpu"))
     check_device_memory("small", 2**29, cuda)
+
+
+def test_disjoint_column_lists_are_sized_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-query-block column lists `[B, H, Qb, width]` (quadratic where the shared
+    column list grows with N: SharePrefill's single-line verticals at 1M tokens) are
+    checked by `check_device_memory` before they are allocated."""
+    import importlib
+
+    own = importlib.import_module("sparseprefill.fast.kernels.own_columns")
+    asked: list[tuple[str, int]] = []
+
+    def refuse(what: str, nbytes: int, device: torch.device, *, hint: str = "") -> None:
+        asked.append((what, nbytes))
+        raise MemoryError(f"{what} needs {nbytes} bytes")
+
+    monkeypatch.setattr(own, "check_device_memory", refuse)
+    n, bm = 100, 16
+    cols = torch.tensor([0, 3, 50], dtype=torch.int32)
+    plan = BlockColumnPlan.from_masks(torch.zeros(2, 3, 7, 7, dtype=torch.bool),
+                                      torch.zeros(2, 3, 7, n, dtype=torch.bool).index_fill_(-1, cols.long(), True),
+                                      seqlen=n, block_m=bm, block_n=bm)
+    with pytest.raises(MemoryError, match=r"column lists \(\[B, H, Qb, width\] = \[2, 3, 7, 3\]\)"):
+        own.disjoint_columns(plan)
+    assert asked and asked[0][1] == 2 * 3 * 7 * 3 * 4

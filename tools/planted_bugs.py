@@ -549,8 +549,8 @@ BUGS: tuple[Bug, ...] = (
         "masks &= (torch.arange(kb, device=q.device) * bn <= last_row[:, None] + bn)",
         "fast dense / shared heads list one key block past the causal horizon"),
     Bug("share-fast-vs-last-q-block-n", "shareprefill", "fast/shareprefill.py",
-        "q, k, gamma=state.gamma, last_q=bm, init_columns=state.init_columns,",
-        "q, k, gamma=state.gamma, last_q=bn, init_columns=state.init_columns,",
+        "q, k, gamma=state.gamma, last_q=state.block_m, init_columns=state.init_columns,",
+        "q, k, gamma=state.gamma, last_q=state.block_n, init_columns=state.init_columns,",
         "fast vertical-slash heads estimate from block_n last queries, not block_m"),
 )
 

@@ -126,9 +126,9 @@ def check_device_memory(what: str, nbytes: int, device: torch.device, *, hint: s
 
     For the stages whose memory grows with the square of the tokens (tile weights and
     tile lists `[B, H, T, T]`, per-block masks `[Qb, Kb]`): `nbytes` is what the stage
-    would hold at its peak. Compared with what the device can still give (free memory
-    plus what torch's caching allocator holds unused); below `MEMORY_CHECK_FLOOR` or
-    off CUDA nothing is checked.
+    would hold at its peak. Compared with the device's free memory after torch's cache
+    has given back what it holds unused (`empty_cache`, only when `nbytes` exceeds what
+    is free without it); below `MEMORY_CHECK_FLOOR` or off CUDA nothing is checked.
 
     Raises:
         MemoryError: naming the stage, the bytes it needs, what is free, and `hint`
@@ -137,7 +137,13 @@ def check_device_memory(what: str, nbytes: int, device: torch.device, *, hint: s
     if nbytes < MEMORY_CHECK_FLOOR or device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
-    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if nbytes > free:
+        # What torch's cache holds unused is free for a buffer this large only once
+        # released: memory reserved in partly used segments cannot serve it (at 1M tokens
+        # a 62.5 GiB list failed with 53 GiB free and 11 GiB reserved unused, H100).
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+    available = free
     if nbytes > available:
         raise MemoryError(f"{what} needs {nbytes / 2**30:.1f} GiB on {device}, but only {available / 2**30:.1f} "
                           f"GiB of its {total / 2**30:.0f} GiB are free; nothing was allocated"

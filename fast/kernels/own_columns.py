@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ...reference.plan import BlockColumnPlan
+from ._common import check_device_memory
 
 # Columns handled per vector step.
 _CHUNK = 128
@@ -97,6 +98,12 @@ def disjoint_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
     width = plan.column_index.shape[3]
     columns = plan.query_block_columns()
     count = torch.zeros(b, h, qb, dtype=torch.int32, device=plan.device)
+    # [B, H, Qb, width] written out: quadratic in tokens where the shared column list grows
+    # with N (SharePrefill's single-line verticals: ~360 GiB at 1M tokens, 32 heads).
+    check_device_memory(f"the per-query-block column lists ([B, H, Qb, width] = [{b}, {h}, {qb}, {width}])",
+                        b * h * qb * width * 4, plan.device,
+                        hint="Fewer kept columns (a lower gamma or vertical budget, or columns kept in "
+                             "whole key blocks), a larger block_m or fewer heads per call fit.")
     index = torch.zeros(b, h, qb, width, dtype=torch.int32, device=plan.device)
     if width > 0 and count.numel() > 0:
         _own_columns_kernel[(qb, b * h)](
