@@ -75,6 +75,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+
+def _row_entries(rows: torch.Tensor, owner: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`rows[b, h, owner[i], pos[b, h, i]]` as int64 `[B, H, Qb]`: one entry of each query
+    block's column row, read without giving every query block its own copy of the row
+    (`[B, H, Qb, W]` would be quadratic in tokens: 62.5 GiB for one AnchorAttention head at
+    1M). `rows` may be a stride-0 expanded view."""
+    b, h = pos.shape[0], pos.shape[1]
+    bi = torch.arange(b, device=pos.device).view(b, 1, 1)
+    hi = torch.arange(h, device=pos.device).view(1, h, 1)
+    return rows[bi, hi, owner.view(1, 1, -1), pos].to(torch.int64)
+
 @dataclass(frozen=True, eq=False)
 class BlockColumnPlan:
     """Which key blocks and key columns every query block attends to (see module doc).
@@ -466,10 +477,9 @@ class BlockColumnPlan:
             partial = partial | (reads & inside & kept_for).any()
         keep = torch.cat(keep_parts, dim=2)
         owner = torch.arange(qb, device=dev) // g
-        kept_before = torch.cumsum(keep.to(torch.int32), dim=3).index_select(2, owner)
+        kept_before = torch.cumsum(keep.to(torch.int32), dim=3)
         counts = self.column_count.to(torch.int64)
-        new_counts = torch.where(counts > 0, torch.gather(kept_before, 3, (counts - 1).clamp(min=0).unsqueeze(-1))
-                                 .squeeze(-1), 0)
+        new_counts = torch.where(counts > 0, _row_entries(kept_before, owner, (counts - 1).clamp(min=0)), 0)
         order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
         new_width = int(keep.sum(dim=-1).max().item()) if keep.numel() else 0
         column_index = torch.gather(self.column_index.expand(b, h, rows, width), 3, order[..., :new_width])
@@ -569,12 +579,9 @@ class BlockColumnPlan:
         # A prefix that ends inside a full block: veto the block unless every key of it
         # past the prefix is after the query block's last row.
         last_row = self.last_rows()
-        rowcols = self.query_block_columns() if g == 1 else cols.index_select(2, owner)
-        end = counts.clamp(max=width - 1)
-        nxt = torch.gather(rowcols.to(torch.int64), 3, end.unsqueeze(-1)).squeeze(-1)
-        inside = (counts > 0) & (counts < row_len.index_select(2, owner)) & \
-            (torch.gather(rowcols.to(torch.int64), 3, (counts - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
-             // bn == nxt // bn)
+        nxt = _row_entries(self.column_index, owner, counts.clamp(max=width - 1))
+        prev = _row_entries(self.column_index, owner, (counts - 1).clamp(min=0))
+        inside = (counts > 0) & (counts < row_len.index_select(2, owner)) & (prev // bn == nxt // bn)
         veto_q = inside & (nxt <= last_row)
         vq = torch.zeros(b, h, qb, kb + 1, dtype=torch.bool, device=device)
         vq.scatter_(3, torch.where(veto_q, nxt // bn, kb).unsqueeze(-1), True)
@@ -593,8 +600,7 @@ class BlockColumnPlan:
         # Drop the promoted blocks' columns from each row; each count keeps its kept entries.
         keep = valid & ~torch.gather(torch.cat([promote, promote.new_zeros(b, h, rows, 1)], 3), 3, blk)
         kept_before = torch.cumsum(keep.to(torch.int64), dim=3)
-        new_counts = torch.where(counts > 0, torch.gather(kept_before.index_select(2, owner), 3,
-                                                         (counts - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0)
+        new_counts = torch.where(counts > 0, _row_entries(kept_before, owner, (counts - 1).clamp(min=0)), 0)
         order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
         new_width = int(keep.sum(dim=-1).max().item())
         column_index = torch.gather(self.column_index, 3, order[..., :new_width])
