@@ -51,7 +51,7 @@ from ..reference.shareprefill import (
 )
 from .flexprefill_vs import flexprefill_vs_lines, padded_lines
 from .kernels import block_column_attention, check_device_memory, check_forward_only, check_kernel_block_sizes
-from .kernels.own_columns import disjoint_columns
+from .kernels.own_columns import resolve_covered_columns
 from .kernels.vertical_slash_index import vertical_slash_index
 
 
@@ -151,7 +151,8 @@ def layer_plan(
 
     Returns:
         The plan: vertical-slash heads' lists from the Alg. 4 index kernel, shared and
-        dense heads' block lists from their masks, per-query-block disjoint columns.
+        dense heads' block lists from their masks, per-query-block disjoint columns where
+        they fit `DISJOINT_COLUMN_BYTES` (else the shared column list per head).
     """
     b, hq, n, _ = q.shape
     bm, bn = state.block_m, state.block_n
@@ -194,7 +195,10 @@ def layer_plan(
         plan = BlockColumnPlan(seqlen=n, block_m=bm, block_n=bn, block_count=block_count,
                                block_index=block_index, column_count=plan.column_count,
                                column_index=plan.column_index)
-    return disjoint_columns(plan.mark_valid())
+    # Per-query-block disjoint columns where they fit (`DISJOINT_COLUMN_BYTES`); single-line
+    # verticals too many for that (quadratic in tokens: 361 GiB at 1M on the scale
+    # workload) stay one shared list per head, the kernel testing covered columns itself.
+    return resolve_covered_columns(plan.mark_valid())
 
 
 def shareprefill_layer_plan(

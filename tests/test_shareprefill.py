@@ -408,6 +408,24 @@ def test_shareprefill_tie_check() -> None:
         shareprefill_tie_check(q, k, params, plan, wrong)
 
 
+
+def test_column_lists_too_large_to_give_every_query_block_its_own_stay_shared(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Single-line verticals whose per-query-block lists exceed `DISJOINT_COLUMN_BYTES`
+    (361 GiB at 1M tokens on the scale workload) stay one shared list per head: the same
+    plan (`equal`) and the same attention, the kernel testing covered columns itself."""
+    own = importlib.import_module("sparseprefill.fast.kernels.own_columns")
+    q, k, v = _stack(1, 1, 4, 2, 200, 32, [[0.0, 6.0, 0.0, 6.0]], seed=7)[0]
+    params: dict[str, Any] = dict(layout=ClusterLayout(((0, 0, 1, -1),)), block_m=16, block_n=16)
+    fitting = fast.shareprefill_plan(q, k, **params)
+    monkeypatch.setattr(own, "DISJOINT_COLUMN_BYTES", 0)
+    shared = fast.shareprefill_plan(q, k, **params)
+    assert fitting.columns_disjoint and not shared.columns_disjoint
+    assert shared.column_index.stride(2) == 0 and int(shared.column_count.max()) > 0
+    assert shared.equal(fitting)
+    torch.testing.assert_close(fast.sparse_attention(q, k, v, shared), fast.sparse_attention(q, k, v, fitting))
+
+
 # -- the GPU benchmark's rows, checked on the CPU ------------------------------------------------
 
 
