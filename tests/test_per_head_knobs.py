@@ -223,3 +223,17 @@ def test_per_kv_head_helper() -> None:
     assert per_kv_head([0.5, 0.5, 0.25, 0.25], "t", 4, 2, float).tolist() == [0.5, 0.25]  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"query heads 2..3 \(KV head 1\) got \[0.25, 0.5\]"):
         per_kv_head([0.5, 0.5, 0.25, 0.5], "t", 4, 2, float)
+
+
+def test_ops_take_per_head_values_of_required_knobs() -> None:
+    """A knob without a default (Delta-KV's threshold, vertical-slash sizes) is a required
+    op argument: `op_params` fills it with the first head's value, the list overrides it."""
+    from sparseprefill.fast import ops
+
+    q, k, v = _inputs(torch.float16, 48, kv_heads=2)
+    cases = [("delta_kv", {"threshold": [0.98, 0.3], "metric": "cosine", "chunk": 16, "block_m": 16, "block_n": 16}),
+             ("vertical_slash", {"vertical_size": [2, 8], "slash_size": (4, 16), "block_m": 16, "block_n": 16})]
+    for name, params in cases:
+        got = ops.call(name, q, k, v, **params)
+        want = methods.get(name).run_fn("fast")(q, k, v, **params)
+        assert torch.equal(got, want), name
