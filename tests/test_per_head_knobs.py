@@ -227,13 +227,20 @@ def test_per_kv_head_helper() -> None:
 
 def test_ops_take_per_head_values_of_required_knobs() -> None:
     """A knob without a default (Delta-KV's threshold, vertical-slash sizes) is a required
-    op argument: `op_params` fills it with the first head's value, the list overrides it."""
+    op argument: `op_params` fills it with the first head's value, the list overrides it.
+    Every method with knobs: the op's required arguments are all given (no launch)."""
     from sparseprefill.fast import ops
 
-    q, k, v = _inputs(torch.float16, 48, kv_heads=2)
-    cases = [("delta_kv", {"threshold": [0.98, 0.3], "metric": "cosine", "chunk": 16, "block_m": 16, "block_n": 16}),
-             ("vertical_slash", {"vertical_size": [2, 8], "slash_size": (4, 16), "block_m": 16, "block_n": 16})]
-    for name, params in cases:
-        got = ops.call(name, q, k, v, **params)
-        want = methods.get(name).run_fn("fast")(q, k, v, **params)
-        assert torch.equal(got, want), name
+    for name, m in methods.methods().items():
+        if not m.knobs:
+            continue
+        params = {**_params(m), **{knob: [VALUES[knob][0]] * HQ for knob in m.knobs}}
+        given = ops.op_params(name, params)
+        schema, _ = ops.method_schema(name, m.run_fn("fast"))
+        for arg in schema.split("*,", 1)[1].split(") ->")[0].split(","):
+            arg = arg.strip()
+            if arg and "=" not in arg:
+                assert arg.split()[-1] in given, (name, arg, given)
+    sizes = ops.op_params("vertical_slash", {"vertical_size": torch.tensor([2, 8]), "slash_size": (4, 16)})
+    assert sizes == {"vertical_size": 2, "vertical_size_per_head": [2, 8], "slash_size": 4,
+                     "slash_size_per_head": [4, 16]}
