@@ -12,7 +12,9 @@ causal attention ("dense") for a head that no grid point serves:
 * `--target-error E`: the head's relative output error (Frobenius, sampled rows).
 
 Every target given must hold on every calibration capture of that layer (the cheapest
-is by mean density over them). What is measured: per layer, `--rows` query rows
+is by mean density over them). `--refine STEPS` then bisects each head's value of a
+grid's float knob between the grid points around its pick (`refine_heads`: one run per
+step, every head at its own midpoint). What is measured: per layer, `--rows` query rows
 sampled uniformly (one per stratum of N / rows rows, seeded) and their full causal
 softmax in float64; the recall of a plan on those rows is the mass it keeps, its
 output error the relative error of the renormalised kept mass times V, its density the
