@@ -24,7 +24,7 @@ import torch
 from .. import fast, reference
 from ..reference.delta_kv import PackedKV, expand_packed, safe_blocks
 from ..reference.plan import cdiv
-from ..methods.delta_kv import STAGE1 as _STAGE1
+from ..methods.delta_kv import stage1 as _stage1
 from ..methods.delta_kv import packing as _packing
 
 def delta_structure_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any]) -> None:
@@ -33,7 +33,7 @@ def delta_structure_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, par
     Raises:
         AssertionError: naming the first field that differs.
     """
-    stage1 = {name: params[name] for name in _STAGE1 if name in params}
+    stage1 = _stage1(params, int(q.shape[1]), int(k.shape[1]))
     keep_r = reference.delta_keep_mask(k, **stage1)
     keep_f = fast.delta_keep_mask(k, **stage1)
     if not torch.equal(keep_r.cpu(), keep_f.cpu()):
@@ -108,7 +108,7 @@ def _combined(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedK
 def delta_golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  params: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(golden float64 output, baseline output in q's dtype) of `delta_kv(q, k, v, **params)`."""
-    packed = _packing(reference, k, v, params)
+    packed = _packing(reference, q, k, v, params)
     golden = _combined(q, k, v, packed, params, dtype=torch.float64)
     baseline = _combined(q, k, v, packed, params, dtype=q.dtype)
     return golden, baseline

@@ -545,10 +545,12 @@ def draw_method_params(draw: Draw, spec: MethodSpec, seqlen: int) -> dict[str, A
 
 
 def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], seqlen: int,
-                        heads: int) -> tuple[dict[str, Any], str]:
+                        heads: int, kv_heads: int | None = None) -> tuple[dict[str, Any], str]:
     """Some of the time, give each of the method's per-head knobs (`Method.knobs`) one value
     per query head: values the method's own strategy draws (`spec.params`, once per head),
-    the drawn scalar among them, as a list, a tuple or a float64/int64 tensor.
+    the drawn scalar among them, as a list, a tuple or a float64/int64 tensor. A knob that
+    acts on the keys (`Method.kv_knobs`) is drawn once per KV head (`kv_heads`, default
+    `heads`) and repeated over the KV head's query heads.
 
     A head's value that the method refuses beside the other parameters (a Delta-KV
     threshold below 0 under the Euclidean metric) falls back to the drawn scalar.
@@ -564,7 +566,8 @@ def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], se
     for name in knobs:
         if not draw(st.booleans()) and len(knobs) > 1:
             continue
-        values = [r.get(name) for r in redraws]
+        units = kv_heads if kv_heads is not None and name in spec.method.kv_knobs else heads
+        values = [r.get(name) for r in redraws[:units]]
         for h, value in enumerate(values):
             if value is None or isinstance(value, bool) or type(value) is not type(params[name]):
                 values[h] = params[name]
@@ -573,7 +576,8 @@ def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], se
                 spec.method.check_params({**params, name: value})
             except (TypeError, ValueError):
                 values[h] = params[name]
-        values[draw(st.integers(0, heads - 1))] = params[name]
+        values[draw(st.integers(0, units - 1))] = params[name]
+        values = [x for x in values for _ in range(heads // units)]
         form = draw(st.sampled_from(["list", "tuple", "tensor"]))
         if form == "tensor":
             dtype = torch.int64 if isinstance(params[name], int) else torch.float64

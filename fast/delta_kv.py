@@ -14,18 +14,19 @@ import math
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_block_size, check_count, check_qkv, resolve_scale
+from ..reference._checks import HALF_DTYPES, PerHead, check_block_size, check_count, check_qkv, resolve_scale
 from ..reference.attention import AttentionState
 from ..reference.delta_kv import (
     PackedKV,
     check_flags,
     check_keys,
+    check_mask_threshold,
     check_metric,
     check_pack_inputs,
     check_packed,
     check_packed_for,
-    check_threshold,
     cdiv_tensor,
+    kv_threshold,
 )
 from ..reference.plan import BlockColumnPlan, cdiv
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
@@ -40,11 +41,12 @@ _PACK_CHUNK = 512
 def delta_keep_mask(
     k: torch.Tensor,
     *,
-    threshold: float,
+    threshold: PerHead,
     metric: str = "euclidean",
     chunk: int = 512,
 ) -> torch.Tensor:
-    """Stage 1 (see `reference.delta_keep_mask`): bool `[B, Hkv, N]`, bit-identical to it.
+    """Stage 1 (see `reference.delta_keep_mask`): bool `[B, Hkv, N]`, bit-identical to it;
+    `threshold` a scalar or one value per KV head.
 
     Raises:
         TypeError, ValueError: bad inputs or parameters.
@@ -53,10 +55,10 @@ def delta_keep_mask(
     if k.dtype not in HALF_DTYPES:
         raise TypeError(f"k must have dtype float16 or bfloat16 for the fast kernels, got {k.dtype}")
     metric = check_metric(metric)
-    threshold = check_threshold(threshold, metric)
+    thr = check_mask_threshold(threshold, metric, k.shape[1])
     size = check_count("chunk", chunk, cap=k.shape[2])
     check_kernel_device(k)
-    return keep_mask(k, threshold=threshold, cosine=metric == "cosine", chunk=size)[0]
+    return keep_mask(k, threshold=thr, cosine=metric == "cosine", chunk=size)[0]
 
 
 def delta_pack(
@@ -204,7 +206,7 @@ def delta_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    threshold: float,
+    threshold: PerHead,
     metric: str = "euclidean",
     chunk: int = 512,
     block_m: int = 64,
@@ -213,7 +215,8 @@ def delta_kv(
     exact_diagonal: bool = True,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Delta-KV attention end to end (see `reference.delta_kv`).
+    """Delta-KV attention end to end (see `reference.delta_kv`; `threshold` a scalar or one
+    value per query head, equal within each KV group).
 
     Host synchronisations: the packed buffer's size, the segment ids' count, the
     phase-2 width, the phase-1 launch test and the ragged launcher's offset check; no
@@ -226,14 +229,14 @@ def delta_kv(
     check_kernel_device(q)
     check_forward_only(q, k, v)
     metric = check_metric(metric)
-    threshold = check_threshold(threshold, metric)
+    thr = kv_threshold(threshold, metric, shape.q_heads, shape.kv_heads)
     size = check_count("chunk", chunk, cap=shape.seqlen)
     bm = check_block_size("block_m", block_m)
     bn = check_block_size("block_n", block_n)
     check_kernel_block_sizes(bm, bn)
     check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
     scale = resolve_scale(scale, shape.head_dim)
-    keep, chunk_counts = keep_mask(k, threshold=threshold, cosine=metric == "cosine", chunk=size)
+    keep, chunk_counts = keep_mask(k, threshold=thr, cosine=metric == "cosine", chunk=size)
     packed = pack(k, v, keep, chunk_counts, chunk=size, block=bn).mark_valid()
     return delta_kv_attention(q, k, v, packed, block_m=bm, count_weighted=count_weighted,
                               exact_diagonal=exact_diagonal, scale=scale)

@@ -419,8 +419,9 @@ def capture_op(name: str) -> Any:
 
 def op_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """A method's keyword parameters as its op takes them (`Method.adapters` encoded; a
-    per-head knob moved to its `<knob>_per_head` tensor argument, the scalar left at its
-    default)."""
+    per-head knob moved to its `<knob>_per_head` list argument, the scalar argument set
+    to the first head's value: a knob without a default (Delta-KV's threshold,
+    vertical-slash sizes) is a required op argument, and the list overrides it)."""
     out = dict(params)
     for param, adapter in _adapters(name).items():
         if param in out:
@@ -428,8 +429,12 @@ def op_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     for knob in _knobs(name):
         value = out.get(knob)
         if isinstance(value, (list, tuple, torch.Tensor)):
-            del out[knob]
-            out[knob + PER_HEAD_SUFFIX] = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+            values = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+            out[knob + PER_HEAD_SUFFIX] = values
+            if values:
+                out[knob] = values[0]
+            else:
+                del out[knob]
     return out
 
 

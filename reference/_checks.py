@@ -204,12 +204,15 @@ def is_per_head(value: object) -> bool:
     return isinstance(value, (list, tuple, torch.Tensor))
 
 
-def _per_head_values(name: str, value: object, check: Callable[[object], float | int]) -> list[float | int]:
+def _per_head_values(name: str, value: object, check: Callable[[object], float | int], *,
+                     unit: str = "query head") -> list[float | int]:
     """Every element of a per-head value through the knob's scalar `check` (same rules and
-    messages as the scalar form, prefixed with the head), after the container's checks."""
+    messages as the scalar form, prefixed with the head), after the container's checks.
+    `unit` names what an element stands for ("query head", or "KV head")."""
+    count = "Hq" if unit == "query head" else "Hkv"
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
-            raise ValueError(f"{name} given per head must be a 1-D tensor of Hq values, got shape "
+            raise ValueError(f"{name} given per head must be a 1-D tensor of {count} values, got shape "
                              f"{tuple(value.shape)}")
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{name} given per head must be a real tensor, got {value.dtype}")
@@ -217,7 +220,7 @@ def _per_head_values(name: str, value: object, check: Callable[[object], float |
     elif isinstance(value, (list, tuple)):
         items = list(value)
     else:
-        raise TypeError(f"{name} must be a number, or one number per query head (a list, tuple or "
+        raise TypeError(f"{name} must be a number, or one number per {unit} (a list, tuple or "
                         f"1-D tensor), got {type(value).__name__}")
     if not items:
         raise ValueError(f"{name} given per head must not be empty")
@@ -226,9 +229,9 @@ def _per_head_values(name: str, value: object, check: Callable[[object], float |
         try:
             out.append(check(item))
         except TypeError as exc:
-            raise TypeError(f"{name}[{h}] (query head {h}): {exc}") from None
+            raise TypeError(f"{name}[{h}] ({unit} {h}): {exc}") from None
         except ValueError as exc:
-            raise ValueError(f"{name}[{h}] (query head {h}): {exc}") from None
+            raise ValueError(f"{name}[{h}] ({unit} {h}): {exc}") from None
     return out
 
 
@@ -259,7 +262,8 @@ def check_knob(name: str, value: object, check: Callable[[object], float | int],
 
 
 def per_head(value: object, name: str, heads: int, check: Callable[[object], float | int], *,
-             integer: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
+             integer: bool = False, device: torch.device | str | None = None,
+             unit: str = "query head") -> torch.Tensor:
     """A knob's value for every query head: the one normalisation all methods use.
 
     A scalar applies to every head; a per-head value (a list/tuple of `heads` numbers or
@@ -275,6 +279,8 @@ def per_head(value: object, name: str, heads: int, check: Callable[[object], flo
         integer: int64 values (counts, sizes) instead of float64; values past
             `KNOB_INT_CAP` (2**62) mean it.
         device: where the result lives (q's device).
+        unit: what one element stands for, in the messages: "query head" (`heads` is Hq)
+            or "KV head" (`heads` is Hkv, a knob that acts on the keys: `per_kv_head`).
 
     Returns:
         `[heads]` float64 (int64 if `integer`) on `device`.
@@ -284,12 +290,46 @@ def per_head(value: object, name: str, heads: int, check: Callable[[object], flo
         ValueError: the wrong length or rank, or an element `check` refuses.
     """
     dtype = torch.int64 if integer else torch.float64
-    values = [check(value)] * heads if not is_per_head(value) else _per_head_values(name, value, check)
+    values = [check(value)] * heads if not is_per_head(value) else _per_head_values(name, value, check, unit=unit)
     if len(values) != heads:
-        raise ValueError(f"{name} given per head must have one value per query head (Hq={heads}), "
+        count = "Hq" if unit == "query head" else "Hkv"
+        raise ValueError(f"{name} given per head must have one value per {unit} ({count}={heads}), "
                          f"got {len(values)}")
     if integer:
         values = [min(v, KNOB_INT_CAP) for v in values]
     if not is_per_head(value):
         return torch.full((heads,), values[0], dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def per_kv_head(value: object, name: str, heads: int, kv_heads: int, check: Callable[[object], float | int], *,
+                device: torch.device | str | None = None) -> float | int | torch.Tensor:
+    """A knob that acts on the keys (one value per KV head), given like every knob.
+
+    Such a knob (Delta-KV's keep-mask threshold) changes which keys a KV head keeps, so
+    the query heads of one KV group must share its value: a per-head value has one
+    element per query head (Hq, the form of every other knob, so configs, custom ops
+    and head-parallel slices carry it unchanged) whose elements are equal within each
+    group of `heads // kv_heads` consecutive query heads. Elements pass `check` first
+    (`per_head`'s messages), then the groups are compared.
+
+    Returns:
+        The checked scalar for a scalar; else float64 `[kv_heads]` on `device`, one value
+        per KV head.
+
+    Raises:
+        TypeError, ValueError: as `per_head`; ValueError naming `name` and the KV head
+        whose query heads differ.
+    """
+    if not is_per_head(value):
+        return check(value)
+    values = per_head(value, name, heads, check)
+    group = heads // kv_heads
+    grouped = values.view(kv_heads, group)
+    differ = (grouped != grouped[:, :1]).any(dim=1)
+    if bool(differ.any()):
+        g = int(differ.nonzero()[0, 0])
+        raise ValueError(f"{name} acts on the keys, so the query heads of a KV head share one value: "
+                         f"query heads {g * group}..{(g + 1) * group - 1} (KV head {g}) got "
+                         f"{grouped[g].tolist()}")
+    return grouped[:, 0].contiguous().to(device)

@@ -55,11 +55,15 @@ import torch
 
 from ._checks import (
     REFERENCE_DTYPES,
+    PerHead,
     check_block_size,
     check_count,
     check_positive_int,
     check_qkv,
     check_tensor,
+    is_per_head,
+    per_head,
+    per_kv_head,
     resolve_scale,
 )
 from .plan import BlockColumnPlan, cdiv
@@ -227,6 +231,23 @@ def check_threshold(threshold: object, metric: str, *, name: str = "threshold") 
     return float(threshold)
 
 
+def check_mask_threshold(threshold: object, metric: str, kv_heads: int) -> float | torch.Tensor:
+    """`delta_keep_mask`'s threshold: a scalar (`check_threshold`), or one value per KV head
+    (a list/tuple of Hkv numbers or a 1-D tensor, each element checked as the scalar),
+    returned as float64 `[Hkv]` on the CPU."""
+    if not is_per_head(threshold):
+        return check_threshold(threshold, metric)
+    return per_head(threshold, "threshold", kv_heads, lambda t: check_threshold(t, metric), unit="KV head")
+
+
+def kv_threshold(threshold: object, metric: str, heads: int, kv_heads: int) -> float | torch.Tensor:
+    """The threshold of a Delta-KV call on `heads` query heads (the method's per-head knob,
+    docs/architecture.md "Per-head knobs"): a scalar, or one value per query head equal
+    within each KV group (`per_kv_head`); returns the scalar or float64 `[Hkv]` (CPU), what
+    `delta_keep_mask` takes."""
+    return per_kv_head(threshold, "threshold", heads, kv_heads, lambda t: check_threshold(t, metric))
+
+
 def check_keys(k: object) -> torch.Tensor:
     """`k: [B, Hkv, N, D]`, a non-empty float tensor."""
     k = check_tensor("k", k, rank=4)
@@ -253,8 +274,12 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x.squeeze(-1)
 
 
-def is_dropped(key: torch.Tensor, anchor: torch.Tensor, threshold: float, metric: str) -> torch.Tensor:
+def is_dropped(key: torch.Tensor, anchor: torch.Tensor, threshold: float | torch.Tensor,
+               metric: str) -> torch.Tensor:
     """4.1.1 steps 2-3: is `key` similar enough to `anchor` to be dropped? bool `[...]`.
+
+    `threshold` is a float, or a float64 tensor broadcastable to the result (one value
+    per KV head); every element is tested exactly as the float would be.
 
     Float64 throughout, sums in `tree_sum`'s order, and no square root: the Euclidean
     test is `d2 <= threshold**2`; the cosine test `cos >= threshold` is, for norms
@@ -272,7 +297,10 @@ def is_dropped(key: torch.Tensor, anchor: torch.Tensor, threshold: float, metric
     dot = tree_sum(x * a)
     nx, na = tree_sum(x * x), tree_sum(a * a)
     norms = nx * na
-    if threshold > 0:
+    if isinstance(threshold, torch.Tensor):
+        similar = torch.where(threshold > 0, (dot > 0) & (dot * dot >= t2 * norms),
+                              (dot >= 0) | (dot * dot <= t2 * norms))
+    elif threshold > 0:
         similar = (dot > 0) & (dot * dot >= t2 * norms)
     else:
         similar = (dot >= 0) | (dot * dot <= t2 * norms)
@@ -284,7 +312,7 @@ def is_dropped(key: torch.Tensor, anchor: torch.Tensor, threshold: float, metric
 def delta_keep_mask(
     k: torch.Tensor,
     *,
-    threshold: float,
+    threshold: PerHead,
     metric: str = "euclidean",
     chunk: int = 512,
 ) -> torch.Tensor:
@@ -293,7 +321,9 @@ def delta_keep_mask(
     Args:
         k: `[B, Hkv, N, D]`, any float dtype.
         threshold: the Euclidean distance (>= 0) or cosine similarity below / above
-            which a key is dropped (see the module doc).
+            which a key is dropped (see the module doc); a scalar, or one value per KV
+            head (a list/tuple of Hkv numbers or a 1-D tensor), KV head `g` masked with
+            element `g` exactly as with that scalar.
         metric: "euclidean" or "cosine".
         chunk: keys per independent chunk (>= 1; values past N mean one chunk).
 
@@ -305,9 +335,11 @@ def delta_keep_mask(
     """
     k = check_keys(k)
     metric = check_metric(metric)
-    threshold = check_threshold(threshold, metric)
+    thr = check_mask_threshold(threshold, metric, k.shape[1])
     b, h, n, d = k.shape
     size = check_count("chunk", chunk, cap=n)
+    if isinstance(thr, torch.Tensor):
+        thr = thr.to(k.device).view(1, h, 1)  # one per KV head, broadcast over [B, Hkv, chunks]
     nc = cdiv(n, size)
     x = torch.zeros(b, h, nc * size, d, dtype=torch.float64, device=k.device)
     x[:, :, :n] = k.to(torch.float64)
@@ -318,7 +350,7 @@ def delta_keep_mask(
     anchor = x[..., 0, :]
     for t in range(1, size):
         # 4.1.1 steps 2-3: keep the key and move the anchor, or drop it.
-        kept = ~is_dropped(x[..., t, :], anchor, threshold, metric) & valid[:, t]
+        kept = ~is_dropped(x[..., t, :], anchor, thr, metric) & valid[:, t]
         keep[..., t] = kept
         anchor = torch.where(kept.unsqueeze(-1), x[..., t, :], anchor)
     return keep.view(b, h, nc * size)[..., :n].clone()
@@ -603,7 +635,7 @@ def delta_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    threshold: float,
+    threshold: PerHead,
     metric: str = "euclidean",
     chunk: int = 512,
     block_m: int = 64,
@@ -616,7 +648,9 @@ def delta_kv(
 
     Args:
         q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]`.
-        threshold, metric, chunk: Stage 1 (`delta_keep_mask`).
+        threshold, metric, chunk: Stage 1 (`delta_keep_mask`). `threshold` is a scalar or
+            one value per query head (the method's per-head knob) equal within each KV
+            group, since it decides which keys the group's KV head keeps (`kv_threshold`).
         block_m: query rows per block. block_n: packed key block (segments are padded to
             it) and the key block of phase 2.
         count_weighted, exact_diagonal: the thesis's ablations (`delta_kv_attention`).
@@ -630,12 +664,12 @@ def delta_kv(
     """
     check_qkv(q, k, v)
     metric = check_metric(metric)
-    check_threshold(threshold, metric)
+    thr = kv_threshold(threshold, metric, q.shape[1], k.shape[1])
     check_block_size("block_m", block_m)
     check_block_size("block_n", block_n)
     check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
     resolve_scale(scale, q.shape[-1])
-    keep = delta_keep_mask(k, threshold=threshold, metric=metric, chunk=chunk)
+    keep = delta_keep_mask(k, threshold=thr, metric=metric, chunk=chunk)
     packed = delta_pack(k, v, keep, block=block_n)
     return delta_kv_attention(q, k, v, packed, block_m=block_m, count_weighted=count_weighted,
                               exact_diagonal=exact_diagonal, scale=scale)

@@ -12,7 +12,9 @@ causal attention ("dense") for a head that no grid point serves:
 * `--target-error E`: the head's relative output error (Frobenius, sampled rows).
 
 Every target given must hold on every calibration capture of that layer (the cheapest
-is by mean density over them). What is measured: per layer, `--rows` query rows
+is by mean density over them). `--refine STEPS` then bisects each head's value of a
+grid's float knob between the grid points around its pick (`refine_heads`: one run per
+step, every head at its own midpoint). What is measured: per layer, `--rows` query rows
 sampled uniformly (one per stratum of N / rows rows, seeded) and their full causal
 softmax in float64; the recall of a plan on those rows is the mass it keeps, its
 output error the relative error of the renormalised kept mass times V, its density the
@@ -473,9 +475,79 @@ def measure_spec(method: Any, spec: Any, caps: Sequence[LayerCapture], truths: S
     return _combine(out)
 
 
+def bisect_knob(grid: Sequence[Mapping[str, Any]]) -> str | None:
+    """The one parameter the grid varies, if it is a float (a knob to bisect), else None."""
+    keys = list(dict.fromkeys(key for p in grid for key in p))
+    varying = [key for key in keys if len({json.dumps(p.get(key), sort_keys=True) for p in grid}) > 1]
+    if len(varying) != 1 or not all(isinstance(p.get(varying[0]), float) for p in grid):
+        return None
+    return varying[0]
+
+
+def refine_heads(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], target: Target,
+                 points: Sequence[Mapping[str, Any]], serve: torch.Tensor, *, steps: int,
+                 top: float | None = None, impl: str = "reference") -> tuple[list[float | None], HeadStats | None]:
+    """Bisect each head's knob between grid points: the cheapest value that serves it.
+
+    The grid varies one float knob (`bisect_knob`), monotone in what it keeps (a larger
+    value keeps a superset: every `Method.knobs` knob). Head `h`'s bracket is (`lo`, `hi`]:
+    `hi` the smallest grid value that serves it, `lo` the largest below (that does not;
+    the knob's 0 below the grid). A head no grid point serves is bracketed by the grid's
+    largest value and `top` if `top` serves it (one extra run), else stays dense. Each
+    step is one run with every head at its own midpoint (the per-head knob), so `steps`
+    runs shrink every bracket `2**steps`-fold.
+
+    Returns:
+        (each head's value, None where dense; the stats of the last run, unused).
+    """
+    knob = bisect_knob(points)
+    assert knob is not None
+    hq = int(serve.shape[1])
+    values = sorted({float(p[knob]) for p in points})
+    base = dict(points[0])
+
+    def run(per_head: list[float]) -> HeadStats:
+        params = {**base, knob: per_head}
+        stats = []
+        for cap, truth in zip(caps, truths):
+            q, k = cap.q.float(), cap.k.float()
+            stats.append(plan_stats(truth, method.plan_fn(impl)(q, k, **method.call_params(params, q)), cap.v))
+        return _combine(stats)
+
+    by_value = {float(p[knob]): g for g, p in enumerate(points)}
+    lo: list[float] = []
+    hi: list[float | None] = []
+    for h in range(hq):
+        ok = [x for x in values if bool(serve[by_value[x], h])]
+        if ok:
+            below = [x for x in values if x < ok[0]]
+            lo.append(below[-1] if below else 0.0)
+            hi.append(ok[0])
+        else:
+            lo.append(values[-1])
+            hi.append(None)
+    if top is not None and any(x is None for x in hi):
+        served = target.serves(run([top] * hq))
+        hi = [top if x is None and bool(served[h]) else x for h, x in enumerate(hi)]
+    last = None
+    for _ in range(steps):
+        mids = [(a + b) / 2 if b is not None else values[-1] for a, b in zip(lo, hi)]
+        last = run(mids)
+        ok_t = target.serves(last)
+        for h in range(hq):
+            if hi[h] is None:
+                continue
+            if bool(ok_t[h]):
+                hi[h] = mids[h]
+            else:
+                lo[h] = mids[h]
+    return hi, last
+
+
 def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], target: Target, *,
                     granularity: str = "head", impl: str = "reference", share: float = 0.95,
-                    grid: Sequence[Mapping[str, Any]] | None = None, log: Any = None) -> LayerResult:
+                    grid: Sequence[Mapping[str, Any]] | None = None, log: Any = None,
+                    refine: int = 0, refine_top: float | None = None) -> LayerResult:
     """Choose one layer's config from its captures (one or more prompts of the same layer).
 
     Args:
@@ -487,6 +559,11 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
         impl: "reference" or "fast" estimators.
         share: the oracle share the density is compared with.
         grid: the points searched (default `method.calibration_params(N)`).
+        refine: bisection steps per head after the grid (`refine_heads`; granularity
+            "head", a grid varying one float knob of a method whose heads are
+            independent); 0: the grid's points only.
+        refine_top: the knob's value tried for heads no grid point serves (then
+            bisected from the grid's largest value); None: they stay dense.
 
     Returns:
         The `LayerResult`, measured with the whole config.
@@ -524,6 +601,16 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
         best = int(torch.argmin(cost))
         picks = [best if bool(serve[best, h]) else None for h in range(hq)]
     spec = layer_spec(method, points, picks)
+    knob = bisect_knob(points)
+    if refine > 0 and granularity == "head" and not method.coupled_heads and knob in method_knobs(method):
+        values, _ = refine_heads(method, caps, truths, target, points, serve, steps=refine, top=refine_top,
+                                 impl=impl)
+        extra = [{**points[0], knob: v} for v in values if v is not None]
+        # Each head's own point: the grid extended by the bisected values.
+        points = list(points) + extra
+        it = iter(range(len(points) - len(extra), len(points)))
+        picks = [next(it) if v is not None else None for v in values]
+        spec = layer_spec(method, points, picks)
     if isinstance(spec, list) and method.new_state is not None:
         # A stateful method takes one choice for every head of a layer: values per head need
         # its knobs (`Method.knobs`); without them, one point for the layer.
@@ -666,6 +753,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", type=json.loads, default=None,
                         help='JSON list of parameter dicts searched instead of the method\'s calibration grid '
                              '(one method only), e.g. \'[{"threshold": 0.9}, {"threshold": 0.95}]\'')
+    parser.add_argument("--refine", type=int, default=0, metavar="STEPS",
+                        help="after the grid, bisect each head's knob STEPS times between the grid points "
+                             "around its pick (a grid varying one float knob; default 0: grid points only)")
+    parser.add_argument("--refine-top", type=float, default=None, metavar="VALUE",
+                        help="with --refine: the knob value tried for heads no grid point serves "
+                             "(e.g. threshold 1.0); they are bisected from the grid's largest value")
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="captured layers to use (default all)")
     parser.add_argument("--max-seqlen", type=int, default=None, help="use only the first tokens of each capture")
     parser.add_argument("--rows", type=int, default=512, help="query rows sampled per layer (default 512)")
@@ -735,14 +828,16 @@ def run(args: argparse.Namespace) -> int:
                                               share=args.share))
                 continue
             res = calibrate_layer(method, group, truths[layer], target, granularity=args.granularity,
-                                  impl=impl, share=args.share, log=sys.stderr, grid=args.grid)
+                                  impl=impl, share=args.share, log=sys.stderr, grid=args.grid,
+                                  refine=args.refine, refine_top=args.refine_top)
             layers[layer] = res.spec
             results.append(res)
         if config is None:
             path = args.out_dir / f"{method.name}.json"
             save_config(path, method.name, layers, meta={
                 "target": asdict(target), "granularity": args.granularity, "rows": args.rows,
-                "seqlen": by_layer[min(by_layer)][0].seqlen, "backend": impl,
+                "seqlen": by_layer[min(by_layer)][0].seqlen, "backend": impl, "refine": args.refine,
+                "refine_top": args.refine_top,
                 "captures": sorted({Path(c.source).name for c in caps}),
                 "coupled_heads": method.coupled_heads,
                 "note": "layers absent from `layers` run SDPA (full attention)"})

@@ -194,3 +194,25 @@ def test_target_and_bad_input() -> None:
     assert rows.numel() == 100 and bool((rows[1:] > rows[:-1]).all()) and int(rows.max()) < 1000
     assert torch.equal(cal.sample_rows(10, 50), torch.arange(10))
     assert not math.isnan(float(rows.float().mean()))
+
+
+def test_refine_bisects_each_heads_knob_to_a_cheaper_value(tmp_path: Path) -> None:
+    """`refine`: per-head bisection between grid points keeps the target and never costs
+    more than the grid's pick; `refine_top` serves heads no grid point serves."""
+    caps = cal.load_captures([toy_capture(tmp_path)])
+    truths = [cal.row_truth(c, cal.sample_rows(N, 64, seed=1)) for c in caps]
+    method = METHODS["xattention"]
+    grid = [{"stride": 4, "block": 16, "threshold": t} for t in (0.3, 0.6)]
+    target = cal.Target(recall=0.9)
+    assert cal.bisect_knob(grid) == "threshold" and cal.bisect_knob([{"window": 16}, {"window": 32}]) is None
+    coarse = cal.calibrate_layer(method, caps, truths, target, grid=grid)
+    fine = cal.calibrate_layer(method, caps, truths, target, grid=grid, refine=3, refine_top=1.0)
+    for h in range(HQ):
+        assert fine.recall_mean[h] >= 0.9
+        if coarse.picks[h] is not None:
+            assert fine.density[h] <= coarse.density[h] + 1e-12
+            value = fine.chosen_params[h]["threshold"]  # type: ignore[index]
+            assert value <= grid[coarse.picks[h]]["threshold"]  # type: ignore[index]
+    # A head dense on the grid is bracketed by 0.6 and 1.0 and served.
+    assert sum(p is None for p in fine.picks) < sum(p is None for p in coarse.picks)
+    assert isinstance(fine.spec, dict) and isinstance(fine.spec["threshold"], list)

@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import math  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -51,11 +52,18 @@ def _params(m: methods.Method) -> dict[str, Any]:
     return {**m.demo_params(N), **{p: b for p, b in BLOCKS.items() if p in m.parameters()}}
 
 
-def _inputs(dtype: torch.dtype, n: int = N) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(dtype: torch.dtype, n: int = N, kv_heads: int = HKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, h, n, D, generator=gen) for h in (HQ, HKV, HKV))
+    q, k, v = (torch.randn(1, h, n, D, generator=gen) for h in (HQ, kv_heads, kv_heads))
     k[:, :, 37] *= 4  # a heavy column, so that small budgets differ from large ones
+    # Runs of near-equal keys (Delta-KV's keep mask then depends on its threshold).
+    k[:, :, 1::2] = k[:, :, 0::2][:, :, : k[:, :, 1::2].shape[2]] + 0.3 * torch.randn(k[:, :, 1::2].shape, generator=gen)
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _kv_heads(m: methods.Method, knob: str) -> int:
+    """A knob that acts on the keys differs only between KV heads: one KV head per query head."""
+    return HQ if knob in m.kv_knobs else HKV
 
 
 def _head(plan: reference.BlockColumnPlan, h: int) -> torch.Tensor:
@@ -78,7 +86,7 @@ def test_per_head_value_plans_each_head_as_its_scalar(name: str, knob: str) -> N
     q, k, v = _inputs(torch.float32)
     if not m.plan_based:
         # An output, not a plan (three end-to-end runs: a shorter prompt, three 16-token tiles).
-        q, k, v = _inputs(torch.float32, 48)
+        q, k, v = _inputs(torch.float32, 48, _kv_heads(m, knob))
         run = m.run_fn("reference")
         want = [run(q, k, v, **{**base, knob: x}) for x in (lo, hi)]
         got = run(q, k, v, **{**base, knob: [lo, hi]})
@@ -118,6 +126,8 @@ def test_bad_per_head_values_are_refused_naming_the_argument(name: str, knob: st
     lo, _ = VALUES[knob]
     base = _params(m)
     q, k, v = _inputs(torch.float16)
+    # Out of the scalar's range (any finite cosine threshold is valid: infinity is not).
+    bad = math.inf if knob in m.kv_knobs else -1
     for impl in ("reference", "fast"):
         run = m.run_fn(impl)
         with pytest.raises(ValueError, match=knob):
@@ -127,7 +137,11 @@ def test_bad_per_head_values_are_refused_naming_the_argument(name: str, knob: st
         with pytest.raises(TypeError, match=knob):
             run(q, k, v, **{**base, knob: ["x"] * HQ})
         with pytest.raises(ValueError, match=rf"{knob}\[1\]"):
-            run(q, k, v, **{**base, knob: [lo, -1]})  # out of the scalar's range
+            run(q, k, v, **{**base, knob: [lo, bad]})
+        if knob in m.kv_knobs:
+            # HQ query heads share HKV = 1 KV head: they must share its value.
+            with pytest.raises(ValueError, match=rf"{knob} acts on the keys.*KV head 0"):
+                run(q, k, v, **{**base, knob: [lo, VALUES[knob][1]]})
 
 
 def test_per_head_helper() -> None:
@@ -179,3 +193,54 @@ def test_head_parallel_ranks_get_their_heads_values() -> None:
     got = _slice_head_params(params, 2, 4, ("threshold", "top_k"))
     assert got["threshold"] == [0.3, 0.4] and got["top_k"].tolist() == [3, 4] and got["block"] == 64
     assert _slice_head_params({"threshold": 0.9}, 2, 4, ("threshold",)) == {"threshold": 0.9}
+
+
+def test_kv_knob_masks_each_kv_head_as_its_scalar() -> None:
+    """Delta-KV's threshold acts on the keys: per KV head in `delta_keep_mask` (both
+    packages, bit-identical masks), per query head (equal within a group) in `delta_kv`;
+    a scalar is the scalar path; a wrong length names the KV heads."""
+    m = methods.get("delta_kv")
+    assert m.kv_knobs == ("threshold",)
+    _, k, _ = _inputs(torch.float16, 48, kv_heads=2)
+    lo, hi = 0.98, 0.3
+    for impl in (reference, fast):
+        masks = {x: impl.delta_keep_mask(k, threshold=x, metric="cosine", chunk=16) for x in (lo, hi)}
+        assert not torch.equal(masks[lo], masks[hi])
+        mixed = impl.delta_keep_mask(k, threshold=torch.tensor([lo, hi]), metric="cosine", chunk=16)
+        assert torch.equal(mixed[:, 0], masks[lo][:, 0]) and torch.equal(mixed[:, 1], masks[hi][:, 1])
+        with pytest.raises(ValueError, match=r"threshold given per head must have one value per KV head \(Hkv=2\)"):
+            impl.delta_keep_mask(k, threshold=[lo] * 3, metric="cosine", chunk=16)
+        with pytest.raises(ValueError, match=r"threshold\[1\] \(KV head 1\)"):
+            impl.delta_keep_mask(k, threshold=[lo, math.nan], metric="cosine", chunk=16)
+    assert torch.equal(reference.delta_keep_mask(k, threshold=(lo, hi), metric="cosine", chunk=16),
+                       fast.delta_keep_mask(k, threshold=(lo, hi), metric="cosine", chunk=16))
+
+
+def test_per_kv_head_helper() -> None:
+    from sparseprefill.reference._checks import per_kv_head
+
+    assert per_kv_head(0.5, "t", 4, 2, float) == 0.5
+    assert per_kv_head([0.5, 0.5, 0.25, 0.25], "t", 4, 2, float).tolist() == [0.5, 0.25]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"query heads 2..3 \(KV head 1\) got \[0.25, 0.5\]"):
+        per_kv_head([0.5, 0.5, 0.25, 0.5], "t", 4, 2, float)
+
+
+def test_ops_take_per_head_values_of_required_knobs() -> None:
+    """A knob without a default (Delta-KV's threshold, vertical-slash sizes) is a required
+    op argument: `op_params` fills it with the first head's value, the list overrides it.
+    Every method with knobs: the op's required arguments are all given (no launch)."""
+    from sparseprefill.fast import ops
+
+    for name, m in methods.methods().items():
+        if not m.knobs:
+            continue
+        params = {**_params(m), **{knob: [VALUES[knob][0]] * HQ for knob in m.knobs}}
+        given = ops.op_params(name, params)
+        schema, _ = ops.method_schema(name, m.run_fn("fast"))
+        for arg in schema.split("*,", 1)[1].split(") ->")[0].split(","):
+            arg = arg.strip()
+            if arg and "=" not in arg:
+                assert arg.split()[-1] in given, (name, arg, given)
+    sizes = ops.op_params("vertical_slash", {"vertical_size": torch.tensor([2, 8]), "slash_size": (4, 16)})
+    assert sizes == {"vertical_size": 2, "vertical_size_per_head": [2, 8], "slash_size": 4,
+                     "slash_size_per_head": [4, 16]}

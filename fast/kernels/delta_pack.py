@@ -53,7 +53,7 @@ def _tree_sum(x, LANES: tl.constexpr, WIDTH: tl.constexpr):
 @triton.jit
 def _keep_mask_kernel(
     K, THRESH, KEEP, CHUNK_COUNT,
-    seqlen, head_dim, num_heads, chunk, num_chunks, total_chunks,
+    seqlen, head_dim, num_heads, chunk, num_chunks, total_chunks, thresh_stride,
     stride_kb, stride_kh, stride_kn, stride_kd,
     COSINE: tl.constexpr, LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
@@ -72,9 +72,11 @@ def _keep_mask_kernel(
     p_k = K + i_b.to(tl.int64)[:, None] * stride_kb + i_h.to(tl.int64)[:, None] * stride_kh \
         + start.to(tl.int64)[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_keep = KEEP + i_bh.to(tl.int64) * seqlen + start
-    # threshold**2 and threshold, float64 (see reference.delta_kv.is_dropped).
-    t2 = tl.load(THRESH)
-    thr = tl.load(THRESH + 1)
+    # threshold**2 and threshold, float64 (see reference.delta_kv.is_dropped), of each
+    # lane's KV head (`thresh_stride` 0: one pair for every head).
+    p_thresh = THRESH + i_h * thresh_stride
+    t2 = tl.load(p_thresh, mask=m_lane, other=0.0)
+    thr = tl.load(p_thresh + 1, mask=m_lane, other=0.0)
     anchor = tl.load(p_k, mask=m_lane[:, None] & m_d[None, :], other=0.0).to(tl.float64)
     tl.store(p_keep, tl.full([LANES], 1, tl.int8), mask=m_lane)
     kept = m_lane.to(tl.int32)
@@ -90,10 +92,7 @@ def _keep_mask_kernel(
             # cos >= threshold without a square root (reference.delta_kv.is_dropped).
             dot2 = dot * dot
             rhs = t2 * norms
-            if thr > 0:
-                similar = (dot > 0) & (dot2 >= rhs)
-            else:
-                similar = (dot >= 0) | (dot2 <= rhs)
+            similar = tl.where(thr > 0, (dot > 0) & (dot2 >= rhs), (dot >= 0) | (dot2 <= rhs))
             zero_sim = tl.where((nx == 0) & (na == 0), 1.0, 0.0).to(tl.float64)
             drop = tl.where(norms == 0, zero_sim >= thr, similar)
         else:
@@ -143,21 +142,29 @@ def _pack_kernel(
     tl.store(V_OUT + dst, tl.load(p_v, mask=m_2d, other=0.0), mask=m_2d)
 
 
-def threshold_args(threshold: float, device: torch.device) -> torch.Tensor:
-    """float64 `[threshold**2, threshold]` as the kernel reads them (Python's float64 square).
+def threshold_args(threshold: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """float64 `[threshold**2, threshold]` as the kernel reads them (Python's float64 square),
+    or `[Hkv, 2]` of those pairs for a per-KV-head threshold (float64 `[Hkv]`; the
+    square is the same IEEE float64 product).
 
-    Filled on the device by two fill kernels whose value travels as a kernel argument:
-    no host-to-device copy and no synchronisation, so CUDA-graph capture accepts it
-    (`out[0] = x` copies a host scalar, which the capture refuses).
+    A scalar is filled on the device by two fill kernels whose value travels as a kernel
+    argument: no host-to-device copy and no synchronisation, so CUDA-graph capture
+    accepts it (`out[0] = x` copies a host scalar, which the capture refuses).
     """
+    if isinstance(threshold, torch.Tensor):
+        t = threshold.to(torch.float64)
+        return torch.stack([t * t, t], dim=1).to(device).contiguous()
     out = torch.empty(2, dtype=torch.float64, device=device)
     out[:1].fill_(threshold * threshold)
     out[1:].fill_(threshold)
     return out
 
 
-def keep_mask(k: torch.Tensor, *, threshold: float, cosine: bool, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1 on checked inputs: (keep bool `[B, Hkv, N]`, anchors per chunk int32 `[B * Hkv, C]`)."""
+def keep_mask(k: torch.Tensor, *, threshold: float | torch.Tensor, cosine: bool,
+              chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 on checked inputs: (keep bool `[B, Hkv, N]`, anchors per chunk int32 `[B * Hkv, C]`).
+
+    `threshold`: a float, or float64 `[Hkv]` (one per KV head, checked by the caller)."""
     check_kernel_device(k)
     b, h, n, d = k.shape
     chunk = min(chunk, n)
@@ -171,7 +178,7 @@ def keep_mask(k: torch.Tensor, *, threshold: float, cosine: bool, chunk: int) ->
     extra = {} if interpreter_active() else {"enable_fp_fusion": False}
     _keep_mask_kernel[(triton.cdiv(total, lanes),)](
         k, threshold_args(threshold, k.device), keep, counts,
-        n, d, h, chunk, nc, total, *k.stride(),
+        n, d, h, chunk, nc, total, 2 if isinstance(threshold, torch.Tensor) else 0, *k.stride(),
         COSINE=cosine, LANES=lanes, HEAD_DIM=max(2, triton.next_power_of_2(d)), num_warps=4, **extra,
     )
     return keep.view(b, h, n).bool(), counts

@@ -222,6 +222,10 @@ class Method:
             for query head `h` (`reference._checks.per_head`, docs/architecture.md
             "Per-head knobs"). Empty: no per-head knob (dense; MInference, whose config
             is already per head).
+        kv_knobs: those of `knobs` that act on the keys (Delta-KV's keep-mask
+            threshold): a per-head value still has one element per query head, but the
+            query heads of a KV group must share it (`reference._checks.per_kv_head`);
+            the conformance strategies draw them per KV head.
     """
 
     name: str
@@ -249,12 +253,16 @@ class Method:
     calibration: Callable[[int], list[Params]] | None = None
     coupled_heads: str = ""
     knobs: tuple[str, ...] = ()
+    kv_knobs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise ValueError(f"a method's name must be a Python identifier, got {self.name!r}")
         if not isinstance(self.knobs, tuple) or not all(isinstance(n, str) for n in self.knobs):
             raise TypeError(f"{self.name}: knobs must be a tuple of parameter names, got {self.knobs!r}")
+        if not isinstance(self.kv_knobs, tuple) or not set(self.kv_knobs) <= set(self.knobs):
+            raise ValueError(f"{self.name}: kv_knobs must be a tuple of some of its knobs {self.knobs}, "
+                             f"got {self.kv_knobs!r}")
         if (self.reference_plan is None) != (self.fast_plan is None):
             raise ValueError(f"{self.name}: give both plan functions or neither")
         if self.reference_plan is None and (self.reference_run is None or self.fast_run is None

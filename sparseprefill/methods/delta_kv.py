@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .. import bench, fast, reference
+from ..reference.delta_kv import kv_threshold
 from ._core import Ablation, BenchSuite, Method, MethodView, SyncStatus, register
 
 
@@ -15,9 +16,19 @@ from ._core import Ablation, BenchSuite, Method, MethodView, SyncStatus, registe
 STAGE1 = ("threshold", "metric", "chunk")
 
 
-def packing(impl: Any, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any]) -> Any:
+def stage1(params: dict[str, Any], heads: int, kv_heads: int) -> dict[str, Any]:
+    """`delta_keep_mask`'s arguments from the method's parameters on `heads` query heads: a
+    per-head threshold (one value per query head, equal within each KV group) becomes
+    its one value per KV head (`reference.delta_kv.kv_threshold`)."""
+    out = {name: params[name] for name in STAGE1 if name in params}
+    if "threshold" in out:
+        out["threshold"] = kv_threshold(out["threshold"], out.get("metric", "euclidean"), heads, kv_heads)
+    return out
+
+
+def packing(impl: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any]) -> Any:
     """`impl`'s keep mask and packing (`PackedKV`) for the method's parameters."""
-    keep = impl.delta_keep_mask(k, **{name: params[name] for name in STAGE1 if name in params})
+    keep = impl.delta_keep_mask(k, **stage1(params, int(q.shape[1]), int(k.shape[1])))
     return impl.delta_pack(k, v, keep, block=int(params.get("block_n", 64)))
 
 
@@ -25,7 +36,7 @@ def view(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          params: dict[str, Any]) -> MethodView:
     """Density (score entries computed, both phases) and the phase-2 plan to draw; no recall."""
     impl: Any = fast if impl_name == "fast" else reference
-    packed = packing(impl, k, v, params)
+    packed = packing(impl, q, k, v, params)
     block_m = int(params.get("block_m", 64))
     _, exact = impl.delta_kv_plans(q, packed, block_m=block_m)
     return MethodView(density=impl.delta_kv_density(q, packed, block_m=block_m), recall=None, plan=exact,
@@ -39,7 +50,7 @@ def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
     impl: Any = fast if impl_name == "fast" else reference
     assert view.plan is not None
     exact = impl.recall(q, k, view.plan).double().mean(dim=-1)
-    return {"keep_ratio": float(packing(impl, k, v, params).keep_ratio().mean()),
+    return {"keep_ratio": float(packing(impl, q, k, v, params).keep_ratio().mean()),
             "exact_mass_mean": float(exact.mean()), "exact_mass_min": float(exact.min())}
 
 
@@ -143,6 +154,8 @@ METHOD = register(Method(
     reference_run=reference.delta_kv,
     fast_run=fast.delta_kv,
     defaults=lambda n: {"threshold": 0.83, "metric": "cosine"},
+    knobs=("threshold",),
+    kv_knobs=("threshold",),
     sweep=lambda n: [{"threshold": t, "metric": "cosine"} for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
     ablations=ABLATIONS,
     extras=extras,
