@@ -378,6 +378,17 @@ def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], 
     from sparseprefill.fast.kernels import xattention_score as xs
 
     rows: list[dict[str, Any]] = _dpxa_variant_rows(n, q, k, log)
+
+    def time_scoring(label: str, stride: int) -> None:
+        # One variant's tile weights at one stride; a variant that fails (e.g. to compile) is logged.
+        try:
+            ms = _ms(lambda: xs.xattention_tile_weights(q, k, stride=stride, block=128))
+        except Exception as exc:  # noqa: BLE001
+            log(f"variant {label} s{stride}: {type(exc).__name__}: {str(exc)[:200]}")
+            return
+        rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": label, "ms": ms})
+        log(f"N={n} xattention s{stride} {label}: {ms:.3f} ms")
+
     default, order = xs.SCORE_CONFIGS, getattr(xs, "LONGEST_FIRST", None)
     orders = (False, True) if order is not None else (None,)
     for config in XATTENTION_VARIANTS:
@@ -389,13 +400,7 @@ def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], 
             for stride in (8, 16):
                 if past_deadline():
                     break
-                try:
-                    ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
-                except Exception as exc:  # noqa: BLE001
-                    log(f"variant {label} s{stride}: {type(exc).__name__}: {str(exc)[:200]}")
-                    continue
-                rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": label, "ms": ms})
-                log(f"N={n} xattention s{stride} {label}: {ms:.3f} ms")
+                time_scoring(label, stride)
     xs.SCORE_CONFIGS = default
     if order is not None:
         xs.LONGEST_FIRST = order
@@ -407,14 +412,7 @@ def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], 
             for stride in (8, 16):
                 if past_deadline():
                     break
-                try:
-                    ms = _ms(lambda s=stride: xs.xattention_tile_weights(q, k, stride=s, block=128))
-                except Exception as exc:  # noqa: BLE001
-                    log(f"variant split {steps} s{stride}: {type(exc).__name__}: {str(exc)[:200]}")
-                    continue
-                label = f"score {default[0]} key split {steps} steps"
-                rows.append({"seqlen": n, "method": f"xattention s{stride}", "stage": label, "ms": ms})
-                log(f"N={n} xattention s{stride} {label}: {ms:.3f} ms")
+                time_scoring(f"score {default[0]} key split {steps} steps", stride)
         xs.KEY_SPLIT_STEPS = split_default
     return rows
 

@@ -327,20 +327,21 @@ def flexprefill_vs_tie_check(
     local_diagonals = int(params.get("local_diagonals", 1))
     line_block = int(params.get("line_block", LINE_BLOCK))
     scale = params.get("scale")
+
+    def alg4(v: torch.Tensor, s: torch.Tensor) -> BlockColumnPlan:
+        return lines_index(v.cpu(), s.cpu(), block_m=int(params.get("block_m", 64)),
+                           block_n=int(params.get("block_n", 64)), line_block=line_block)
+
     verticals, slashes = fast_flex_lines(q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
                                          local_diagonals=local_diagonals, line_block=line_block, scale=scale)
-    rebuilt = lines_index(verticals.cpu(), slashes.cpu(), block_m=int(params.get("block_m", 64)),
-                          block_n=int(params.get("block_n", 64)), line_block=line_block)
-    if not rebuilt.equal(got.to("cpu")):
+    if not alg4(verticals, slashes).equal(got.to("cpu")):
         raise _fail("the fast plan is not Alg. 4 of the fast lines")
     a_hat = approximate_attention(q, k, last_q=last_q, scale=resolve_scale(scale, q.shape[-1]))
     a_v, a_s = normalized_lines(a_hat)
     cpu = torch.device("cpu")
     ref_v, ref_s = reference_flex_lines(q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
                                         local_diagonals=local_diagonals, line_block=line_block, scale=scale)
-    ref_rebuilt = lines_index(ref_v.cpu(), ref_s.cpu(), block_m=int(params.get("block_m", 64)),
-                              block_n=int(params.get("block_n", 64)), line_block=line_block)
-    if not ref_rebuilt.equal(expected.to("cpu")):
+    if not alg4(ref_v, ref_s).equal(expected.to("cpu")):
         raise _fail("the reference plan is not Alg. 4 of the reference lines")
     nb = cdiv(n, line_block)
     # Both line sets must be covers; the cover is judged over bands (a band's first line
