@@ -284,3 +284,31 @@ def test_serving_imports_no_hypothesis() -> None:
     pytest.importorskip("transformers", reason="the `hf` extra is not installed")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@settings(max_examples=max(4, EXAMPLES), deadline=None)
+@given(data=st.data())
+def test_per_head_knobs_drawn_pass_the_method_check(data: Any) -> None:
+    """Every per-head value the conformance strategy draws passes the method's parameter
+    check beside the other parameters (the strategy falls back to the scalar where the
+    check refuses a head's value, so the check must refuse what the run would: see the
+    Delta-KV test below, found on an H200 as a cosine redraw of -1.0 kept under the
+    Euclidean metric)."""
+    from sparseprefill.conformance.strategies import draw_per_head_knobs
+
+    n = 80
+    for name in sorted(n for n, s in CONFORMANCE.items() if s.method.knobs):
+        spec = CONFORMANCE[name]
+        params = dict(spec.params(data.draw, n))
+        out, _ = draw_per_head_knobs(data.draw, spec, params, n, heads=4, kv_heads=2)
+        spec.method.check_params(out)
+
+
+def test_delta_kv_check_refuses_a_negative_euclidean_threshold_per_head() -> None:
+    method = methods.get("delta_kv")
+    method.check_params({"threshold": [0.5, 0.5], "metric": "euclidean"})
+    method.check_params({"threshold": -1.0, "metric": "cosine"})
+    with pytest.raises(ValueError, match=r"threshold\[1\].*euclidean"):
+        method.check_params({"threshold": [0.5, -1.0], "metric": "euclidean"})
+    with pytest.raises(ValueError, match="metric"):
+        method.check_params({"threshold": 0.5, "metric": "manhattan"})

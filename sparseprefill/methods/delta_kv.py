@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from .. import bench, fast, reference
-from ..reference.delta_kv import kv_threshold
+from ..reference._checks import check_knob
+from ..reference.delta_kv import check_metric, check_threshold, kv_threshold
 from ._core import Ablation, BenchSuite, Method, MethodView, SyncStatus, register
 
 
@@ -24,6 +25,14 @@ def stage1(params: dict[str, Any], heads: int, kv_heads: int) -> dict[str, Any]:
     if "threshold" in out:
         out["threshold"] = kv_threshold(out["threshold"], out.get("metric", "euclidean"), heads, kv_heads)
     return out
+
+
+def check_params(params: Any) -> None:
+    """`Method.check`: the metric, then the threshold (a scalar or one value per query head)
+    under that metric (a Euclidean threshold is >= 0), before any work."""
+    metric = check_metric(params.get("metric", "euclidean"))
+    if params.get("threshold") is not None:
+        check_knob("threshold", params["threshold"], lambda t: check_threshold(t, metric))
 
 
 def packing(impl: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any]) -> Any:
@@ -156,6 +165,7 @@ METHOD = register(Method(
     defaults=lambda n: {"threshold": 0.83, "metric": "cosine"},
     knobs=("threshold",),
     kv_knobs=("threshold",),
+    check=check_params,
     sweep=lambda n: [{"threshold": t, "metric": "cosine"} for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)],
     ablations=ABLATIONS,
     extras=extras,
