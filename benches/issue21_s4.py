@@ -13,7 +13,8 @@ Parts (`--parts`, comma-separated):
           specialisation variants (`SPARSEPREFILL_TILE`, `_WARP_SPEC`) against cuDNN.
   ncu     one launch of our dense kernel and one of cuDNN's at 8K, D 128, inside
           `cudaProfilerStart/Stop` (run under `ncu --profile-from-start off`).
-  small   every new path once at small sizes (for compute-sanitizer), no timing.
+  small   ragged, varlen and delta once at small sizes (for compute-sanitizer), no timing;
+          `--small` does the same for the parts listed.
 
 Inputs are random normal (never zeros). Timings: `triton.testing.do_bench` medians.
 
@@ -34,6 +35,7 @@ import torch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: `small` under TRITON_INTERPRET=1
 ROWS: list[dict[str, Any]] = []
+TMA_CASES = [True, False]  # the flat TMA path on, then off (`--flat-tma-only`: on only)
 META: dict[str, Any] = {}
 
 
@@ -88,7 +90,7 @@ def part_ragged(small: bool) -> None:
         plan = fast.dense_plan(q, k, block_m=bs, block_n=bs)
         ref, _ = bc.block_column_attention(q, k, v, plan, validate_plan=False)
         dense_ms = None if small else _ms(lambda: bc.block_column_attention(q, k, v, plan, validate_plan=False))
-        for tma in (True, False):
+        for tma in TMA_CASES:
             bc._FLAT_TMA = tma
             out, _ = bc.ragged_block_column_attention(q, kf, vf, offs, plan, key_bias=bias)
             diff = _rel(out, ref)
@@ -123,7 +125,7 @@ def part_varlen(small: bool) -> None:
     alone = [fast.sparse_attention(*s, p)[0].transpose(0, 1) for s, p in zip(seqs, per)]
     cud = None if small else _ms(lambda: [_cudnn(*s) for s in seqs])
     per_ms = None if small else _ms(lambda: [fast.sparse_attention(*s, p) for s, p in zip(seqs, per)])
-    for tma in (True, False):
+    for tma in TMA_CASES:
         bc._FLAT_TMA = tma
         out = fast.varlen_attention(q, k, v, cu, max(lengths), plan)
         same = all(torch.equal(out[b[i]:b[i + 1]], a) for i, a in enumerate(alone))
@@ -242,11 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense", default="8192:128,32768:128,8192:64,32768:64,131072:128",
                    help="N:D pairs for the dense part")
     p.add_argument("--json", default="/tmp/issue21_s4.json")
+    p.add_argument("--small", action="store_true", help="the listed parts at small sizes, untimed")
+    p.add_argument("--flat-tma-only", action="store_true", help="ragged / varlen: the flat TMA path only")
     args = p.parse_args(argv)
+    if args.flat_tma_only:
+        TMA_CASES[:] = [True]
     META.update(device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
                 triton=triton.__version__)
     parts = args.parts.split(",")
-    small = "small" in parts
+    small = "small" in parts or args.small
     t0 = time.time()
     try:
         for part in parts:

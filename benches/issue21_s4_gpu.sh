@@ -11,7 +11,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 R=$(cd "$(dirname "$0")/.." && pwd)
-BEFORE=${1:-}
+MODE=${1:-main}  # main: the first call; second: what the first call's step limits cut
+BEFORE=${2:-}
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 LIMIT=${LIMIT:-268}
 T0=$SECONDS
@@ -34,6 +35,7 @@ step() { local name=$1 limit=$2; shift 2; local l; l=$(left)
     echo "=== $name (limit ${limit}s)" | tee -a "$LOG"; local t=$SECONDS
     timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee -a "$LOG"
     echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t))s" | tee -a "$LOG"; }
+if [ "$MODE" = main ]; then
 step parts 80 python "$S/issue21_s4.py" --parts ragged,varlen,delta --json "$OUT/s4-parts.json"
 wait  # the workloads (CPU, started first)
 cat /tmp/wl.log >> "$LOG"
@@ -57,6 +59,24 @@ if [ -n "$BEFORE" ]; then
     PYTHONPATH=/tmp/L/before step dense-before 20 python "$S/issue21_s4.py" --parts dense \
         --dense 8192:128,32768:128 --json /tmp/dense-before.json
     cp /tmp/dense-before.json "$OUT/s4-dense-before.json" 2>/dev/null
+fi
+fi
+if [ "$MODE" = second ]; then
+    # Cut from the first call: the memcheck runs (new flat-TMA paths; the two column plans it did
+    # not reach), the owed column plans at D 64, Delta-KV at 262K.
+    python "$S/discrete_keys.py" workload --seqlens 32768 --head-dims 64 > /tmp/wl.log 2>&1 &
+    step memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python "$S/issue21_s4.py" --parts ragged,varlen --small --flat-tma-only --json /tmp/small.json
+    step memcheck-columns 30 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python "$S/discrete_keys.py" run --sanitize --label san --seqlens 1500 --heads 4 --kv-heads 2 \
+        --plans flexprefill_vs_0.95_lines,vertical_slash --json /tmp/san.json
+    wait; cat /tmp/wl.log >> "$LOG"
+    P="columns20,blocks_like_columns20,flexprefill_vs_0.95_lines,blocks_like_flexprefill_vs_0.95_lines"
+    P="$P,vertical_slash,blocks_like_vertical_slash"
+    step owed-32k-d64 40 python "$S/kernel_variants.py" --seqlens 32768 --head-dims 64 --plans "$P" \
+        --warmup 10 --rep 60 --variants "before:COL_SPLIT=0;after:COL_SPLIT=1;before2:COL_SPLIT=0;after2:COL_SPLIT=1" \
+        --json "$OUT/owed-columns-32k-d64.json"
+    step delta-262k 35 python "$S/issue21_s4.py" --parts delta --delta-seqlens 262144 --json "$OUT/s4-delta-262k.json"
 fi
 grep -E "ERROR SUMMARY|ran under|=== memcheck" "$LOG" > "$OUT/sanitizer.txt"
 grep -E "^\s+(Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Instructions  )|^  [a-z_]+.*\(" "$OUT/ncu-8k-dense.txt" | head -40
