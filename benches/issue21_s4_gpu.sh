@@ -77,6 +77,7 @@ if [ "$MODE" = second ]; then
         --warmup 10 --rep 60 --variants "before:COL_SPLIT=0;after:COL_SPLIT=1;before2:COL_SPLIT=0;after2:COL_SPLIT=1" \
         --json "$OUT/owed-columns-32k-d64.json"
     step delta-262k 35 python "$S/issue21_s4.py" --parts delta --delta-seqlens 262144 --json "$OUT/s4-delta-262k.json"
+    step varlen 18 python "$S/issue21_s4.py" --parts varlen --flat-tma-only --json "$OUT/s4-varlen.json"
 fi
 grep -E "ERROR SUMMARY|ran under|=== memcheck" "$LOG" > "$OUT/sanitizer.txt"
 grep -E "^\s+(Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Instructions  )|^  [a-z_]+.*\(" "$OUT/ncu-8k-dense.txt" | head -40

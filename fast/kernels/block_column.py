@@ -346,6 +346,8 @@ def _block_column_fwd(
         seq0 = tl.load(CU_SEQLENS + i_b).to(tl.int64)
         seqlen = tl.load(CU_SEQLENS + i_b + 1) - tl.load(CU_SEQLENS + i_b)
         key_len = seqlen
+        if row0 >= seqlen:
+            return  # a shorter sequence's tiles past its end: nothing to read or write
     # Rows are the queries at positions q_offset + r (a chunk after a cached prefix):
     # o_l indexes q, the output and the state; o_m (positions) meets the keys.
     row0_g = q_offset + row0
