@@ -61,15 +61,25 @@ from .own_columns import resolve_covered_columns
 
 @triton.jit
 def _load_kv(
-    K, V, p_k, p_v, i_b, i_hkv, start_n, o_n, seqlen, stride_kn, stride_vn, m_d,
-    MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+    K, V, p_k, p_v, i_b, i_hkv, tma_row, tma_col, start_n, o_n, seqlen, stride_kn, stride_vn, m_d,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, FLAT_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Load the key tile transposed `[HEAD_DIM, BLOCK_N]` and the value tile `[BLOCK_N, HEAD_DIM]`."""
     if USE_TMA:
-        # Hopper bulk tensor copies; rows past N arrive as zeros.
-        b_k = tl.trans(K.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
-        b_v = V.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        if FLAT_TMA:
+            # Flat K / V (a ragged segment, or one KV head's columns of a packed varlen
+            # batch) through a 2-D descriptor: rows past the buffer arrive as zeros; rows
+            # past a segment inside it are the next segment's, which a valid plan reads
+            # only in masked tiles, where causality drops them (and the non-finite step,
+            # where on, zeroes their bad values).
+            row = (tma_row + start_n).to(tl.int32)  # int64 where a ragged segment bounds the keys
+            b_k = tl.trans(K.load([row, tma_col]).reshape(BLOCK_N, HEAD_DIM))
+            b_v = V.load([row, tma_col]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            # Hopper bulk tensor copies; rows past N arrive as zeros.
+            b_k = tl.trans(K.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
+            b_v = V.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     else:
         off_k = start_n.to(tl.int64) * stride_kn
         off_v = start_n.to(tl.int64) * stride_vn
@@ -279,6 +289,7 @@ def _block_column_fwd(
     SEARCH_STEPS: tl.constexpr, WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
     GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr, COL_N: tl.constexpr,
     COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr, TILE_MAJOR: tl.constexpr,
+    FLAT_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -335,6 +346,8 @@ def _block_column_fwd(
         seq0 = tl.load(CU_SEQLENS + i_b).to(tl.int64)
         seqlen = tl.load(CU_SEQLENS + i_b + 1) - tl.load(CU_SEQLENS + i_b)
         key_len = seqlen
+        if row0 >= seqlen:
+            return  # a shorter sequence's tiles past its end: nothing to read or write
     # Rows are the queries at positions q_offset + r (a chunk after a cached prefix):
     # o_l indexes q, the output and the state; o_m (positions) meets the keys.
     row0_g = q_offset + row0
@@ -366,6 +379,16 @@ def _block_column_fwd(
         k_base = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh + seq0 * stride_kn
         v_base = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh + seq0 * stride_vn
         x_row = i_b.to(tl.int64) * stride_xb + i_hkv.to(tl.int64) * stride_xh
+    # Where a flat descriptor's tiles start (FLAT_TMA): the segment's first row, and for
+    # a varlen batch the sequence's first row and the KV head's first column.
+    tma_row = 0
+    tma_col = 0
+    if FLAT_TMA:
+        if HAS_KV_OFFSET:
+            tma_row = kv_row.to(tl.int32)
+        if HAS_VARLEN:
+            tma_row = seq0.to(tl.int32)
+            tma_col = i_hkv * HEAD_DIM
     x_base = KEY_BIAS
     if HAS_BIAS:
         x_base = KEY_BIAS + x_row
@@ -415,7 +438,7 @@ def _block_column_fwd(
         n_full = tl.minimum(count - n_masked, full_blocks) * SUB_N
     # The next block index is loaded one step ahead so the tile loads never wait on it.
     kb_next = tl.load(p_bindex, mask=n_full > 0, other=0)
-    for t in range(0, n_full):
+    for t in tl.range(0, n_full, warp_specialize=WARP_SPEC):
         if PREFETCH:
             kb = kb_next
             kb_next = tl.load(p_bindex + ((t + 1) // SUB_N) * stride_bik, mask=t + 1 < n_full, other=0)
@@ -424,8 +447,8 @@ def _block_column_fwd(
         if GUARD:
             kb = tl.minimum(tl.maximum(kb, 0), full_blocks - 1)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
-        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, key_len,
-                            stride_kn, stride_vn, m_d, False, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
+        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, tma_row, tma_col, start_n, o_n, key_len,
+                            stride_kn, stride_vn, m_d, False, EVEN_D, USE_TMA, FLAT_TMA, BLOCK_N, HEAD_DIM)
         if HAS_BIAS:
             b_bias = tl.load(x_base + (start_n + o_n).to(tl.int64) * stride_xn) * K_LOG2E
         if HAS_MASK:
@@ -446,8 +469,8 @@ def _block_column_fwd(
         if GUARD:
             kb = tl.minimum(tl.maximum(kb, 0), num_key_blocks - 1)
         start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
-        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, start_n, o_n, key_len,
-                            stride_kn, stride_vn, m_d, True, EVEN_D, USE_TMA, BLOCK_N, HEAD_DIM)
+        b_k, b_v = _load_kv(K_DESC, V_DESC, p_k, p_v, i_b, i_hkv, tma_row, tma_col, start_n, o_n, key_len,
+                            stride_kn, stride_vn, m_d, True, EVEN_D, USE_TMA, FLAT_TMA, BLOCK_N, HEAD_DIM)
         o_key = start_n + o_n
         if HAS_BIAS:
             b_bias = tl.load(x_base + o_key.to(tl.int64) * stride_xn, mask=o_key < key_len,
@@ -572,6 +595,12 @@ _TILE_MAJOR = os.environ.get("SPARSEPREFILL_TILE_MAJOR", "0") == "1"
 # keeps NaN values out of rows that do not keep their key. Never turn them off in use.
 _GUARD = os.environ.get("SPARSEPREFILL_GUARD", "1") == "1"
 _NONFINITE = os.environ.get("SPARSEPREFILL_NONFINITE", "1") == "1"
+# Ragged and varlen K / V through flat 2-D TMA descriptors (since 2026-11-26; `0`: pointer
+# loads, for timing the two paths; docs/plan-and-kernels.md, "ragged and varlen on TMA").
+_FLAT_TMA = os.environ.get("SPARSEPREFILL_FLAT_TMA", "1") == "1"
+# A tuning switch: Triton's warp specialisation of the unmasked block loop (producer
+# warps for the TMA loads, consumer warps for the products); off by default.
+_WARP_SPEC = os.environ.get("SPARSEPREFILL_WARP_SPEC", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -601,6 +630,8 @@ class _KernelCall:
     # The "V holds a NaN/inf" flag, when the caller has it cheaper than from `v` (a
     # varlen view repeats the packed V once per sequence).
     v_nonfinite: torch.Tensor | None = None
+    # Rows of the packed varlen buffers the views stand on (their flat TMA descriptors).
+    varlen_rows: int = 0
 
 
 def _front_door(
@@ -836,7 +867,7 @@ def varlen_block_column_attention(
     lse_view = None if lse is None else lse.as_strided((seqs, hq, max_seqlen), (0, lse.stride(0), 1))
     flag = _nonfinite_flag(v) if plan.column_index.shape[3] > 0 and _NONFINITE else None
     _launch(_KernelCall(view(q), view(k), view(v), plan, sm_scale, max_seqlen, return_lse,
-                        varlen=(cu_seqlens, view(out), lse_view), v_nonfinite=flag))
+                        varlen=(cu_seqlens, view(out), lse_view), v_nonfinite=flag, varlen_rows=total + pad))
     out = out[:total]
     return out, (lse[:, :total] if lse is not None else None)
 
@@ -906,6 +937,11 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     if has_columns and _NONFINITE:
         v_bad = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
     use_tma = head_dim == d and not ragged and call.varlen is None and tma_ok(q, k, v)
+    # Ragged `[T, D]` and varlen `[T, Hkv, D]` K / V: one 2-D descriptor each (a varlen
+    # view's heads must be adjacent in a row: its head stride D).
+    flat_tma = (_FLAT_TMA and head_dim == d and (ragged or call.varlen is not None) and k.shape[0] > 0
+                and tma_ok(q, k, v)
+                and (ragged or (k.stride(1) == d and v.stride(1) == d and call.varlen_rows > 0)))
     # Column plans: two copies of the kernel, one launch each; the flag on the device
     # picks the one whose programs compute (no host sync), the other's leave at once.
     # The copy without the non-finite step does not carry its registers (H100: the
@@ -915,7 +951,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         where shared memory runs out; returns True. A launch that fails for shared memory
         never ran, so a fallback leaves what an earlier copy wrote alone (block sums are
         zeroed only before any copy ran)."""
-        key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma,
+        key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma or flat_tma,
                call.varlen is None, has_columns, call.return_lse, ragged, bias is not None,
                work is not None, sums is not None, nonfinite)
         initial = _tile_config(plan.block_m, plan.block_n, d)
@@ -931,6 +967,16 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
 
                 k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
                 v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
+            elif flat_tma:
+                from triton.tools.tensor_descriptor import TensorDescriptor
+
+                if ragged:
+                    k_desc = TensorDescriptor.from_tensor(k, [block_n, head_dim])
+                    v_desc = TensorDescriptor.from_tensor(v, [block_n, head_dim])
+                else:  # the packed [T, Hkv, D] buffers under the varlen views, as [T, Hkv * D]
+                    cols = k.shape[1] * d
+                    k_desc = TensorDescriptor(k, [call.varlen_rows, cols], [k.stride(2), 1], [block_n, head_dim])
+                    v_desc = TensorDescriptor(v, [call.varlen_rows, cols], [v.stride(2), 1], [block_n, head_dim])
             tile_major = _TILE_MAJOR and call.varlen is None
             grid = (b * hq, triton.cdiv(n, block_m)) if tile_major else (triton.cdiv(n, block_m), b * hq)
             try:
@@ -949,7 +995,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     tuple(sums.stride()) if sums is not None else _zero_strides(4), xstrides,
                     BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, SUB_N=plan.block_n // block_n,
                     DIAG=diag, EVEN_D=(head_dim == d), HAS_COLUMNS=has_columns,
-                    DOT_F32=dot_f32(q.dtype), USE_TMA=use_tma, PREFETCH=_PREFETCH,
+                    DOT_F32=dot_f32(q.dtype), USE_TMA=use_tma or flat_tma, PREFETCH=_PREFETCH,
                     SEARCH_STEPS=plan.block_index.shape[3].bit_length() if has_columns else 0,
                     WIN=min(128, triton.next_power_of_2(max(1, plan.block_index.shape[3]))),
                     SKIP_COVERED=has_columns and not plan.columns_disjoint,
@@ -957,7 +1003,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     COL_N=min(block_n, _COL_TILE) if _COL_TILE else block_n,
                     COL_SPLIT=_COL_SPLIT and has_columns,
                     COL_TAIL=triton.next_power_of_2(plan.block_m) if has_columns else 1,
-                    TILE_MAJOR=tile_major,
+                    TILE_MAJOR=tile_major, FLAT_TMA=flat_tma, WARP_SPEC=_WARP_SPEC,
                     num_warps=num_warps, num_stages=num_stages,
                 )
             except OutOfResources:
