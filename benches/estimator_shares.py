@@ -52,6 +52,8 @@ DPXA_CONFIGS: tuple[tuple[int, int, int, int, bool, int, int], ...] = (
     (64, 64, 64, 32, True, 4, 2),
 )
 NCU_CONFIGS = (DPXA_CONFIGS[0], DPXA_CONFIGS[2])
+# Session 3's configuration (one program walks its whole key range), the tie check's "before".
+DPXA_CONFIGS_BEFORE = DPXA_CONFIGS[0]
 KEY_SPLITS = (0, 2, 4, 8)
 # The run's environment and the rows of the (N, D) already done, for the JSON written after every row.
 ENV: dict[str, Any] = {}
@@ -135,6 +137,8 @@ def run_one(n: int, d: int, args: argparse.Namespace, log: Callable[[str], None]
             add(method, "plan", fn, floor, **extra)
         if args.dpxa_variants:
             _dpxa_variants(q, k, dense_ms, add, log)
+        if args.tie_check:
+            rows.extend(tie_check(n, d, q, k, log))
         if args.key_splits:
             # Last: triton 3.6 aborted the process compiling an earlier version of it.
             _key_splits(q, k, dense_ms, add, log)
@@ -153,6 +157,9 @@ def _dpxa_variants(q: torch.Tensor, k: torch.Tensor, dense_ms: float, add: Any, 
 
     ratio = float(fast.dpxa_scoring_ratio(q, k).mean())
     default = ds.SCORE_CONFIG
+    add("dpxa", "anchors (q and k, default)", lambda: (ds.delta_anchor_packed(q, cos_threshold=0.75, block=128),
+                                                       ds.delta_anchor_packed(k, cos_threshold=0.75, block=128)))
+    add("dpxa", "select (default)", lambda w=fast.dpxa_tile_weights(q, k): fast.select_tiles(w, 0.9))
     base = fast.dpxa_tile_weights(q, k)
     base_hash = es._plan_hash(fast.dpxa_plan(q, k))
     try:
@@ -206,6 +213,48 @@ def _key_splits(q: torch.Tensor, k: torch.Tensor, dense_ms: float, add: Any, log
             xs.KEY_SPLIT_STEPS = saved
 
 
+def tie_check(n: int, d: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The default DPXA and XAttention stride 16 plans against the weights of the unsplit
+    kernels (session 3's DPXA configuration, KEY_SPLIT_STEPS 0): tiles that differ, and
+    `check_greedy_modulo_ties` (the conformance tie rule) on those weights."""
+    from sparseprefill import fast
+    from sparseprefill.conformance.ties import check_greedy_modulo_ties, tile_weight_tolerance
+    from sparseprefill.fast.kernels import delta_score as ds
+    from sparseprefill.fast.kernels import xattention_score as xs
+
+    tol = tile_weight_tolerance(q, k, None)
+    out = []
+    saved = ds.SCORE_CONFIG, xs.KEY_SPLIT_STEPS
+    for method in ("dpxa", "xattention s16"):
+        try:
+            if method == "dpxa":
+                ds.SCORE_CONFIG = DPXA_CONFIGS_BEFORE
+                old_w = fast.dpxa_tile_weights(q, k)
+                old = fast.dpxa_plan(q, k).block_mask()
+                ds.SCORE_CONFIG = saved[0]
+                new = fast.dpxa_plan(q, k).block_mask()
+            else:
+                xs.KEY_SPLIT_STEPS = 0
+                old_w = fast.xattention_tile_weights(q, k, stride=16, block=128)
+                old = fast.xattention_plan(q, k, stride=16, threshold=0.9, block=128).block_mask()
+                xs.KEY_SPLIT_STEPS = saved[1]
+                new = fast.xattention_plan(q, k, stride=16, threshold=0.9, block=128).block_mask()
+            differ = int((old != new).sum())
+            try:
+                check_greedy_modulo_ties(old_w.double().cpu(), new.cpu(), threshold=0.9, tolerance=tol, what=method)
+                verdict = "PASS"
+            except AssertionError as exc:
+                verdict = f"FAIL {str(exc)[:200]}"
+            log(f"N={n} D={d} tie check {method}: {differ} tiles differ of {int(old.sum())} kept; "
+                f"greedy modulo ties (tolerance {tol:.3g}) {verdict}")
+            out.append({"seqlen": n, "head_dim": d, "method": method, "stage": "tie check",
+                         "tiles_differ": differ, "tiles_kept_before": int(old.sum()), "tolerance": tol,
+                         "verdict": verdict})
+        finally:
+            ds.SCORE_CONFIG, xs.KEY_SPLIT_STEPS = saved
+    return out
+
+
 def profile_flex(q: torch.Tensor, k: torch.Tensor, log: Callable[[str], None]) -> dict[str, Any]:
     """Kernels (count, GPU time, the largest), launches and host syncs of one flexprefill_vs_plan."""
     from torch.profiler import ProfilerActivity, profile
@@ -237,12 +286,12 @@ def profile_flex(q: torch.Tensor, k: torch.Tensor, log: Callable[[str], None]) -
     return out
 
 
-def ncu_dpxa(n: int, cache: str) -> int:
+def ncu_dpxa(n: int, cache: str, configs: tuple[tuple[int, int, int, int, bool, int, int], ...]) -> int:
     from sparseprefill import fast
     from sparseprefill.fast.kernels import delta_score as ds
 
     q, k, _ = es.workload(n, torch.device("cuda"), cache)
-    for config in NCU_CONFIGS:
+    for config in configs:
         ds.SCORE_CONFIG = config
         fast.dpxa_tile_weights(q, k)
         torch.cuda.synchronize()
@@ -276,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default="/tmp/estimator_stages")
     parser.add_argument("--tag", default="after")
     parser.add_argument("--dpxa-variants", action="store_true")
+    parser.add_argument("--dpxa-configs", default=None,
+                        help="the configurations --dpxa-variants times, a Python literal (default DPXA_CONFIGS)")
+    parser.add_argument("--tie-check", action="store_true",
+                        help="the default DPXA plan and XAttention stride 16 plan against the unsplit kernels' "
+                             "weights: greedy selections up to tile_weight_tolerance (conformance.ties)")
     parser.add_argument("--key-splits", action="store_true")
     parser.add_argument("--profile-flex", action="store_true")
     parser.add_argument("--ncu-dpxa", action="store_true")
@@ -285,8 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.table is not None:
         print(table(args.table))
         return 0
+    if args.dpxa_configs:
+        import ast
+
+        global DPXA_CONFIGS
+        DPXA_CONFIGS = tuple(tuple(c) for c in ast.literal_eval(args.dpxa_configs))
     if args.ncu_dpxa:
-        return ncu_dpxa(args.seqlens[0], args.cache)
+        return ncu_dpxa(args.seqlens[0], args.cache, DPXA_CONFIGS if args.dpxa_configs else NCU_CONFIGS)
     es.DEADLINE = args.deadline
 
     def log(line: str) -> None:

@@ -266,12 +266,14 @@ def delta_anchor_packed(
 
 # The scoring kernel's tiles on the GPU: (most query tiles per program, Q anchors per
 # step, K anchors per step, key tiles per program (0: the whole causal range), flat loop
-# with the next chunk prefetched, warps, stages); the variants measured are in
-# docs/xattention.md ("DPXA scoring"). Fewer query tiles per program (halving, down to
-# 16) while the launch has fewer than MIN_PROGRAMS programs: measured at 32K with 32 K
-# anchors a step (TQ 16 / 32 / 64: 3.14 / 3.07 / 3.39 ms), so off (0) with the kept 64 a
-# step, which was timed at TQ 64.
-SCORE_CONFIG: tuple[int, int, int, int, bool, int, int] = (64, 64, 64, 0, False, 4, 2)
+# with the next chunk prefetched, warps, stages). Every variant measured, with its time,
+# is in docs/xattention.md ("DPXA scoring", sessions 3 and 4). Kept (H200, 2026-11-26,
+# bench workload): 32 query tiles and 32 Q anchors a step (fewer registers: more
+# programs per SM) and 32 key tiles per program (the key range split: 1024 programs at
+# 32K instead of 128), scoring 2.53 -> 1.25 ms at 32K and 15.8 -> 9.0 ms at 128K. Fewer
+# query tiles per program (halving, down to 16) while the launch has fewer than
+# MIN_PROGRAMS programs: off (0) since the key split fills the GPU.
+SCORE_CONFIG: tuple[int, int, int, int, bool, int, int] = (32, 32, 64, 32, False, 4, 2)
 MIN_PROGRAMS = 0
 # Rows of W per program of the normalisation.
 NORM_ROWS = 16
