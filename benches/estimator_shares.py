@@ -145,6 +145,9 @@ def run_one(n: int, d: int, args: argparse.Namespace, log: Callable[[str], None]
         if args.profile_flex:
             rows.append({"seqlen": n, "head_dim": d, "method": "flexprefill_vs g0.9", "stage": "profile",
                          **profile_flex(q, k, log)})
+    if args.json:  # the rows added without `add` (tie check, profile) too
+        with open(args.json, "w") as out:
+            json.dump({"environment": ENV, "rows": DONE + rows}, out, indent=1)
     del q, k, v
     torch.cuda.empty_cache()
     return rows
