@@ -5,17 +5,21 @@
    queries and on the keys; each row's anchor positions are then packed to its front
    (`[B * H, N]`, one cumsum and one scatter) with each tile's first slot
    (`[B * H, T + 1]`), `delta_anchor_packed`.
-2. `_anchor_tile_kernel`: per query head and `TQ` consecutive query tiles, the Q
-   anchors of those tiles (`BLOCK_M` at a time, whatever tile they belong to) against
-   each key tile's packed K anchors (`BLOCK_K` at a time), key tiles `0..last`: the
-   work is the anchor pairs (`alpha * beta` of the causal tile pairs) plus one partial
-   chunk per key tile. Per query tile a running maximum over its row of tiles (rows map
-   to their query tile through a one-hot `[BLOCK_M, TQ]` mask); per (query tile, key
-   tile) the log2-sum-exp of its pairs is stored in the output, and at the end the
-   program rescales its rows to their final maxima and normalises them in place. Only
-   `[B, Hq, T, T]` is written, once (plus the rescaling pass), with no scan.
+2. `_anchor_tile_kernel`: per query head, `TQ` consecutive query tiles and up to
+   `key_tiles` key tiles of their causal range (the range split over programs, so the
+   launch fills the GPU at 8K-32K), the Q anchors of those tiles (`BLOCK_M` at a time,
+   whatever tile they belong to) against each key tile's packed K anchors (`BLOCK_K` at
+   a time): the work is the anchor pairs (`alpha * beta` of the causal tile pairs) plus
+   one partial chunk per key tile. Per query tile a running maximum (rows map to their
+   query tile through a one-hot `[BLOCK_M, TQ]` mask); per (query tile, key tile) the
+   absolute log2-sum-exp of its pairs is stored in the output. Optionally (`FLAT`) one
+   flat loop over the range's chunks with the next chunk's loads issued first.
+3. `_normalise_rows_kernel`: each row of the output into weights (online max and sum
+   over the causal entries, one write pass). Only `[B, Hq, T, T]` is written, no scan.
 
-   The kernels it replaces (docs/xattention.md, "DPXA scoring"): per-tile slots of 32 (157
+   The kernels it replaces (docs/xattention.md, "DPXA scoring"): one program per row
+   block walking its whole key range (session 3: 128 programs at 32K, latency-bound with
+   one warp per scheduler, ncu), per-tile slots of 32 (157
    ms at 128K on an H200: three slots in four padding), then 16 output rows per program
    against 64 packed K anchors a step with a segmented scan per step (52.6 ms at 128K on an
    H100: few Q rows per K read, a scan per step, and 8-17 s a call in the interpreter).
