@@ -422,8 +422,12 @@ def variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], 
 # (128, 256, 8, 2) and (256, 128, 8, 2) (docs/xattention.md); pass them here to time them again.
 XATTENTION_VARIANTS: tuple[tuple[int, int, int, int], ...] = ()
 # DPXA scoring configurations (`delta_score.SCORE_CONFIG`: query tiles per program, Q
-# anchors per step, K anchors per step, warps, stages), each with TQ fixed (no halving).
-DPXA_VARIANTS = ((64, 64, 32, 4, 2), (32, 64, 32, 4, 2), (64, 64, 64, 4, 2), (64, 32, 32, 4, 2))
+# anchors per step, K anchors per step, key tiles per program (0: all), flat loop, warps,
+# stages), each with TQ fixed (no halving). Session 3 timed the first four with 0 key
+# tiles; session 4's (benches/estimator_shares.py, DPXA_CONFIGS) are in docs/xattention.md.
+DPXA_VARIANTS: tuple[tuple[int, int, int, int, bool, int, int], ...] = (
+    (64, 64, 32, 0, False, 4, 2), (32, 64, 32, 0, False, 4, 2), (64, 64, 64, 0, False, 4, 2),
+    (64, 32, 32, 0, False, 4, 2), (32, 32, 64, 32, False, 4, 2))
 
 
 def _dpxa_variant_rows(n: int, q: torch.Tensor, k: torch.Tensor, log: Callable[[str], None]) -> list[dict[str, Any]]:

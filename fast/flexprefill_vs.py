@@ -25,9 +25,13 @@ from ..reference.flexprefill_vs import (
     GAMMA,
     LINE_BLOCK,
     check_flexprefill_vs_params,
+    band_lines,
     check_gamma,
-    cover_bands,
+    cover_threshold,
+    first_lines,
+    pool_lines,
 )
+from ..reference.plan import cdiv
 from ..reference.plan import BlockColumnPlan
 from .capture import static_widths_active
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
@@ -65,14 +69,18 @@ def flexprefill_vs_lines(
     local_diagonals = check_count("local_diagonals", local_diagonals, cap=n, minimum=0)
     heads_gamma = per_head(gamma, "gamma", shape.q_heads, check_gamma, device=q.device)
     vertical, slash = last_q_scores(q, k, last_q=last_q, scale=scale)
-    a_v = vertical.to(torch.float64)
-    a_s = slash.to(torch.float64)
+    # [2, B, Hq, N]: columns, then offsets. Both go through one batch of ops (the
+    # reference's `cover_bands` on each, row by row the same float64 values; half the
+    # launches, which is what this stage costs at 32K).
+    lines = torch.stack((vertical, slash)).to(torch.float64)
     # Alg. 5 lines 2-3: both sums hold the same total mass (L rows of one each).
-    total = a_v.sum(dim=-1, keepdim=True)
+    total = lines[0].sum(dim=-1, keepdim=True)
     # Bands are pooled in float64 after the division, as the reference pools its shares.
-    verticals = cover_bands(a_v / total, heads_gamma, init_columns, line_block)
-    slashes = cover_bands(a_s / total, heads_gamma, local_diagonals, line_block)
-    return verticals, slashes
+    bands = pool_lines(lines / total, line_block)
+    forced = torch.stack([first_lines(cdiv(c, line_block), bands.shape[-1], q.device)
+                          for c in (init_columns, local_diagonals)])[:, None, None, :]
+    kept = band_lines(cover_threshold(bands, heads_gamma, forced), line_block, n)
+    return kept[0], kept[1]
 
 
 def padded_lines(kept: torch.Tensor) -> torch.Tensor:

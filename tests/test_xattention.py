@@ -260,15 +260,18 @@ def test_scoring_program_orders_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(got[False, 0], got[True, 0])
 
 
-def test_dpxa_scoring_with_the_gpu_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("key_tiles,flat", [(2, False), (1, True)], ids=["split2", "split1-flat"])
+def test_dpxa_scoring_with_the_gpu_tiling(monkeypatch: pytest.MonkeyPatch, key_tiles: int, flat: bool) -> None:
     """DPXA's scoring kernel at GPU-like tiles (the interpreter's default takes every tile
-    in one program): several query-tile groups per head launched longest first, key tiles
-    with more anchors than a step, more Q anchors than a step (the hoisted first chunk and
-    the reloaded ones), GQA and batch 2; weights within tolerance of the reference."""
+    in one program): several query-tile groups per head launched longest first, each one's
+    key range split over programs (splits past a group's range do nothing), key tiles with
+    more anchors than a step, more Q anchors than a step (the hoisted first chunk and the
+    reloaded ones), both loops (per key tile, and flat with the next chunk prefetched), GQA
+    and batch 2; weights within tolerance of the reference."""
     from sparseprefill.fast.kernels import delta_score as ds
 
     # 4 query tiles a program (2 groups of the 5 tiles), 16 Q and 16 K anchors a step.
-    monkeypatch.setattr(ds, "_score_config", lambda rows, tiles: (4, 16, 16, 4, 1))
+    monkeypatch.setattr(ds, "_score_config", lambda rows, tiles: (4, 16, 16, key_tiles, flat, 4, 1))
     q, k, _ = _qk(2, 2, 1, 160, 16, seed=5, smooth=True)
     keep_q = ds.delta_anchor_lists(q, cos_threshold=0.95, block=32)[2]
     keep_k = ds.delta_anchor_lists(k, cos_threshold=0.95, block=32)[2]

@@ -5,17 +5,21 @@
    queries and on the keys; each row's anchor positions are then packed to its front
    (`[B * H, N]`, one cumsum and one scatter) with each tile's first slot
    (`[B * H, T + 1]`), `delta_anchor_packed`.
-2. `_anchor_tile_kernel`: per query head and `TQ` consecutive query tiles, the Q
-   anchors of those tiles (`BLOCK_M` at a time, whatever tile they belong to) against
-   each key tile's packed K anchors (`BLOCK_K` at a time), key tiles `0..last`: the
-   work is the anchor pairs (`alpha * beta` of the causal tile pairs) plus one partial
-   chunk per key tile. Per query tile a running maximum over its row of tiles (rows map
-   to their query tile through a one-hot `[BLOCK_M, TQ]` mask); per (query tile, key
-   tile) the log2-sum-exp of its pairs is stored in the output, and at the end the
-   program rescales its rows to their final maxima and normalises them in place. Only
-   `[B, Hq, T, T]` is written, once (plus the rescaling pass), with no scan.
+2. `_anchor_tile_kernel`: per query head, `TQ` consecutive query tiles and up to
+   `key_tiles` key tiles of their causal range (the range split over programs, so the
+   launch fills the GPU at 8K-32K), the Q anchors of those tiles (`BLOCK_M` at a time,
+   whatever tile they belong to) against each key tile's packed K anchors (`BLOCK_K` at
+   a time): the work is the anchor pairs (`alpha * beta` of the causal tile pairs) plus
+   one partial chunk per key tile. Per query tile a running maximum (rows map to their
+   query tile through a one-hot `[BLOCK_M, TQ]` mask); per (query tile, key tile) the
+   absolute log2-sum-exp of its pairs is stored in the output. Optionally (`FLAT`) one
+   flat loop over the range's chunks with the next chunk's loads issued first.
+3. `_normalise_rows_kernel`: each row of the output into weights (online max and sum
+   over the causal entries, one write pass). Only `[B, Hq, T, T]` is written, no scan.
 
-   The kernels it replaces (docs/xattention.md, "DPXA scoring"): per-tile slots of 32 (157
+   The kernels it replaces (docs/xattention.md, "DPXA scoring"): one program per row
+   block walking its whole key range (session 3: 128 programs at 32K, latency-bound with
+   one warp per scheduler, ncu), per-tile slots of 32 (157
    ms at 128K on an H200: three slots in four padding), then 16 output rows per program
    against 64 packed K anchors a step with a segmented scan per step (52.6 ms at 128K on an
    H100: few Q rows per K read, a scan per step, and 8-17 s a call in the interpreter).
@@ -48,32 +52,79 @@ from .xattention_score import check_fast_block
 
 
 @triton.jit
+def _anchor_pairs(
+    p_q, p_qpos, b_q0, q_pos0, m_r0, r_count, b_k, k_pos, m_c, acc, m_run,
+    qk_scale, block, i_t0, stride_qn, stride_qd, o_m, o_d, m_d, o_t,
+    BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # One chunk of K anchors against every Q anchor of the program (BLOCK_M at a time):
+    # the running maxima and the chunk's exp-sums per output row. The first BLOCK_M rows
+    # stay in registers (all of them where the tiles have few Q anchors, as on the bench
+    # workload); later row chunks are reloaded.
+    for r0 in range(0, r_count, BLOCK_M):
+        m_r = m_r0
+        q_pos = q_pos0
+        b_q = b_q0
+        if r0 > 0:
+            m_r = r0 + o_m < r_count
+            q_pos = tl.load(p_qpos + r0 + o_m, mask=m_r, other=0)
+            b_q = tl.load(p_q + q_pos.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd,
+                          mask=m_r[:, None] & m_d[None, :], other=0.0)
+        # Sec. 4.3: one cell of the full tile per anchor pair; causal per token.
+        if DOT_F32:
+            b_s = tl.dot(b_q.to(tl.float32), b_k.to(tl.float32)) * qk_scale
+        else:
+            b_s = tl.dot(b_q, b_k) * qk_scale
+        valid = m_r[:, None] & m_c[None, :] & (k_pos[None, :] <= q_pos[:, None]) \
+            & (tl.abs(b_s) < float("inf"))
+        b_s = tl.where(valid, b_s, float("-inf"))
+        # Row r belongs to output row (query tile) q_pos // block - i_t0.
+        hot = ((q_pos // block - i_t0)[:, None] == o_t[None, :]) & m_r[:, None]
+        t_max = tl.max(tl.where(hot, tl.max(b_s, 1)[:, None], float("-inf")), 0)
+        m_new = tl.maximum(m_run, t_max)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        r_shift = tl.sum(tl.where(hot, m_shift[None, :], 0.0), 1)
+        r_sum = tl.sum(tl.math.exp2(b_s - r_shift[:, None]), 1)
+        acc = acc * tl.math.exp2(m_run - m_shift) + tl.sum(tl.where(hot, r_sum[:, None], 0.0), 0)
+        m_run = m_new
+    return acc, m_run
+
+
+@triton.jit
 def _anchor_tile_kernel(
     Q, K, Q_POS, Q_START, K_POS, K_START, W,
     qk_scale, head_dim, num_heads, group, num_kv_heads, block, num_tiles, pos_stride,
+    key_tiles, num_splits,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     TQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    FLAT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # One program: query head h (the group's heads are adjacent programs, so they read the
-    # same K anchors at about the same time, from L2) and TQ consecutive query tiles. Its
-    # rows are the Q anchors of those tiles (R of them, BLOCK_M at a time, whatever tile
-    # they belong to); it walks key tiles 0 .. last, each tile's packed K anchors BLOCK_K
-    # at a time, so the work is the anchor pairs plus one partial chunk per key tile.
-    # Per output row (query tile) t: a running maximum m_t over its whole row of tiles
-    # and, per key tile j, sum exp2(s - m_t) over the pairs of t's anchors and j's anchors
-    # (causal per token), kept as log2-sum-exp lse_tj in W; at the end every lse_tj is
-    # taken relative to the final m_t and the row is normalised in place. No segmented
-    # scan and no [rows, T] scratch: W ([B, Hq, T, T]) is the only output.
+    # same K anchors at about the same time, from L2), TQ consecutive query tiles and up
+    # to `key_tiles` consecutive key tiles of their causal range (split `i_split` of
+    # `num_splits`; a split past the range does nothing). Its rows are the Q anchors of
+    # those query tiles (R of them, BLOCK_M at a time, whatever tile they belong to); it
+    # walks its key tiles, each tile's packed K anchors BLOCK_K at a time, so the work is
+    # the anchor pairs plus one partial chunk per key tile. Per output row (query tile) t:
+    # a running maximum m_t and, per key tile j, sum exp2(s - m_t) over the pairs of t's
+    # anchors and j's anchors (causal per token), stored as the absolute log2-sum-exp
+    # lse_tj in W; `_normalise_rows_kernel` then turns each row into weights. No segmented
+    # scan, no scratch: W ([B, Hq, T, T]) is the only output.
+    # FLAT: one loop over the range's chunks (a key tile's last chunk ends it), the next
+    # chunk's positions and K rows loaded before this chunk's math; else a loop over key
+    # tiles with a loop over their chunks.
     i_g = tl.program_id(0)
-    i_t0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * TQ  # longest rows first
+    i_split = tl.program_id(1) % num_splits
+    i_t0 = (tl.num_programs(1) // num_splits - 1 - tl.program_id(1) // num_splits) * TQ  # longest rows first
     i_bkv = tl.program_id(2)
     i_b = i_bkv // num_kv_heads
     i_hkv = i_bkv % num_kv_heads
     i_h = i_hkv * group + i_g
     i_bh = i_b * num_heads + i_h
     t_end = tl.minimum(i_t0 + TQ, num_tiles)
+    j_lo = i_split * key_tiles
+    j_hi = tl.maximum(tl.minimum(j_lo + key_tiles, t_end), j_lo)
     p_qs = Q_START + i_bh.to(tl.int64) * (num_tiles + 1)
     r_begin = tl.load(p_qs + i_t0)
     r_count = tl.load(p_qs + t_end) - r_begin
@@ -90,61 +141,85 @@ def _anchor_tile_kernel(
     m_t = i_t0 + o_t < num_tiles
     p_w = W + (i_bh.to(tl.int64) * num_tiles + i_t0 + o_t) * num_tiles
     m_run = tl.full([TQ], float("-inf"), tl.float32)
-    # The first BLOCK_M rows stay in registers (all of them where the tiles have few Q
-    # anchors, as on the bench workload); later row chunks are reloaded every step.
     m_r0 = o_m < r_count
     q_pos0 = tl.load(p_qpos + o_m, mask=m_r0, other=0)
     b_q0 = tl.load(p_q + q_pos0.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd,
                    mask=m_r0[:, None] & m_d[None, :], other=0.0)
-    for j in range(0, t_end):
-        k0 = tl.load(p_ks + j)
-        k1 = tl.load(p_ks + j + 1)
-        acc = tl.zeros([TQ], tl.float32)
-        for c0 in range(k0, k1, BLOCK_K):
-            o_c = c0 + o_k
-            m_c = o_c < k1
-            k_pos = tl.load(p_kpos + o_c, mask=m_c, other=0)
-            b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn + o_d[:, None] * stride_kd,
-                          mask=m_c[None, :] & m_d[:, None], other=0.0)
-            for r0 in range(0, r_count, BLOCK_M):
-                m_r = m_r0
-                q_pos = q_pos0
-                b_q = b_q0
-                if r0 > 0:
-                    m_r = r0 + o_m < r_count
-                    q_pos = tl.load(p_qpos + r0 + o_m, mask=m_r, other=0)
-                    b_q = tl.load(p_q + q_pos.to(tl.int64)[:, None] * stride_qn + o_d[None, :] * stride_qd,
-                                  mask=m_r[:, None] & m_d[None, :], other=0.0)
-                # Sec. 4.3: one cell of the full tile per anchor pair; causal per token.
-                # (`_common.dot` inlined: a nested jit call costs the interpreter ~10 ms.)
-                if DOT_F32:
-                    b_s = tl.dot(b_q.to(tl.float32), b_k.to(tl.float32)) * qk_scale
-                else:
-                    b_s = tl.dot(b_q, b_k) * qk_scale
-                valid = m_r[:, None] & m_c[None, :] & (k_pos[None, :] <= q_pos[:, None]) \
-                    & (tl.abs(b_s) < float("inf"))
-                b_s = tl.where(valid, b_s, float("-inf"))
-                # Row r belongs to output row (query tile) q_pos // block - i_t0.
-                hot = ((q_pos // block - i_t0)[:, None] == o_t[None, :]) & m_r[:, None]
-                t_max = tl.max(tl.where(hot, tl.max(b_s, 1)[:, None], float("-inf")), 0)
-                m_new = tl.maximum(m_run, t_max)
-                m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                r_shift = tl.sum(tl.where(hot, m_shift[None, :], 0.0), 1)
-                r_sum = tl.sum(tl.math.exp2(b_s - r_shift[:, None]), 1)
-                acc = acc * tl.math.exp2(m_run - m_shift) + tl.sum(tl.where(hot, r_sum[:, None], 0.0), 0)
-                m_run = m_new
-        # acc > 0 only where m_run is finite.
-        lse = tl.where(acc > 0, m_run + tl.math.log2(acc), float("-inf"))
-        tl.store(p_w + j, lse, mask=m_t)
-    # Relative to each row's final maximum, then normalised (a row without any finite
-    # score has m_run = -inf and becomes NaN, every entry, as the reference's).
-    total = tl.zeros([TQ], tl.float32)
-    for j in range(0, t_end):
-        total += tl.math.exp2(tl.load(p_w + j, mask=m_t, other=float("-inf")) - m_run)
-    for j in range(0, num_tiles):
-        # Past the last key tile walked (never written): no pairs.
-        lse = tl.where(j < t_end, tl.load(p_w + j, mask=m_t, other=float("-inf")), float("-inf"))
-        tl.store(p_w + j, tl.math.exp2(lse - m_run) / total, mask=m_t)
+    acc = tl.zeros([TQ], tl.float32)
+    if FLAT:
+        j = j_lo
+        c0 = tl.load(p_ks + j_lo)
+        k_stop = tl.load(p_ks + j_lo + 1)
+        o_c = c0 + o_k
+        m_c = o_c < tl.where(j < j_hi, k_stop, c0)  # an empty range: no chunk
+        k_pos = tl.load(p_kpos + o_c, mask=m_c, other=0)
+        b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn + o_d[:, None] * stride_kd,
+                      mask=m_c[None, :] & m_d[:, None], other=0.0)
+        while j < j_hi:
+            # The next chunk: the rest of tile j, or tile j + 1's first (an empty tile
+            # is one empty chunk); its loads are issued before this chunk's math.
+            done = c0 + BLOCK_K >= k_stop
+            n_c0 = tl.where(done, k_stop, c0 + BLOCK_K)
+            n_j = tl.where(done, j + 1, j)
+            n_stop = tl.where(done, tl.load(p_ks + tl.minimum(n_j + 1, num_tiles)), k_stop)
+            n_oc = n_c0 + o_k
+            n_mc = n_oc < tl.where(n_j < j_hi, n_stop, n_c0)  # past the range: empty
+            n_kpos = tl.load(p_kpos + n_oc, mask=n_mc, other=0)
+            n_bk = tl.load(p_k + n_kpos.to(tl.int64)[None, :] * stride_kn + o_d[:, None] * stride_kd,
+                           mask=n_mc[None, :] & m_d[:, None], other=0.0)
+            acc, m_run = _anchor_pairs(p_q, p_qpos, b_q0, q_pos0, m_r0, r_count, b_k, k_pos, m_c, acc, m_run,
+                                       qk_scale, block, i_t0, stride_qn, stride_qd, o_m, o_d, m_d, o_t,
+                                       BLOCK_M, DOT_F32)
+            # acc > 0 only where m_run is finite.
+            lse = tl.where(acc > 0, m_run + tl.math.log2(acc), float("-inf"))
+            done_t = c0 + BLOCK_K + 0 * o_t >= k_stop  # `done` per output row (a vector mask)
+            tl.store(p_w + j, lse, mask=m_t & done_t)
+            acc = tl.where(done_t, 0.0, acc)
+            c0, k_stop, j = n_c0, n_stop, n_j
+            k_pos, b_k, m_c = n_kpos, n_bk, n_mc
+    else:
+        for j in range(j_lo, j_hi):
+            k0 = tl.load(p_ks + j)
+            k1 = tl.load(p_ks + j + 1)
+            acc = tl.zeros([TQ], tl.float32)
+            for c0 in range(k0, k1, BLOCK_K):
+                o_c = c0 + o_k
+                m_c = o_c < k1
+                k_pos = tl.load(p_kpos + o_c, mask=m_c, other=0)
+                b_k = tl.load(p_k + k_pos.to(tl.int64)[None, :] * stride_kn + o_d[:, None] * stride_kd,
+                              mask=m_c[None, :] & m_d[:, None], other=0.0)
+                acc, m_run = _anchor_pairs(p_q, p_qpos, b_q0, q_pos0, m_r0, r_count, b_k, k_pos, m_c, acc, m_run,
+                                           qk_scale, block, i_t0, stride_qn, stride_qd, o_m, o_d, m_d, o_t,
+                                           BLOCK_M, DOT_F32)
+            lse = tl.where(acc > 0, m_run + tl.math.log2(acc), float("-inf"))
+            tl.store(p_w + j, lse, mask=m_t)
+
+
+@triton.jit
+def _normalise_rows_kernel(W, rows, num_tiles, ROWS: tl.constexpr, BLOCK_J: tl.constexpr):
+    # ROWS rows of W ([B * Hq * T, T], absolute log2-sum-exps where j <= t) into weights:
+    # exp2(lse - max) / sum over the causal entries, 0 past them. A row without any
+    # finite score becomes NaN, every entry, as the reference's.
+    o_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_r = o_r < rows
+    t = o_r % num_tiles
+    p_w = W + o_r.to(tl.int64)[:, None] * num_tiles
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    for j0 in range(0, num_tiles, BLOCK_J):
+        o_j = j0 + tl.arange(0, BLOCK_J)
+        causal = m_r[:, None] & (o_j[None, :] <= t[:, None])
+        x = tl.load(p_w + o_j[None, :], mask=causal, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.math.exp2(m - shift) + tl.sum(tl.math.exp2(x - shift[:, None]), 1)
+        m = m_new
+    for j0 in range(0, num_tiles, BLOCK_J):
+        o_j = j0 + tl.arange(0, BLOCK_J)
+        causal = m_r[:, None] & (o_j[None, :] <= t[:, None])
+        x = tl.load(p_w + o_j[None, :], mask=causal, other=float("-inf"))
+        tl.store(p_w + o_j[None, :], tl.math.exp2(x - m[:, None]) / total[:, None],
+                 mask=m_r[:, None] & (o_j[None, :] < num_tiles))
 
 
 def delta_anchor_lists(
@@ -194,23 +269,31 @@ def delta_anchor_packed(
 
 
 # The scoring kernel's tiles on the GPU: (most query tiles per program, Q anchors per
-# step, K anchors per step, warps, stages); the variants measured are in docs/xattention.md
-# ("DPXA scoring"). Fewer query tiles per program (halving, down to 16) while the launch
-# has fewer than MIN_PROGRAMS programs: measured at 32K with 32 K anchors a step (TQ 16 /
-# 32 / 64: 3.14 / 3.07 / 3.39 ms), so off (0) with the kept 64 a step, which was timed at TQ 64.
-SCORE_CONFIG = (64, 64, 64, 4, 2)
+# step, K anchors per step, key tiles per program (0: the whole causal range), flat loop
+# with the next chunk prefetched, warps, stages). Every variant measured, with its time,
+# is in docs/xattention.md ("DPXA scoring", sessions 3 and 4). Kept (H200, 2026-11-26,
+# bench workload): 32 query tiles and 32 Q anchors a step (fewer registers: more
+# programs per SM) and 32 key tiles per program (the key range split: 1024 programs at
+# 32K instead of 128), scoring 2.53 -> 1.25 ms at 32K and 15.8 -> 9.0 ms at 128K. Fewer
+# query tiles per program (halving, down to 16) while the launch has fewer than
+# MIN_PROGRAMS programs: off (0) since the key split fills the GPU.
+SCORE_CONFIG: tuple[int, int, int, int, bool, int, int] = (32, 32, 64, 32, False, 4, 2)
 MIN_PROGRAMS = 0
+# Rows of W per program of the normalisation.
+NORM_ROWS = 16
+_MAX_GRID_Y = 65535
 
 
-def _score_config(rows: int, tiles: int) -> tuple[int, int, int, int, int]:
-    """`(TQ, BLOCK_M, BLOCK_K, warps, stages)` for `rows` (batch x query heads) rows of tiles."""
+def _score_config(rows: int, tiles: int) -> tuple[int, int, int, int, bool, int, int]:
+    """`(TQ, BLOCK_M, BLOCK_K, key tiles, flat, warps, stages)` for `rows` (batch x query
+    heads) rows of tiles."""
     if interpreter_active():
         # Few, wide steps: the interpreter pays per operation, not per element.
-        return min(64, triton.next_power_of_2(tiles)), 128, 128, 4, 1
-    tq, block_m, block_k, warps, stages = SCORE_CONFIG
+        return min(64, triton.next_power_of_2(tiles)), 128, 128, 0, False, 4, 1
+    tq, block_m, block_k, key_tiles, flat, warps, stages = SCORE_CONFIG
     while tq > 16 and rows * cdiv(tiles, tq) < MIN_PROGRAMS:
         tq //= 2
-    return tq, block_m, block_k, warps, stages
+    return tq, block_m, block_k, key_tiles, flat, warps, stages
 
 
 def _anchor_tile_weights(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, block: int,
@@ -227,13 +310,25 @@ def _anchor_tile_weights(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: flo
     _, q_pos, q_start = delta_anchor_packed(q, cos_threshold=cos_threshold, block=block)
     _, k_pos, k_start = delta_anchor_packed(k, cos_threshold=cos_threshold, block=block)
     weights = torch.empty(b, hq, tiles, tiles, dtype=torch.float32, device=q.device)
-    tq, block_m, block_k, warps, stages = _score_config(b * hq, tiles)
-    _anchor_tile_kernel[(hq // hkv, cdiv(tiles, tq), b * hkv)](
+    tq, block_m, block_k, key_tiles, flat, warps, stages = _score_config(b * hq, tiles)
+    row_blocks = cdiv(tiles, tq)
+    # Key tiles per program: the whole range (one split), or as configured, widened
+    # until the grid's second dimension fits.
+    key_tiles = tiles if key_tiles <= 0 else min(key_tiles, tiles)
+    while row_blocks * cdiv(tiles, key_tiles) > _MAX_GRID_Y:
+        key_tiles *= 2
+    splits = cdiv(tiles, key_tiles)
+    _anchor_tile_kernel[(hq // hkv, row_blocks * splits, b * hkv)](
         q, k, q_pos, q_start, k_pos, k_start, weights,
-        sm_scale * LOG2E, d, hq, hq // hkv, hkv, block, tiles, n + 1, *q.stride(), *k.stride(),
+        sm_scale * LOG2E, d, hq, hq // hkv, hkv, block, tiles, n + 1, key_tiles, splits,
+        *q.stride(), *k.stride(),
         TQ=tq, BLOCK_M=block_m, BLOCK_K=block_k, HEAD_DIM=max(16, triton.next_power_of_2(d)),
-        DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
+        FLAT=flat, DOT_F32=interpreter_active() and q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages,
+    )
+    rows = b * hq * tiles
+    _normalise_rows_kernel[(cdiv(rows, NORM_ROWS),)](
+        weights, rows, tiles, ROWS=NORM_ROWS, BLOCK_J=min(256, max(16, triton.next_power_of_2(tiles))),
     )
     return weights
 

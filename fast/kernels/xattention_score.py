@@ -240,12 +240,21 @@ LONGEST_FIRST = True
 # CUDA's limit on the second and third grid dimensions.
 _MAX_GRID_Y = 65535
 # Key steps per program when a row block's key range is split over several programs
-# launched together (0: one program per row block). Meant to share the query rows in L2
-# (the ncu profile of 2026-11-25: DRAM-bound, tensor pipe 25%) and to spread the work
-# at 8K-32K. Not yet timed on a GPU (docs/xattention.md): the H100 run of 2026-11-25
-# (session 3) failed to compile its `_tile_weight_kernel` on triton 3.6; rewritten so each
-# loop result has one use, which compiles with triton 3.9 here, untested on 3.6. Off by default.
-KEY_SPLIT_STEPS = 0
+# launched together (0: one program per row block; -1: by stride, `key_split_steps`).
+# Meant to share the query rows in L2 (the ncu profile of 2026-11-25: DRAM-bound, tensor
+# pipe 25%) and to spread the work at 8K-32K. Timed on an H200 with triton 3.6
+# (2026-11-26, docs/xattention.md): 2 steps cut stride 16's scoring 0.938 -> 0.868 ms at
+# 32K and 14.16 -> 13.31 ms at 128K; at stride 8 no split was faster (1.778 / 26.51 ms
+# unsplit against 1.768-1.797 / 27.01-27.63 split), so -1 splits at stride >= 16 only.
+KEY_SPLIT_STEPS = -1
+
+
+def key_split_steps(stride: int) -> int:
+    """Key steps per program at `stride` (`KEY_SPLIT_STEPS`, or by stride where it is -1)."""
+    if KEY_SPLIT_STEPS >= 0:
+        return KEY_SPLIT_STEPS
+    # The interpreter pays per program: unsplit (the tests set KEY_SPLIT_STEPS to split).
+    return 2 if stride >= 16 and not interpreter_active() else 0
 
 
 def score_config(head_dim: int, itemsize: int) -> tuple[int, int, int, int]:
@@ -290,8 +299,9 @@ def _tile_weights(q: torch.Tensor, k: torch.Tensor, *, stride: int, block: int, 
         row_lse = torch.empty(b * hl, rows, dtype=torch.float32, device=q.device)
         row_blocks = triton.cdiv(rows, block_r)
         longest = LONGEST_FIRST and row_blocks <= _MAX_GRID_Y
-        split = KEY_SPLIT_STEPS > 0 and row_blocks <= _MAX_GRID_Y and b * hl <= _MAX_GRID_Y
-        tiles_per_split = max(1, KEY_SPLIT_STEPS) * tiles_per_step
+        steps = key_split_steps(stride)
+        split = steps > 0 and row_blocks <= _MAX_GRID_Y and b * hl <= _MAX_GRID_Y
+        tiles_per_split = max(1, steps) * tiles_per_step
         if split:
             grid: tuple[int, ...] = (cdiv(tiles, tiles_per_split), b * hl, row_blocks)
         else:
