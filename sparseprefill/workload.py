@@ -425,6 +425,11 @@ class KVParams:
     # Runs of the salience sequence along the keys (heavy keys come in runs).
     salience_run: float = 1.0
     salience_jitter: float = 1.0
+    # Key 0 carries only the sink, its cosine offset and the rotary channels (no random
+    # vertical, slash, noise or salience content): the sink's logit then does not move by
+    # several nats from draw to draw (docs/workload.md, "one head's statistics depend on
+    # the draw").
+    clean_sink: bool = False
 
 
 @dataclass(frozen=True)
@@ -693,6 +698,11 @@ def generate_layer(
                     c = max(0.0, min(1.0, hp.salience_group))
                     latent = math.sqrt(c) * shared[r] + math.sqrt(1.0 - c) * own[r, t]
                     k[r, :, lay.salience.start + t] = salience_values(hp.salience, latent)
+    for r in range(rows):
+        if kv[r % hkv].clean_sink:
+            k[r, 0, 1] = 0.0
+            for part in (lay.slash, lay.noise, lay.salience):
+                k[r, 0, part] = 0.0
     k = k.view(b, hkv, n, d)
     codes = codes.view(b, hkv, n + reach, ds)
     for h, p in enumerate(heads):
@@ -818,13 +828,18 @@ def fit_layer(
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     shared: bool = False,
+    joint_runs: bool = False,
 ) -> LayerParams:
     """Fit one layer's generator to `target` statistics (see the module doc).
 
     `shared=True` (experimental) also draws the far field's shared structure measured by
     `score_structure` (key salience, its runs, queries in runs) with weights in -30..60
     nats; it does not yet reproduce a generated target of its own family
-    (docs/workload.md), so the default fit leaves it out.
+    (docs/workload.md), so the default fit leaves it out. `joint_runs=True` (with `shared`)
+    also moves the query runs with the vertical share (a generated vertical share above the
+    capture's shortens them: long runs of Gaussian query noise put the same far keys on
+    top for a whole run, spurious vertical lines; never longer than measured) and draws
+    a clean sink key (`KVParams.clean_sink`).
 
     Args:
         target: `attention_stats` of the captured layer (with keep ratios).
@@ -850,7 +865,8 @@ def fit_layer(
             sum(target.salience_ac[h][0] for h in range(j * group, (j + 1) * group)) / group,
             sum(target.salience_ac[h][1] for h in range(j * group, (j + 1) * group)) / group,
             SALIENCE_LAGS) for j in range(hkv)]
-        kv = [replace(x, vertical_fraction=0.0, salience_run=runs[j][0], salience_jitter=runs[j][1])
+        kv = [replace(x, vertical_fraction=0.0, salience_run=runs[j][0], salience_jitter=runs[j][1],
+                      clean_sink=joint_runs)
               for j, x in enumerate(kv)]
     if target.keep:
         kv = fit_keys(kv, target.keep, shape, seed=seed)
@@ -879,6 +895,7 @@ def fit_layer(
             "sink": min(w_max, math.log(max(target.sink[h], 1e-6)) - base + (lift if shared else 0.0)),
             "vertical": 1.0, "profile": tuple(min(w_max, math.log(x) - base) for x in per_key),
             "slash": 1.0, "noise": 1.0, **extra}))
+    measured_run = [p.query_run for p in heads]
     for it in range(iterations):
         q, k, _ = generate_layer(heads, kv, replace(shape, batch=1), seed=seed)
         got = attention_stats(q, k, rows=rows, with_keep=False, with_structure=False)
@@ -893,9 +910,14 @@ def fit_layer(
             # share answers steeply); else the planted vertical keys' weight does.
             sal_step = max(0.8, min(1.25, (max(target.vertical[h], _SHARE_FLOOR)
                                            / max(got.vertical[h], _SHARE_FLOOR)) ** 0.3))
+            query_run = p.query_run
+            if joint_runs and p.salience and it >= 1:
+                over = max(got.vertical[h], _SHARE_FLOOR) / max(target.vertical[h], _SHARE_FLOOR)
+                query_run = max(1.0, min(measured_run[h], p.query_run * max(0.5, min(1.25, over ** -0.5))))
             new.append(replace(
                 p,
                 salience_scale=p.salience_scale * sal_step if p.salience and FIT_SALIENCE_SCALE else p.salience_scale,
+                query_run=query_run,
                 sink=min(w_max, max(w_min, p.sink + _log_ratio(target.sink[h], got.sink[h]))),
                 vertical=min(w_max, max(w_min, p.vertical + _log_ratio(target.vertical[h], got.vertical[h]))),
                 profile=profile,
@@ -922,6 +944,7 @@ def fit_capture(
     iterations: int = 12,
     log: Callable[[str], None] | None = None,
     shared: bool = False,
+    joint_runs: bool = False,
 ) -> tuple[Calibration, dict[int, Stats]]:
     """Fit every (or the given) captured layer; also return the captured statistics.
 
@@ -929,7 +952,7 @@ def fit_capture(
         data: a capture (`sparseprefill eval capture`): lists `layers`, `q`, `k`, `scale`.
         layers: which captured layers (default all).
         max_seqlen: fit on the first tokens only (the prefix check).
-        rows, iterations, shared: as `fit_layer`.
+        rows, iterations, shared, joint_runs: as `fit_layer`.
 
     Returns:
         (the `Calibration`, {layer: captured `Stats`}).
@@ -957,7 +980,7 @@ def fit_capture(
         stats[int(layer)] = target
         shape = Shape(1, q.shape[1], k.shape[1], q.shape[2], FIT_HEAD_DIM, torch.float64)
         fitted.append(fit_layer(target, shape, layer=int(layer), iterations=iterations, rows=rows, log=log,
-                                shared=shared))
+                                shared=shared, joint_runs=joint_runs))
     meta = data.get("meta", {})
     source = f"{meta.get('model', 'capture')}, N={fitted[0].seqlen if fitted else 0}"
     return Calibration(source=source, layers=tuple(fitted)), stats
