@@ -164,7 +164,7 @@ def measure_source(q: Any, k: Any, v: Any, source: str, methods: list[str], targ
                    peers: bool = False, backend: str = "fast",
                    timer: Any = None, on_method: Any = None, baseline_ms: float | None = None,
                    flex_methods: tuple[str, ...] = (), flex_fn: Any = None,
-                   method_s: float = math.inf) -> list[dict[str, Any]]:
+                   method_s: float = math.inf, peers_first: bool = False) -> list[dict[str, Any]]:
     """Points of one input on the GPU: the oracle (last 4096 rows), every method's sweep
     (density, recall; untimed), then per target the least-density point reaching it timed
     end to end and split into estimate+plan / kernel, cuDNN SDPA in the same run.
@@ -172,7 +172,8 @@ def measure_source(q: Any, k: Any, v: Any, source: str, methods: list[str], targ
     `flex_methods`: for these methods' timed points also FlexAttention (`flex_fn`, a compiled
     `flex_attention`) on the same plan (`bench.flex_block_mask`), kernel only, with its output's
     relative difference from ours. `baseline_ms` replaces the cuDNN timing (CPU smoke runs).
-    A method's sweep stops at `deadline` or after `method_s` seconds (the points so far kept)."""
+    A method's sweep stops at `deadline` or after `method_s` seconds (the points so far kept).
+    The peers run after our methods, or before them with `peers_first`."""
     import time
     from dataclasses import asdict
 
@@ -194,6 +195,9 @@ def measure_source(q: Any, k: Any, v: Any, source: str, methods: list[str], targ
          "density": d, "recall_mean": s, "gpu": {}} for s, d in zip(shares, dens)]
     log(f"{source}: cuDNN {base_ms:.2f} ms; oracle density at 0.9 / 0.95: "
         f"{dens[shares.index(0.9)]:.4f} / {dens[shares.index(0.95)]:.4f}")
+    if peers and peers_first:
+        points += _peer_points(q, k, v, source, targets, base_ms, rep, log)
+        peers = False
     for name in methods:
         if time.perf_counter() > deadline:
             log(f"{source}: out of time before {name}")
@@ -241,19 +245,25 @@ def measure_source(q: Any, k: Any, v: Any, source: str, methods: list[str], targ
     if peers and time.perf_counter() > deadline:
         log(f"{source}: out of time before the peers")
     elif peers:
-        import torch
-        import torch.nn.functional as F
-
-        sys.path.insert(0, str(Path(__file__).parent))
-        from peers import peer_points
-
-        g = q.shape[1] // k.shape[1]
-        dense = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                                               is_causal=True)
-        points += peer_points(q, k, v, source, targets, base_ms, dense=dense, rep=rep, log=log)
-        del dense
-        torch.cuda.empty_cache()
+        points += _peer_points(q, k, v, source, targets, base_ms, rep, log)
     return _plain(points)
+
+
+def _peer_points(q: Any, k: Any, v: Any, source: str, targets: list[float], base_ms: float, rep: int,
+                 log: Any) -> list[dict[str, Any]]:
+    """`peers.peer_points` on one input, with the dense output for their output error."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from peers import peer_points
+
+    g = q.shape[1] // k.shape[1]
+    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
+    out: list[dict[str, Any]] = peer_points(q, k, v, source, targets, base_ms, dense=dense, rep=rep, log=log)
+    del dense
+    torch.cuda.empty_cache()
+    return out
 
 
 def _flex_time(flex_fn: Any, clock: Any, plan: Any, q: Any, k: Any, v: Any, impl: Any,
@@ -333,7 +343,7 @@ def run_measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         new = measure_source(q, k, v, source, mine_methods, args.targets, rep=args.rep, deadline=until,
                              log=lambda line: print(line, flush=True), peers=args.peer is not None,
                              on_method=save, flex_methods=tuple(args.flex_methods or ()), flex_fn=flex_fn,
-                             method_s=args.method_s)
+                             method_s=args.method_s, peers_first=args.peers_first)
         save(new)
         points += new
         del q, k, v
@@ -367,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --measure: cut a method's sweep after this many seconds")
     parser.add_argument("--flex-methods", nargs="+", default=None,
                         help="with --measure: FlexAttention on these methods' timed plans")
+    parser.add_argument("--peers-first", action="store_true", help="with --peer: the peers before our methods")
     parser.add_argument("--points-json", type=Path, default=None, help="with --measure: every point")
     args = parser.parse_args(argv)
     points = []
