@@ -67,6 +67,25 @@ def equal_recall(points: list[dict[str, Any]], targets: list[float]) -> list[dic
     return rows
 
 
+def rows_as_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timed points of `equal_recall` rows (one per reached row, duplicates once) and the
+    oracle's density at each target, as `plot` takes them (for a run whose points file is lost)."""
+    points: list[dict[str, Any]] = []
+    seen: set[tuple[Any, ...]] = set()
+    for r in rows:
+        if r.get("oracle_density") and ("oracle", r["source"], r["target"]) not in seen:
+            seen.add(("oracle", r["source"], r["target"]))
+            points.append({"source": r["source"], "method": "oracle", "params": {"share": r["target"]},
+                           "density": r["oracle_density"], "recall_mean": r["target"], "gpu": {}})
+        key = (r["method"], r["source"], r.get("recall"), r.get("density"))
+        if r["reached"] and r.get("speedup_vs_cudnn") is not None and key not in seen:
+            seen.add(key)
+            points.append({"source": r["source"], "method": r["method"], "params": r["params"],
+                           "density": r["density"], "recall_mean": r["recall"],
+                           "gpu": {"speedup_vs_cudnn": r["speedup_vs_cudnn"]}})
+    return points
+
+
 def _oracle_at(curve: list[tuple[float, float]], recall: float) -> float | None:
     prev = (0.0, 0.0)
     for r, d in curve:
@@ -80,13 +99,30 @@ def _f(x: Any, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _setting(params: dict[str, Any]) -> str:
+    """A knob setting in a table cell; a per-head MInference config as its first head's sizes."""
+    import re
+
+    out = []
+    for k, v in params.items():
+        if k == "patterns":
+            continue
+        if k == "config":
+            sizes = re.search(r"'slash_size': (\d+), 'vertical_size': (\d+)", str(v))
+            out.append("config (first head: vertical {}, slash {})".format(sizes.group(2), sizes.group(1))
+                       if sizes else "config")
+        else:
+            out.append(f"{k}={v}")
+    return ", ".join(out) or "-"
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """Markdown table of `equal_recall` rows."""
     lines = ["| source | target | method | setting | density (oracle) | recall | e2e ms | estimate+plan ms "
              "| kernel ms | Flex kernel ms | vs cuDNN | x floor |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        params = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k != "patterns") or "-"
+        params = _setting(r["params"])
         if not r["reached"]:
             lines.append(f"| {r['source']} | {r['target']} | {r['method']} | not reached (best recall "
                          f"{r['best_recall']:.3f} at {params}) | - | - | - | - | - | - | - | - |")
@@ -354,6 +390,8 @@ def run_measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("compare_json", type=Path, nargs="*", help="`sparseprefill compare --json` outputs")
+    parser.add_argument("--rows", type=Path, nargs="+", default=None,
+                        help="instead of points: join these --json outputs' rows (table and figure from them)")
     parser.add_argument("--targets", type=float, nargs="+", default=[0.95, 0.90])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
@@ -387,7 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         points = run_measure(args)
     for path in args.compare_json:
         points += json.loads(path.read_text())["points"]
-    rows = equal_recall(points, args.targets)
+    if args.rows:
+        rows = [r for path in args.rows for r in json.loads(path.read_text())["rows"]]
+        points = rows_as_points(rows)
+    else:
+        rows = equal_recall(points, args.targets)
     print(format_rows(rows))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
