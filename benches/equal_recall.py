@@ -67,6 +67,24 @@ def equal_recall(points: list[dict[str, Any]], targets: list[float]) -> list[dic
     return rows
 
 
+def _tagged_rows(spec: str) -> list[dict[str, Any]]:
+    path, _, tag = spec.partition("=")
+    rows: list[dict[str, Any]] = json.loads(Path(path).read_text())["rows"]
+    return [{**r, "source": f"{r['source']} [{tag}]"} for r in rows] if tag else rows
+
+
+def join_rows(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rows of several runs, one per (source, method, target): a reached row over one that
+    was not (a run cut short), else the later run's."""
+    joined: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for rows in parts:
+        for r in rows:
+            key = (r["source"], r["method"], r["target"])
+            if key not in joined or r.get("reached", True) or not joined[key].get("reached", True):
+                joined[key] = r
+    return list(joined.values())
+
+
 def rows_as_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The timed points of `equal_recall` rows (one per reached row, duplicates once) and the
     oracle's density at each target, as `plot` takes them (for a run whose points file is lost)."""
@@ -78,7 +96,7 @@ def rows_as_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             points.append({"source": r["source"], "method": "oracle", "params": {"share": r["target"]},
                            "density": r["oracle_density"], "recall_mean": r["target"], "gpu": {}})
         key = (r["method"], r["source"], r.get("recall"), r.get("density"))
-        if r["reached"] and r.get("speedup_vs_cudnn") is not None and key not in seen:
+        if r.get("reached", True) and r.get("speedup_vs_cudnn") is not None and key not in seen:
             seen.add(key)
             points.append({"source": r["source"], "method": r["method"], "params": r["params"],
                            "density": r["density"], "recall_mean": r["recall"],
@@ -103,6 +121,8 @@ def _setting(params: dict[str, Any]) -> str:
     """A knob setting in a table cell; a per-head MInference config as its first head's sizes."""
     import re
 
+    if not isinstance(params, dict):  # the first run's JSON wrote some settings as text
+        return str(params)
     out = []
     for k, v in params.items():
         if k == "patterns":
@@ -123,7 +143,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         params = _setting(r["params"])
-        if not r["reached"]:
+        if not r.get("reached", True):
             lines.append(f"| {r['source']} | {r['target']} | {r['method']} | not reached (best recall "
                          f"{r['best_recall']:.3f} at {params}) | - | - | - | - | - | - | - | - |")
             continue
@@ -136,8 +156,9 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(points: list[dict[str, Any]], path: Path) -> None:
-    """Speedup over cuDNN against recall, every timed point, one panel per source; the
-    oracle's floor (1 / its density) as a dashed line."""
+    """Speedup over cuDNN against recall, every timed point, one panel per source (two
+    columns); the oracle's floor (1 / its density) as a dashed line; one colour and marker
+    per method across the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,28 +167,37 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     sources = list(dict.fromkeys(p["source"] for p in points))
     if not sources:
         return
-    fig, axes = plt.subplots(1, len(sources), figsize=(6.5 * len(sources), 4.8), squeeze=False)
-    for ax, source in zip(axes[0], sources):
+    methods = sorted({p["method"] for p in points if p["method"] != "oracle"})
+    cmap = plt.get_cmap("tab20")
+    style = {m: (cmap(i % 20), "osD^v<>pXh*"[i % 11]) for i, m in enumerate(methods)}
+    cols = min(2, len(sources))
+    rows = (len(sources) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, 5.0 * rows), squeeze=False)
+    for ax in axes.flat[len(sources):]:
+        ax.axis("off")
+    for ax, source in zip(axes.flat, sources):
         mine = [p for p in points if p["source"] == source]
         oracle = sorted((p["recall_mean"], 1.0 / p["density"]) for p in mine if p["method"] == "oracle" and p["density"])
         if oracle:
             ax.plot([r for r, _ in oracle], [s for _, s in oracle], "k--", label="oracle floor (1 / density)")
-        for method in sorted({p["method"] for p in mine if p["method"] != "oracle"}):
-            pts = [p for p in mine if p["method"] == method and p["recall_mean"] is not None
-                   and p.get("gpu", {}).get("speedup_vs_cudnn") is not None]
+        for method in methods:
+            pts = sorted((p for p in mine if p["method"] == method and p["recall_mean"] is not None
+                          and p.get("gpu", {}).get("speedup_vs_cudnn") is not None), key=lambda p: p["recall_mean"])
             if pts:
-                ax.plot([p["recall_mean"] for p in pts], [p["gpu"]["speedup_vs_cudnn"] for p in pts], "o-",
-                        ms=3, label=method)
+                color, marker = style[method]
+                ax.plot([p["recall_mean"] for p in pts], [p["gpu"]["speedup_vs_cudnn"] for p in pts], "-",
+                        marker=marker, color=color, ms=5, label=method)
         ax.set_yscale("log")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xlabel("mean recall")
         ax.set_ylabel("speedup vs cuDNN SDPA (end to end)")
-        ax.set_title(source, fontsize=10)
+        title = source.replace("calibrated (SmolLM2-135M-Instruct.Q4_1.gguf, N=8192), ", "calibrated, ")
+        ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -391,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("compare_json", type=Path, nargs="*", help="`sparseprefill compare --json` outputs")
     parser.add_argument("--rows", type=Path, nargs="+", default=None,
-                        help="instead of points: join these --json outputs' rows (table and figure from them)")
+                        help="instead of points: join these --json outputs' rows (table and figure from them); "
+                             "FILE=TAG appends ' [TAG]' to the file's sources (e.g. the card)")
     parser.add_argument("--targets", type=float, nargs="+", default=[0.95, 0.90])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
@@ -426,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.compare_json:
         points += json.loads(path.read_text())["points"]
     if args.rows:
-        rows = [r for path in args.rows for r in json.loads(path.read_text())["rows"]]
+        rows = join_rows([_tagged_rows(str(path)) for path in args.rows])
         points = rows_as_points(rows)
     else:
         rows = equal_recall(points, args.targets)

@@ -105,6 +105,9 @@ QUERY_LAGS = (1, 16)
 # the salience stays as measured and the vertical share is a prediction of the fit, which
 # with the measured salience came out 1.5-5x too heavy: docs/workload.md).
 FIT_SALIENCE_SCALE = True
+# Bounds of one round's factor on the salience weight (the shared fit): with (0.8, 1.25) ten
+# rounds can lower it to 0.8^10 = 0.11 at most, where the fit of layer 27 ended (docs/workload.md).
+SALIENCE_STEP = (0.8, 1.25)
 # Keys of the moving mean taken off the key effect before its statistics.
 SALIENCE_TREND = 257
 # Salience channels at most (a GQA group larger than this shares them modulo).
@@ -908,8 +911,8 @@ def fit_layer(
             ratio = got.oracle[h][1] / max(target.oracle[h][1], 1e-9)
             # With measured salience its weight carries the vertical share (damped: the
             # share answers steeply); else the planted vertical keys' weight does.
-            sal_step = max(0.8, min(1.25, (max(target.vertical[h], _SHARE_FLOOR)
-                                           / max(got.vertical[h], _SHARE_FLOOR)) ** 0.3))
+            sal_step = max(SALIENCE_STEP[0], min(SALIENCE_STEP[1], (max(target.vertical[h], _SHARE_FLOOR)
+                                                             / max(got.vertical[h], _SHARE_FLOOR)) ** 0.3))
             query_run = p.query_run
             if joint_runs and p.salience and it >= 1:
                 over = max(got.vertical[h], _SHARE_FLOOR) / max(target.vertical[h], _SHARE_FLOOR)
