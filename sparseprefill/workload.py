@@ -186,6 +186,7 @@ def attention_stats(
     rows: int = 256,
     with_keep: bool = True,
     with_structure: bool = True,
+    slash_first: bool = False,
 ) -> Stats:
     """Structure statistics of one layer's attention (batch 0; see the module doc).
 
@@ -195,6 +196,9 @@ def attention_stats(
         rows: query rows sampled evenly over the sequence.
         with_keep: also measure Delta-KV keep ratios per KV head.
         with_structure: also measure the far field's shared structure (`score_structure`).
+        slash_first: take the slash diagonals before the vertical columns (the shared fit's
+            order): the vertical columns first (the default, the first fit's order) count a
+            sharp slash as vertical lines, one heavy column per sampled row (docs/workload.md).
 
     Returns:
         A `Stats`.
@@ -227,11 +231,9 @@ def attention_stats(
     local = (1.0 - per[..., 0] - per[..., cats - 1]).mean(-1) - profile[:, PROFILE_EDGES.index(LOCAL):].sum(-1)
     top = max(1, n // 100)
     p_far = p * far
-    # Slashes first: diagonals i - j of most mean far mass (over the rows that have them).
-    # Then vertical lines: key columns of most mean far mass off those diagonals. (Vertical
-    # first, as before, counted a sharp slash as vertical lines: on 128 sampled rows each
-    # row's slash hit is a heavy column, so the shared fit drove the salience and the query
-    # runs to zero and the slashes up: docs/workload.md.)
+    # Diagonals i - j of most mean far mass (over the rows that have them) and key columns of
+    # most mean far mass; with `slash_first` the columns are taken off the slash diagonals,
+    # else the slashes off the columns.
     dist_idx = dist.clamp(min=0, max=n).expand(hq, -1, -1).reshape(hq, -1)
     diag_sum = torch.zeros(hq, n + 1, dtype=torch.float64)
     diag_sum.scatter_add_(1, dist_idx, p_far.reshape(hq, -1))
@@ -242,12 +244,13 @@ def attention_stats(
     is_slash_d = torch.zeros(hq, n + 1, dtype=torch.bool)
     is_slash_d.scatter_(1, sdiag, True)
     on_slash = torch.gather(is_slash_d, 1, dist_idx).view(hq, r, n)
-    slash = (p_far * on_slash).sum(-1).mean(-1)
-    p_off = p_far.masked_fill(on_slash, 0.0)
-    vcols = p_off.mean(1).topk(min(top, n), dim=-1).indices
+    p_cols = p_far.masked_fill(on_slash, 0.0) if slash_first else p_far
+    vcols = p_cols.mean(1).topk(min(top, n), dim=-1).indices
     is_vert = torch.zeros(hq, n, dtype=torch.bool)
     is_vert.scatter_(1, vcols, True)
-    vertical = (p_off * is_vert[:, None, :]).sum(-1).mean(-1)
+    vertical = (p_cols * is_vert[:, None, :]).sum(-1).mean(-1)
+    p_diag = p_far if slash_first else p_far.masked_fill(is_vert[:, None, :], 0.0)
+    slash = (p_diag * on_slash).sum(-1).mean(-1)
     # Non-sink mass per PROFILE_BANDS band (what the score profile is fitted to).
     fine_edges = torch.tensor([*PROFILE_BANDS, 2 ** 40])
     fine = (torch.bucketize(dist.clamp(min=0), fine_edges, right=True) - 1).clamp(max=len(PROFILE_BANDS) - 1)
@@ -902,7 +905,7 @@ def fit_layer(
     measured_run = [p.query_run for p in heads]
     for it in range(iterations):
         q, k, _ = generate_layer(heads, kv, replace(shape, batch=1), seed=seed)
-        got = attention_stats(q, k, rows=rows, with_keep=False, with_structure=False)
+        got = attention_stats(q, k, rows=rows, with_keep=False, with_structure=False, slash_first=shared)
         new = []
         for h, p in enumerate(heads):
             profile = tuple(
@@ -980,7 +983,7 @@ def fit_capture(
         d = q.shape[-1]
         if not math.isclose(float(data["scale"][i]), d ** -0.5, rel_tol=1e-6):
             raise ValueError(f"layer {layer}: scale {data['scale'][i]} is not 1/sqrt({d})")
-        target = attention_stats(q, k, rows=rows)
+        target = attention_stats(q, k, rows=rows, slash_first=shared)
         stats[int(layer)] = target
         shape = Shape(1, q.shape[1], k.shape[1], q.shape[2], FIT_HEAD_DIM, torch.float64)
         fitted.append(fit_layer(target, shape, layer=int(layer), iterations=iterations, rows=rows, log=log,
@@ -1136,10 +1139,12 @@ def calibration_report(
             i = index[lp.layer]
             q, k = data["q"][i], data["k"][i]
             n = int(q.shape[2])
-            cap = fit_stats[lp.layer] if n == lp.seqlen else attention_stats(q, k, rows=rows)
+            # A shared fit (salience drawn) is measured as it was fitted: slashes first.
+            first = any(h.salience for h in lp.heads)
+            cap = fit_stats[lp.layer] if n == lp.seqlen else attention_stats(q, k, rows=rows, slash_first=first)
             shape = Shape(1, len(lp.heads), len(lp.kv), n, FIT_HEAD_DIM, torch.float64)
             gq, gk, _ = generate_layer(lp.heads, lp.kv, shape, seed=seed, fit_seqlen=lp.seqlen, rule=rule)
-            gen = attention_stats(gq, gk, rows=rows)
+            gen = attention_stats(gq, gk, rows=rows, slash_first=first)
             layers.append({"layer": lp.layer, "summary": _layer_summary(cap, gen),
                            "captured": asdict(cap), "generated": asdict(gen)})
             report["fit_seqlen"], report["seqlen"] = lp.seqlen, n
