@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--shared", action="store_true",
                         help="experimental: also fit the shared far-field structure (workload.fit_layer)")
+    parser.add_argument("--joint-runs", action="store_true",
+                        help="with --shared: query runs fitted with the vertical share, clean sink key")
     parser.add_argument("--stats-only", action="store_true",
                         help="only the captured statistics of every chosen layer (no fit)")
     args = parser.parse_args(argv)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cal, fit_stats = workload.fit_capture(data, layers=args.layers, max_seqlen=args.max_seqlen,
                                           rows=args.rows, iterations=args.iterations, log=log,
-                                          shared=args.shared)
+                                          shared=args.shared, joint_runs=args.joint_runs)
     if args.calibration is not None:
         args.calibration.parent.mkdir(parents=True, exist_ok=True)
         args.calibration.write_text(json.dumps(cal.to_json(), indent=1))

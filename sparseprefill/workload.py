@@ -105,6 +105,9 @@ QUERY_LAGS = (1, 16)
 # the salience stays as measured and the vertical share is a prediction of the fit, which
 # with the measured salience came out 1.5-5x too heavy: docs/workload.md).
 FIT_SALIENCE_SCALE = True
+# Bounds of one round's factor on the salience weight (the shared fit): with (0.8, 1.25) ten
+# rounds can lower it to 0.8^10 = 0.11 at most, where the fit of layer 27 ended (docs/workload.md).
+SALIENCE_STEP = (0.8, 1.25)
 # Keys of the moving mean taken off the key effect before its statistics.
 SALIENCE_TREND = 257
 # Salience channels at most (a GQA group larger than this shares them modulo).
@@ -183,6 +186,7 @@ def attention_stats(
     rows: int = 256,
     with_keep: bool = True,
     with_structure: bool = True,
+    slash_first: bool = False,
 ) -> Stats:
     """Structure statistics of one layer's attention (batch 0; see the module doc).
 
@@ -192,6 +196,9 @@ def attention_stats(
         rows: query rows sampled evenly over the sequence.
         with_keep: also measure Delta-KV keep ratios per KV head.
         with_structure: also measure the far field's shared structure (`score_structure`).
+        slash_first: take the slash diagonals before the vertical columns (the shared fit's
+            order): the vertical columns first (the default, the first fit's order) count a
+            sharp slash as vertical lines, one heavy column per sampled row (docs/workload.md).
 
     Returns:
         A `Stats`.
@@ -224,13 +231,9 @@ def attention_stats(
     local = (1.0 - per[..., 0] - per[..., cats - 1]).mean(-1) - profile[:, PROFILE_EDGES.index(LOCAL):].sum(-1)
     top = max(1, n // 100)
     p_far = p * far
-    # Vertical lines: key columns of most mean far mass, per head.
-    vcols = p_far.mean(1).topk(min(top, n), dim=-1).indices
-    is_vert = torch.zeros(hq, n, dtype=torch.bool)
-    is_vert.scatter_(1, vcols, True)
-    vertical = (p_far * is_vert[:, None, :]).sum(-1).mean(-1)
-    # Slashes: diagonals i - j of most mean far mass (over the rows that have them),
-    # keys already counted as vertical excluded.
+    # Diagonals i - j of most mean far mass (over the rows that have them) and key columns of
+    # most mean far mass; with `slash_first` the columns are taken off the slash diagonals,
+    # else the slashes off the columns.
     dist_idx = dist.clamp(min=0, max=n).expand(hq, -1, -1).reshape(hq, -1)
     diag_sum = torch.zeros(hq, n + 1, dtype=torch.float64)
     diag_sum.scatter_add_(1, dist_idx, p_far.reshape(hq, -1))
@@ -240,10 +243,14 @@ def attention_stats(
     sdiag = diag_mean.topk(min(top, n), dim=-1).indices  # [Hq, top]
     is_slash_d = torch.zeros(hq, n + 1, dtype=torch.bool)
     is_slash_d.scatter_(1, sdiag, True)
-    p_rest = p_far.masked_fill(is_vert[:, None, :], 0.0).reshape(hq, -1)
-    slash_sum = torch.zeros(hq, n + 1, dtype=torch.float64)
-    slash_sum.scatter_add_(1, dist_idx, p_rest)
-    slash = (slash_sum * is_slash_d).sum(-1) / r
+    on_slash = torch.gather(is_slash_d, 1, dist_idx).view(hq, r, n)
+    p_cols = p_far.masked_fill(on_slash, 0.0) if slash_first else p_far
+    vcols = p_cols.mean(1).topk(min(top, n), dim=-1).indices
+    is_vert = torch.zeros(hq, n, dtype=torch.bool)
+    is_vert.scatter_(1, vcols, True)
+    vertical = (p_cols * is_vert[:, None, :]).sum(-1).mean(-1)
+    p_diag = p_far if slash_first else p_far.masked_fill(is_vert[:, None, :], 0.0)
+    slash = (p_diag * on_slash).sum(-1).mean(-1)
     # Non-sink mass per PROFILE_BANDS band (what the score profile is fitted to).
     fine_edges = torch.tensor([*PROFILE_BANDS, 2 ** 40])
     fine = (torch.bucketize(dist.clamp(min=0), fine_edges, right=True) - 1).clamp(max=len(PROFILE_BANDS) - 1)
@@ -425,6 +432,11 @@ class KVParams:
     # Runs of the salience sequence along the keys (heavy keys come in runs).
     salience_run: float = 1.0
     salience_jitter: float = 1.0
+    # Key 0 carries only the sink, its cosine offset and the rotary channels (no random
+    # vertical, slash, noise or salience content): the sink's logit then does not move by
+    # several nats from draw to draw (docs/workload.md, "one head's statistics depend on
+    # the draw").
+    clean_sink: bool = False
 
 
 @dataclass(frozen=True)
@@ -693,6 +705,11 @@ def generate_layer(
                     c = max(0.0, min(1.0, hp.salience_group))
                     latent = math.sqrt(c) * shared[r] + math.sqrt(1.0 - c) * own[r, t]
                     k[r, :, lay.salience.start + t] = salience_values(hp.salience, latent)
+    for r in range(rows):
+        if kv[r % hkv].clean_sink:
+            k[r, 0, 1] = 0.0
+            for part in (lay.slash, lay.noise, lay.salience):
+                k[r, 0, part] = 0.0
     k = k.view(b, hkv, n, d)
     codes = codes.view(b, hkv, n + reach, ds)
     for h, p in enumerate(heads):
@@ -818,13 +835,18 @@ def fit_layer(
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     shared: bool = False,
+    joint_runs: bool = False,
 ) -> LayerParams:
     """Fit one layer's generator to `target` statistics (see the module doc).
 
     `shared=True` (experimental) also draws the far field's shared structure measured by
     `score_structure` (key salience, its runs, queries in runs) with weights in -30..60
     nats; it does not yet reproduce a generated target of its own family
-    (docs/workload.md), so the default fit leaves it out.
+    (docs/workload.md), so the default fit leaves it out. `joint_runs=True` (with `shared`)
+    also moves the query runs with the vertical share (a generated vertical share above the
+    capture's shortens them: long runs of Gaussian query noise put the same far keys on
+    top for a whole run, spurious vertical lines; never longer than measured) and draws
+    a clean sink key (`KVParams.clean_sink`).
 
     Args:
         target: `attention_stats` of the captured layer (with keep ratios).
@@ -850,7 +872,8 @@ def fit_layer(
             sum(target.salience_ac[h][0] for h in range(j * group, (j + 1) * group)) / group,
             sum(target.salience_ac[h][1] for h in range(j * group, (j + 1) * group)) / group,
             SALIENCE_LAGS) for j in range(hkv)]
-        kv = [replace(x, vertical_fraction=0.0, salience_run=runs[j][0], salience_jitter=runs[j][1])
+        kv = [replace(x, vertical_fraction=0.0, salience_run=runs[j][0], salience_jitter=runs[j][1],
+                      clean_sink=joint_runs)
               for j, x in enumerate(kv)]
     if target.keep:
         kv = fit_keys(kv, target.keep, shape, seed=seed)
@@ -879,9 +902,10 @@ def fit_layer(
             "sink": min(w_max, math.log(max(target.sink[h], 1e-6)) - base + (lift if shared else 0.0)),
             "vertical": 1.0, "profile": tuple(min(w_max, math.log(x) - base) for x in per_key),
             "slash": 1.0, "noise": 1.0, **extra}))
+    measured_run = [p.query_run for p in heads]
     for it in range(iterations):
         q, k, _ = generate_layer(heads, kv, replace(shape, batch=1), seed=seed)
-        got = attention_stats(q, k, rows=rows, with_keep=False, with_structure=False)
+        got = attention_stats(q, k, rows=rows, with_keep=False, with_structure=False, slash_first=shared)
         new = []
         for h, p in enumerate(heads):
             profile = tuple(
@@ -891,11 +915,16 @@ def fit_layer(
             ratio = got.oracle[h][1] / max(target.oracle[h][1], 1e-9)
             # With measured salience its weight carries the vertical share (damped: the
             # share answers steeply); else the planted vertical keys' weight does.
-            sal_step = max(0.8, min(1.25, (max(target.vertical[h], _SHARE_FLOOR)
-                                           / max(got.vertical[h], _SHARE_FLOOR)) ** 0.3))
+            sal_step = max(SALIENCE_STEP[0], min(SALIENCE_STEP[1], (max(target.vertical[h], _SHARE_FLOOR)
+                                                             / max(got.vertical[h], _SHARE_FLOOR)) ** 0.3))
+            query_run = p.query_run
+            if joint_runs and p.salience and it >= 1:
+                over = max(got.vertical[h], _SHARE_FLOOR) / max(target.vertical[h], _SHARE_FLOOR)
+                query_run = max(1.0, min(measured_run[h], p.query_run * max(0.5, min(1.25, over ** -0.5))))
             new.append(replace(
                 p,
                 salience_scale=p.salience_scale * sal_step if p.salience and FIT_SALIENCE_SCALE else p.salience_scale,
+                query_run=query_run,
                 sink=min(w_max, max(w_min, p.sink + _log_ratio(target.sink[h], got.sink[h]))),
                 vertical=min(w_max, max(w_min, p.vertical + _log_ratio(target.vertical[h], got.vertical[h]))),
                 profile=profile,
@@ -922,6 +951,7 @@ def fit_capture(
     iterations: int = 12,
     log: Callable[[str], None] | None = None,
     shared: bool = False,
+    joint_runs: bool = False,
 ) -> tuple[Calibration, dict[int, Stats]]:
     """Fit every (or the given) captured layer; also return the captured statistics.
 
@@ -929,7 +959,7 @@ def fit_capture(
         data: a capture (`sparseprefill eval capture`): lists `layers`, `q`, `k`, `scale`.
         layers: which captured layers (default all).
         max_seqlen: fit on the first tokens only (the prefix check).
-        rows, iterations, shared: as `fit_layer`.
+        rows, iterations, shared, joint_runs: as `fit_layer`.
 
     Returns:
         (the `Calibration`, {layer: captured `Stats`}).
@@ -953,11 +983,11 @@ def fit_capture(
         d = q.shape[-1]
         if not math.isclose(float(data["scale"][i]), d ** -0.5, rel_tol=1e-6):
             raise ValueError(f"layer {layer}: scale {data['scale'][i]} is not 1/sqrt({d})")
-        target = attention_stats(q, k, rows=rows)
+        target = attention_stats(q, k, rows=rows, slash_first=shared)
         stats[int(layer)] = target
         shape = Shape(1, q.shape[1], k.shape[1], q.shape[2], FIT_HEAD_DIM, torch.float64)
         fitted.append(fit_layer(target, shape, layer=int(layer), iterations=iterations, rows=rows, log=log,
-                                shared=shared))
+                                shared=shared, joint_runs=joint_runs))
     meta = data.get("meta", {})
     source = f"{meta.get('model', 'capture')}, N={fitted[0].seqlen if fitted else 0}"
     return Calibration(source=source, layers=tuple(fitted)), stats
@@ -1109,10 +1139,12 @@ def calibration_report(
             i = index[lp.layer]
             q, k = data["q"][i], data["k"][i]
             n = int(q.shape[2])
-            cap = fit_stats[lp.layer] if n == lp.seqlen else attention_stats(q, k, rows=rows)
+            # A shared fit (salience drawn) is measured as it was fitted: slashes first.
+            first = any(h.salience for h in lp.heads)
+            cap = fit_stats[lp.layer] if n == lp.seqlen else attention_stats(q, k, rows=rows, slash_first=first)
             shape = Shape(1, len(lp.heads), len(lp.kv), n, FIT_HEAD_DIM, torch.float64)
             gq, gk, _ = generate_layer(lp.heads, lp.kv, shape, seed=seed, fit_seqlen=lp.seqlen, rule=rule)
-            gen = attention_stats(gq, gk, rows=rows)
+            gen = attention_stats(gq, gk, rows=rows, slash_first=first)
             layers.append({"layer": lp.layer, "summary": _layer_summary(cap, gen),
                            "captured": asdict(cap), "generated": asdict(gen)})
             report["fit_seqlen"], report["seqlen"] = lp.seqlen, n

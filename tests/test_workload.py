@@ -344,3 +344,37 @@ def test_generate_layer_with_salience_is_deterministic_and_round_trips(tmp_path:
     path = tmp_path / "c.json"
     path.write_text(json.dumps(cal.to_json()))
     assert workload.load_calibration(path) == cal
+
+
+def test_clean_sink_key_fixes_the_sink_logit_across_draws() -> None:
+    # With clean_sink, key 0 holds only the sink, offset and rotary channels: every query's
+    # score on it is the same in every draw; without, the random channels move it.
+    quant = tuple(float(x) for x in range(-6, 7))
+    heads = [HeadParams(noise=3.0, salience=quant, query_run=4.0, query_jitter=0.5)] * 2
+    clean, plain = [KVParams(vertical_fraction=0.1, slash_offsets=(5,), clean_sink=True)], [KVParams(
+        vertical_fraction=0.1, slash_offsets=(5,))]
+
+    def sink_logits(kv: list[KVParams], seed: int) -> torch.Tensor:
+        q, k, _ = _layer(heads, kv, 256, d=64, seed=seed)
+        return torch.einsum("bhnd,bd->bhn", q, k[:, 0, 0])
+
+    assert torch.allclose(sink_logits(clean, 0), sink_logits(clean, 1))
+    assert not torch.allclose(sink_logits(plain, 0), sink_logits(plain, 1))
+
+
+def test_equal_recall_rows_as_points_and_settings() -> None:
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benches" / "equal_recall.py"
+    spec = importlib.util.spec_from_file_location("equal_recall", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["equal_recall"] = mod
+    spec.loader.exec_module(mod)
+    row = {"source": "s", "method": "a", "target": 0.95, "oracle_density": 0.04, "reached": True,
+           "params": {"x": 1}, "density": 0.1, "recall": 0.96, "speedup_vs_cudnn": 2.0}
+    points = mod.rows_as_points([row, {**row, "target": 0.9, "oracle_density": 0.02}])
+    assert [(p["method"], p["recall_mean"]) for p in points] == [("oracle", 0.95), ("a", 0.96), ("oracle", 0.9)]
+    config = {"config": "{'pattern': 'vertical_slash', 'params': {'slash_size': 1024, 'vertical_size': 512}}"}
+    assert mod._setting(config) == "config (first head: vertical 512, slash 1024)"
