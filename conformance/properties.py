@@ -36,6 +36,7 @@ from .strategies import (
     Caps,
     Draw,
     draw_block_sizes,
+    draw_column_path,
     draw_dtype,
     draw_inputs,
     draw_limits,
@@ -691,7 +692,8 @@ _KERNEL_INPUTS = ("normal", "lines", "lattice", "shifted")
 def _random_plan_inputs(
     draw: Draw, caps: Caps
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BlockColumnPlan, str, Any]:
-    """Inputs and a random plan, with the `forced_tiles` context to run the kernel in."""
+    """Inputs and a random plan, with the context to run the kernel in (`forced_tiles`,
+    `draw_column_path`)."""
     n = draw_seqlen(draw, caps)
     bm, bn = draw_block_sizes(draw)
     tiles = draw_tiles(draw, caps, bm, bn)
@@ -700,7 +702,16 @@ def _random_plan_inputs(
                                 blocks=(bm, bn))
     plan, plan_what = draw_plan(draw, shape, block_m=bm, block_n=bn, device=caps.device)
     tiles_what = f" tiles={tiles[0]}x{tiles[1]}" if tiles else ""
-    return q, k, v, plan, f"{what} {plan_what}{tiles_what}", forced_tiles(tiles)
+    columns, columns_what = draw_column_path(draw, caps)
+    return (q, k, v, plan, f"{what} {plan_what}{tiles_what} {columns_what}".rstrip(),
+            _both(forced_tiles(tiles), columns))
+
+
+@contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    """Enter two context managers, the first outermost."""
+    with first, second:
+        yield
 
 
 def _prop_sparse_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:

@@ -460,8 +460,10 @@ def draw_plan(
     layout = str(draw(st.sampled_from(["contiguous", "strided"])))
     overlap = bool(draw(st.booleans()))
     if overlap:
-        # Enough columns inside listed blocks that a block's columns straddle column tiles.
+        # Enough columns inside listed blocks that a block's columns straddle column tiles,
+        # and listed blocks for them to fall in.
         p_col = max(p_col, float(draw(st.sampled_from([0.3, 0.5, 0.8]))))
+        p_block = max(p_block, float(draw(st.sampled_from([0.3, 0.6, 1.0]))))
     group = int(draw(st.sampled_from([1, 1, 1, 2, 3, 1000])))
     edge_columns = bool(draw(st.booleans()))
     # The disjoint form drops the overlapping columns: drawn only for plans without them,
@@ -699,6 +701,36 @@ def draw_limits(draw: Draw, caps: Caps) -> tuple[Any, str]:
             changes.append((importlib.import_module(module_name), name, value))
     what = " ".join(f"{m.__name__.rsplit('.', 1)[-1]}.{n}={v}" for m, n, v in changes)
     return _patched(changes), (f"limits {what}" if what else "")
+
+
+def draw_column_path(draw: Draw, caps: Caps) -> tuple[Any, str]:
+    """A context manager that picks how the block/column kernel reads a plan's columns, and
+    a description.
+
+    Two choices, each off in most examples: covered columns (columns inside a listed
+    block) left to the kernel's own column-in-block test instead of resolved at plan
+    time (`own_columns.RESOLVE_COVERED`; in production only large shared lists take that
+    path, so at N <= 200 it would run on few plans), and column tiles of 16 keys
+    (`block_column._COL_TILE`, a tuning switch), so that the short column lists of small
+    N still span several column tiles and the kernel's per-tile bookkeeping (the block
+    list window, the covered test across a tile edge, the masked tail) runs at every
+    edge. With `caps.scaled_limits` False nothing changes.
+    """
+    import importlib
+
+    if not caps.scaled_limits:
+        return _patched([]), ""
+    in_kernel = bool(draw(st.booleans()))
+    col_tile = int(draw(st.sampled_from([0, 16, 0])))
+    changes: list[tuple[Any, str, Any]] = []
+    if in_kernel:
+        changes.append((importlib.import_module("sparseprefill.fast.kernels.own_columns"),
+                        "RESOLVE_COVERED", False))
+    if col_tile:
+        changes.append((importlib.import_module("sparseprefill.fast.kernels.block_column"),
+                        "_COL_TILE", col_tile))
+    what = (" covered-in-kernel" if in_kernel else "") + (f" col_tile={col_tile}" if col_tile else "")
+    return _patched(changes), what.strip()
 
 
 @st.composite

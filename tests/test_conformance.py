@@ -302,6 +302,31 @@ def test_forced_tiles_sets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None
     assert draw_tiles(lambda s: True, Caps(scaled_limits=False), 64, 64) is None
 
 
+def test_draw_column_path_sets_and_restores() -> None:
+    """`draw_column_path` leaves covered columns to the kernel and narrows column tiles
+    inside its context only, both choices drawn, nothing under `scaled_limits=False`."""
+    from sparseprefill.conformance.strategies import draw_column_path
+    from sparseprefill.fast.kernels import block_column, own_columns
+
+    real = (own_columns.RESOLVE_COVERED, block_column._COL_TILE)
+
+    @settings(max_examples=20)
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        path, what = draw_column_path(data.draw, Caps())
+        with path:
+            inside = (own_columns.RESOLVE_COVERED, block_column._COL_TILE)
+        assert (own_columns.RESOLVE_COVERED, block_column._COL_TILE) == real
+        assert inside[0] == ("covered-in-kernel" not in what)
+        assert (inside[1] == 16) == ("col_tile=16" in what)
+        seen.add(inside)
+
+    seen: set[tuple[bool, int]] = set()
+    check()
+    assert len(seen) == 4
+    assert draw_column_path(lambda s: True, Caps(scaled_limits=False))[1] == ""
+
+
 def test_minference_plan_check_rejects_a_wrong_head() -> None:
     """The MInference `plan_check` passes the reference plan and fails a plan whose head 1
     is another pattern's (a merge that mixed heads up)."""

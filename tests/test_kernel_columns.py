@@ -225,6 +225,10 @@ def test_launch_resolves_covered_columns_once(monkeypatch: pytest.MonkeyPatch) -
     mask = plan.to_dense_mask()
     golden, baseline = golden_attention(q, k, v, mask), baseline_attention(q, k, v, mask)
     check_attention(out, lse, golden, baseline, context="resolved at the front door")
+    # Switched off (`RESOLVE_COVERED`, as conformance does): the plan goes to the kernel's test.
+    monkeypatch.setattr(own_columns, "RESOLVE_COVERED", False)
+    fresh = replace(plan)
+    assert own_columns.resolve_covered_columns(fresh) is fresh
 
 
 def test_narrow_column_tiles(monkeypatch: pytest.MonkeyPatch) -> None:

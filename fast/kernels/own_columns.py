@@ -28,6 +28,11 @@ _CHUNK = 128
 # Largest per-query-block column lists built from shared (stride-0 or grouped) ones
 # by `resolve_covered_columns`; read at call time (conformance lowers it to 0).
 DISJOINT_COLUMN_BYTES = 512 << 20
+# Resolve covered columns at plan time (`resolve_covered_columns`). False leaves every
+# plan's covered columns to the kernel's own column-in-block test, the path large
+# shared lists take; read at call time (conformance turns it off for some examples, so
+# that test runs on every plan shape the strategies draw, not only on shared lists).
+RESOLVE_COVERED = True
 
 
 @triton.jit
@@ -137,7 +142,8 @@ def resolve_covered_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
     * grouped lists (`column_group > 1`): `plan.without_covered_columns()` (drops the
       columns covered for every query block of the group; disjoint when no covered
       column is left, else the kernel keeps its test for the rest);
-    * shared (stride-0) lists too large to give every query block its own: unchanged
+    * shared (stride-0) lists too large to give every query block its own, or any
+      plan while `RESOLVE_COVERED` is False: unchanged
       (fast.flexprefill_vs's plan at 128K: its in-kernel test ran at 0.46 of the block
       path on an H100, against 0.98 resolved at 32K; docs/plan-and-kernels.md).
 
@@ -146,7 +152,7 @@ def resolve_covered_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
     as for validation); the attention is the same (`to_dense_mask` equal). During
     CUDA-graph capture a result is not cached and grouped lists are left as they are.
     """
-    if plan.columns_disjoint or plan.column_index.shape[3] == 0:
+    if plan.columns_disjoint or plan.column_index.shape[3] == 0 or not RESOLVE_COVERED:
         return plan
     # Under CUDA-graph capture nothing runs until replay: a result made there is used by
     # the captured launch that follows but never cached (its tensors are not written
