@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stripes", type=int, nargs="*", default=[128],
                     help="query-block heights of the stripes bound (none: skip)")
     ap.add_argument("--no-lines", action="store_true")
+    ap.add_argument("--no-oracles", action="store_true",
+                    help="skip the row and mean oracles (a run adding granularities to an earlier JSON)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
     data: dict[str, Any] = torch.load(args.qkv, map_location="cpu")
@@ -176,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         heads = []
         for h in range(hq):
             p = head_probs(q[h], k[h // (hq // hkv)], scale)
-            row: dict[str, Any] = {"row": row_oracle(p, args.share), "mean": mean_oracle(p, args.share)}
+            row: dict[str, Any] = {}
+            if not args.no_oracles:
+                row = {"row": row_oracle(p, args.share), "mean": mean_oracle(p, args.share)}
             for b in args.blocks:
                 row[f"block{b}"], row[f"block{b}_rows"] = block_oracle(p, b, args.share)
             for b in args.stripes:
