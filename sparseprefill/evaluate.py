@@ -505,7 +505,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        default=None,
                        help="default: fast on CUDA, reference on CPU" + ("; masked: reference plans, attention "
                             "by SDPA with each plan's mask in the model's dtype (the integration's evaluation "
-                            "backend: exact, ~10x faster than reference on CPU)" if model else ""))
+                            "backend: the reference's plans, float32 attention)" if model else ""))
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                        help="default: cuda if available, else cpu")
         p.add_argument("--json", type=Path, default=None, help="also write the results here")

@@ -65,8 +65,9 @@ SmolLM2 on CPU) and `masked`, the evaluation backend: plans from the reference
 estimators (the same plans as `reference`), attention through
 `torch.nn.functional.scaled_dot_product_attention` with each plan's boolean mask in
 q's dtype (`masked_sdpa_attention`); in float32 it equals the reference backend's
-output to float32 rounding, at about the cost of dense SDPA (a SmolLM2 4K prefill on
-2 CPU cores: ~20 s instead of ~200 s). Methods without a plan (Delta-KV) and methods
+output to float32 rounding without the reference's float64 attention (which took 171 s
+of a 196 s SmolLM2 4K prefill on 2 CPU cores; docs/integration.md). Methods without a
+plan (Delta-KV) and methods
 with state across layers (SharePrefill) run their reference functions under `masked`.
 
 Supported: Llama-, Qwen2- and Mistral-style decoders (grouped-query attention is
