@@ -12,6 +12,10 @@ several granularities:
   against a mean-recall target;
 * `block<B>_rows`: the same, but every query block must keep `share` of its rows' mass
   (what a per-query-block threshold, XAttention's, aims at);
+* `stripes<B>`: per query block of `B` rows, any key columns (a stripe: one key over
+  the block's rows, AnchorAttention's and SampleAttention's unit), the fewest stripe
+  entries of the head reaching mean recall `share` (stripes by mass per causal area,
+  greedy): the best a method choosing key columns per `B`-row query block can do;
 * `lines`: whole columns and diagonals of the head (a vertical-slash method with
   single lines) reaching mean recall `share`, the best pair of counts on a grid of
   the top columns and top diagonals by mass.
@@ -95,6 +99,24 @@ def block_oracle(p: torch.Tensor, b: int, share: float) -> tuple[float, float]:
     return mean_d, total / causal
 
 
+def stripes_oracle(p: torch.Tensor, b: int, share: float) -> float:
+    """Density of the fewest (query block of `b` rows, key) stripes reaching mean recall
+    `share`, greedy by mass per causal area (the causal rows of the block at that key)."""
+    n = p.shape[0]
+    nb = -(-n // b)
+    pad = torch.zeros(nb * b, n, dtype=p.dtype)
+    pad[:n] = p
+    mass = pad.view(nb, b, n).sum(dim=1).flatten()
+    last = torch.clamp(torch.arange(1, nb + 1) * b, max=n)  # one past the block's last row
+    area = (last[:, None] - torch.maximum(torch.arange(nb)[:, None] * b, torch.arange(n)[None, :])).clamp(min=0)
+    area = area.flatten().double()
+    ok = area > 0
+    m, a = mass[ok], area[ok]
+    order = torch.argsort(m / a, descending=True)
+    need = int((m[order].cumsum(0) < share * n - 1e-9).sum()) + 1
+    return float(a[order][:need].sum()) / (n * (n + 1) / 2)
+
+
 def lines_oracle(p: torch.Tensor, share: float) -> dict[str, float]:
     """Whole columns and diagonals: the least area reaching mean recall `share` over every
     pair (top `v` columns by mass, top `s` diagonals by mass), exact union mass and area."""
@@ -135,8 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, nargs="+", required=True)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--share", type=float, default=0.95)
-    ap.add_argument("--blocks", type=int, nargs="+", default=[128, 64, 32, 16])
+    ap.add_argument("--blocks", type=int, nargs="*", default=[128, 64, 32, 16])
+    ap.add_argument("--stripes", type=int, nargs="*", default=[128],
+                    help="query-block heights of the stripes bound (none: skip)")
     ap.add_argument("--no-lines", action="store_true")
+    ap.add_argument("--no-oracles", action="store_true",
+                    help="skip the row and mean oracles (a run adding granularities to an earlier JSON)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
     data: dict[str, Any] = torch.load(args.qkv, map_location="cpu")
@@ -152,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         heads = []
         for h in range(hq):
             p = head_probs(q[h], k[h // (hq // hkv)], scale)
-            row: dict[str, Any] = {"row": row_oracle(p, args.share), "mean": mean_oracle(p, args.share)}
+            row: dict[str, Any] = {}
+            if not args.no_oracles:
+                row = {"row": row_oracle(p, args.share), "mean": mean_oracle(p, args.share)}
             for b in args.blocks:
                 row[f"block{b}"], row[f"block{b}_rows"] = block_oracle(p, b, args.share)
+            for b in args.stripes:
+                row[f"stripes{b}"] = stripes_oracle(p, b, args.share)
             if not args.no_lines:
                 row["lines"] = lines_oracle(p, args.share)
             heads.append(row)

@@ -501,8 +501,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"registered methods (default: all: {', '.join(METHODS)})")
         p.add_argument("--params", type=json.loads, default=None,
                        help='JSON {"method": {params}} replacing the registry demo parameters')
-        p.add_argument("--backend", choices=("fast", "reference"), default=None,
-                       help="default: fast on CUDA, reference on CPU")
+        p.add_argument("--backend", choices=("fast", "reference", "masked") if model else ("fast", "reference"),
+                       default=None,
+                       help="default: fast on CUDA, reference on CPU" + ("; masked: reference plans, attention "
+                            "by SDPA with each plan's mask in the model's dtype (the integration's evaluation "
+                            "backend: the reference's plans, float32 attention)" if model else ""))
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                        help="default: cuda if available, else cpu")
         p.add_argument("--json", type=Path, default=None, help="also write the results here")

@@ -20,10 +20,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from sparseprefill import evaluate  # noqa: E402
+from sparseprefill.reference.plan import BlockColumnPlan  # noqa: E402
 from sparseprefill.integrations.transformers import (  # noqa: E402
     Choice,
     build_plan,
     capture_qkv,
+    masked_sdpa_attention,
     patch,
     patched_attention,
     register_attention,
@@ -170,6 +172,40 @@ def test_build_plan_per_head_knob_in_a_layer_wide_choice() -> None:
     assert torch.equal(build_plan(q, k, [layer] * 4, fast_plans=False).to_dense_mask(), want)
     mixed = build_plan(q, k, [layer, layer, Choice("dense", None), layer], fast_plans=False).to_dense_mask()
     assert torch.equal(mixed[:, [0, 1, 3]], want[:, [0, 1, 3]])
+
+
+def test_masked_backend_gives_the_reference_output(llama: torch.nn.Module,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`masked` (reference plans, SDPA with the plan's mask): the reference backend's
+    output to float32 rounding, with blocks and columns, per-head choices, dense heads,
+    a mask built in several row chunks and a padded batch (the varlen path)."""
+    from sparseprefill import reference
+    from sparseprefill.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "_MASK_ENTRIES", 16 * 40)  # chunks of 16 rows at N = 70
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 70, 16, generator=gen), *torch.randn(2, 2, 2, 70, 16, generator=gen)
+    # Random blocks and columns; query block 1 of head 3 keeps no key (output 0).
+    blocks = torch.rand(2, 4, 5, 5, generator=gen) < 0.4
+    columns = torch.rand(2, 4, 5, 70, generator=gen) < 0.2
+    blocks[:, 3, 1], columns[:, 3, 1] = False, False
+    plan = BlockColumnPlan.from_masks(blocks, columns, seqlen=70, block_m=16, block_n=16)
+    assert int(plan.column_count.sum()) > 0 and int(plan.block_count[:, 3, 1].sum()) == 0
+    want = reference.sparse_attention(q, k, v, plan)
+    torch.testing.assert_close(masked_sdpa_attention(q, k, v, plan), want, rtol=0, atol=1e-5)
+    ids = _ids(2, 90)
+    pad = torch.ones_like(ids)
+    pad[1, :7] = 0
+    config = {0: {"sink": [0, 16, 16, 0], "window": 16, "dense_heads": [1], **SMALL_BLOCKS},
+              1: [Choice("streaming", {"sink": 0, "window": 32, **SMALL_BLOCKS}).params, None, None, None]}
+    outs = {}
+    for backend in ("reference", "masked"):
+        attn = patch(llama, "streaming", config, backend=backend, min_seqlen=1)
+        outs[backend] = (_logits(llama, ids), _logits(llama, ids, attention_mask=pad))
+        assert attn.calls["sparse"] == 4
+        unpatch(llama)
+    for got, ref in zip(outs["masked"], outs["reference"]):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
 
 
 def test_fast_backend_under_the_interpreter(llama: torch.nn.Module) -> None:

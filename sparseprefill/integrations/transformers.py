@@ -59,6 +59,17 @@ layer shares one choice: estimate, plan and kernel in one op, with the method's 
 scale handling; the plan kernel op otherwise), so `torch.compile` sees each sparse
 attention as one opaque op with a known output shape (docs/serving.md).
 
+Backends: `fast` (Triton kernels, half precision), `reference` (the executable
+spec: float64 math on dense masks; exact but slow, minutes per 4K prefill of
+SmolLM2 on CPU) and `masked`, the evaluation backend: plans from the reference
+estimators (the same plans as `reference`), attention through
+`torch.nn.functional.scaled_dot_product_attention` with each plan's boolean mask in
+q's dtype (`masked_sdpa_attention`); in float32 it equals the reference backend's
+output to float32 rounding without the reference's float64 attention (which took 171 s
+of a 196 s SmolLM2 4K prefill on 2 CPU cores; docs/integration.md). Methods without a
+plan (Delta-KV) and methods
+with state across layers (SharePrefill) run their reference functions under `masked`.
+
 Supported: Llama-, Qwen2- and Mistral-style decoders (grouped-query attention is
 native: K and V are never copied per query head), batch > 1, padded or not.
 Written against transformers 5.23 (`AttentionInterface`, `AttentionMaskInterface`,
@@ -94,12 +105,15 @@ from ..reference._checks import HALF_DTYPES, check_positive_int
 from ..reference.plan import BlockColumnPlan
 from ..reference.plan import stack_plans as stack_sequences
 
-Backend = Literal["auto", "fast", "reference"]
+Backend = Literal["auto", "fast", "reference", "masked"]
 HeadSpec = None | str | Mapping[str, Any]
 LayerSpec = HeadSpec | Sequence[HeadSpec]
 Config = None | Mapping[str, Any] | Mapping[int, LayerSpec] | Callable[[int], LayerSpec] | str | os.PathLike[str]
 
-_BACKENDS = ("auto", "fast", "reference")
+_BACKENDS = ("auto", "fast", "reference", "masked")
+# `masked` builds a plan's dense mask this many query rows x keys at a time (bool entries
+# per batch row and head), so an 8K prompt never holds the whole [B, Hq, N, N] mask.
+_MASK_ENTRIES = 1 << 25
 _NAMES = itertools.count()
 _PREVIOUS_ATTR = "_sparseprefill_previous"
 _ATTENTION_ATTR = "_sparseprefill_attention"
@@ -241,7 +255,9 @@ class SparsePrefillAttention:
     Attributes:
         name: the key under which it is registered (`config._attn_implementation`).
         method: the default method name.
-        backend: "fast", "reference", or "auto" (fast for CUDA tensors, else reference).
+        backend: "fast", "reference", "masked" (reference plans, attention by SDPA with
+            the plan's mask: see the module doc) or "auto" (fast for CUDA tensors, else
+            reference).
         min_seqlen: shortest prompt that takes the sparse path.
         fast_dtype: dtype q, k, v are cast to for the fast backend when they are not
             float16/bfloat16 (the Triton kernels take half precision only); the
@@ -511,6 +527,10 @@ class SparsePrefillAttention:
             # per-length demo parameters too), then one launch for the batch.
             impl = fast if use_fast else reference
             plans = [build_plan(qs, ks, choices, fast_plans=use_fast) for qs, ks, _ in seqs]
+            if self.backend == "masked":
+                outs = [masked_sdpa_attention(qs, ks, vs, plan, scale=scale)
+                        for (qs, ks, vs), plan in zip(seqs, plans)]
+                return torch.cat([o[0].transpose(0, 1) for o in outs]).to(out_dtype)
             stacked = _stack_sequence_plans(plans)
             if stacked is not None:
                 out = impl.varlen_attention(q, k, v, cu_seqlens, stacked.seqlen, stacked, scale=scale)
@@ -661,6 +681,8 @@ class SparsePrefillAttention:
             result = dense_heads_output(q, k, v, result, first.dense_heads, use_fast=use_fast, scale=scale)
             return result.to(out_dtype)
         plan = build_plan(q, k, choices, fast_plans=use_fast)
+        if self.backend == "masked":
+            return masked_sdpa_attention(q, k, v, plan, scale=scale).to(out_dtype)
         impl = fast if use_fast else reference
         out: torch.Tensor = impl.sparse_attention(q, k, v, plan, scale=scale)
         return out.to(out_dtype)
@@ -737,6 +759,52 @@ def _resolve_params(choice: Choice, q: torch.Tensor) -> dict[str, Any]:
     spec = METHODS[choice.method]
     params = spec.demo_params(int(q.shape[2])) if choice.params is None else choice.params
     return spec.call_params(params, q) if choice.params is None else dict(params)
+
+
+def masked_sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockColumnPlan, *, scale: float | None = None,
+) -> torch.Tensor:
+    """Attention restricted to a plan, through torch SDPA with the plan's boolean mask.
+
+    The `masked` backend's attention (see the module doc): the keys are exactly those
+    of `plan.to_dense_mask()`, as in `reference.sparse_attention`, but the arithmetic
+    is SDPA's in q's dtype (float32: equal to the reference to float32 rounding), so
+    it costs about what dense SDPA costs. The mask is built a chunk of query rows at
+    a time (`plan.rows`, whole query blocks, about `_MASK_ENTRIES` entries per batch
+    row and head). GQA is native (`enable_gqa`: K and V are not copied per query
+    head). A row the plan gives no key gets output 0, as in the reference.
+
+    Args:
+        q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]`; plan: a `BlockColumnPlan` of q's
+            `B`, `Hq` and `N`, without a query offset.
+        scale: softmax scale, `1/sqrt(D)` if None.
+
+    Returns:
+        `[B, Hq, N, D]` in q's dtype.
+
+    Raises:
+        ValueError, TypeError: inputs `reference.sparse_attention` would refuse.
+    """
+    from ..reference._checks import check_qkv, resolve_scale
+    from ..reference.attention import check_plan
+
+    shape = check_qkv(q, k, v)
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    check_plan(plan, shape.batch, shape.q_heads, shape.seqlen, q.device)
+    if plan.query_offset:
+        raise ValueError(f"plan.query_offset must be 0 (a whole prompt), got {plan.query_offset}")
+    n = shape.seqlen
+    step = max(1, _MASK_ENTRIES // max(n, 1) // plan.block_m) * plan.block_m
+    out = torch.empty_like(q)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        mask = plan.rows(start, stop).to_dense_mask()  # [B, Hq, rows, stop]
+        rows = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], attn_mask=mask, scale=sm_scale,
+            enable_gqa=shape.q_heads != shape.kv_heads,
+        )
+        out[:, :, start:stop] = torch.where(mask.any(-1, keepdim=True), rows, 0.0)
+    return out
 
 
 def dense_heads_output(
