@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -258,7 +259,8 @@ def test_method_curves_recall_is_reference_recall() -> None:
         assert p.density == pytest.approx(float(reference.density(plan).mean()))
 
 
-def test_equal_recall_picks_the_fastest_point_reaching_the_target() -> None:
+def _equal_recall_module() -> Any:
+    """`benches/equal_recall.py` imported as a module (benches/ is not a package)."""
     import importlib.util
     import sys
 
@@ -268,6 +270,11 @@ def test_equal_recall_picks_the_fastest_point_reaching_the_target() -> None:
     mod = importlib.util.module_from_spec(spec)
     sys.modules["equal_recall"] = mod
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_equal_recall_picks_the_fastest_point_reaching_the_target() -> None:
+    mod = _equal_recall_module()
 
     def pt(method: str, density: float, recall: float, e2e: float | None) -> dict[str, object]:
         gpu = {} if e2e is None else {"e2e_ms": e2e, "cudnn_ms": 10.0, "speedup_vs_cudnn": 10.0 / e2e,
@@ -363,15 +370,7 @@ def test_clean_sink_key_fixes_the_sink_logit_across_draws() -> None:
 
 
 def test_equal_recall_rows_as_points_and_settings() -> None:
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "benches" / "equal_recall.py"
-    spec = importlib.util.spec_from_file_location("equal_recall", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["equal_recall"] = mod
-    spec.loader.exec_module(mod)
+    mod = _equal_recall_module()
     row = {"source": "s", "method": "a", "target": 0.95, "oracle_density": 0.04, "reached": True,
            "params": {"x": 1}, "density": 0.1, "recall": 0.96, "speedup_vs_cudnn": 2.0}
     points = mod.rows_as_points([row, {**row, "target": 0.9, "oracle_density": 0.02}])
