@@ -235,6 +235,47 @@ def part_ncu() -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
+def part_ncu_varlen() -> None:
+    """The varlen batch in one launch and per sequence, once each between cudaProfilerStart/Stop."""
+    from sparseprefill import fast
+
+    lengths = [4096, 16384, 61440]
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q, k, v = (torch.randn(total, h, 128, device=DEV, dtype=torch.bfloat16, generator=g) for h in (32, 8, 8))
+    b = cu.tolist()
+    seqs = [tuple(t[x:y].transpose(0, 1).unsqueeze(0) for t in (q, k, v)) for x, y in zip(b, b[1:])]
+    plan = fast.varlen_plans(fast.dense_plan, q, k, cu)
+    per = [fast.dense_plan(s[0], s[1]) for s in seqs]
+    for _ in range(2):
+        fast.varlen_attention(q, k, v, cu, max(lengths), plan)
+        for s, p in zip(seqs, per):
+            fast.sparse_attention(*s, p)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fast.varlen_attention(q, k, v, cu, max(lengths), plan)
+    for s, p in zip(seqs, per):
+        fast.sparse_attention(*s, p)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def part_ncu_delta(n: int = 32768) -> None:
+    """One `fast.delta_kv` call at keep ratio 0.5 between cudaProfilerStart/Stop (every kernel)."""
+    from sparseprefill import fast
+
+    q, _, v = _qkv(n, 128, 32, 8, seed=n + 2)
+    k = _runs_keys(n, 128, 8, 2, seed=n)
+    for _ in range(2):
+        fast.delta_kv(q, k, v, threshold=0.95, metric="cosine")
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fast.delta_kv(q, k, v, threshold=0.95, metric="cosine")
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def main(argv: list[str] | None = None) -> int:
     import triton
 
@@ -266,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                 part_dense([(int(a), int(b)) for a, b in (x.split(":") for x in args.dense.split(","))])
             if part == "ncu":
                 part_ncu()
+            if part == "ncu_varlen":
+                part_ncu_varlen()
+            if part == "ncu_delta":
+                part_ncu_delta()
             Path(args.json).write_text(json.dumps({"meta": META, "rows": ROWS}, indent=1))
             print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)
     finally:
