@@ -47,4 +47,35 @@ if [ "$MODE" = probe ]; then
         --plans flexprefill_vs_0.95_lines,blocks_like_flexprefill_vs_0.95_lines
     ncu --import /tmp/ncu128.ncu-rep --page details > "$OUT/ncu-lines-128k.txt" 2>&1
 fi
+if [ "$MODE" = after ]; then
+    link() { rm -rf "$2"; mkdir -p "$2"; cp -r "$1/sparseprefill" "$2/"
+        for d in reference fast conformance; do ln -s "$1/$d" "$2/sparseprefill/$d"; done; }
+    link "$BEFORE" /tmp/L/before
+    step workload-32k 40 python "$S/discrete_keys.py" workload --seqlens 32768 --head-dims 128
+    python "$S/discrete_keys.py" workload --seqlens 131072 --head-dims 128 > /tmp/wl128.log 2>&1 &
+    step conformance 55 python -m sparseprefill.conformance --device cuda --max-seqlen 8192 --examples 6 \
+        --row-budget 4 --methods vertical_slash,minference,flexprefill_vs,shareprefill,anchor_attention \
+        --properties sparse_attention,nonfinite,end_to_end --json "$OUT/conformance.json"
+    for suite in kernels minference sample_attention; do
+        PYTHONPATH=/tmp/L/before step "bench-$suite-before" 40 python -m sparseprefill.cli bench --method $suite \
+            --seqlens 32768 --no-flex --no-recall --json "$OUT/bench-$suite-before.json"
+        step "bench-$suite-after" 40 python -m sparseprefill.cli bench --method $suite \
+            --seqlens 32768 --no-flex --no-recall --json "$OUT/bench-$suite-after.json"
+    done
+    X=flexprefill_vs_0.95_lines,blocks_like_flexprefill_vs_0.95_lines
+    F="--rep 40 --extra $X"
+    PYTHONPATH=/tmp/L/before step floor-32k-before 35 python "$S/kernel_floor.py" --seqlens 32768 $F \
+        --methods vertical_slash,minference,shareprefill --variants "main:COL_SPLIT=1" --json "$OUT/floor-32k-before.json"
+    step floor-32k-after 45 python "$S/kernel_floor.py" --seqlens 32768 $F --methods vertical_slash,minference,shareprefill \
+        --variants "rule:COL_SPLIT=auto;on:COL_SPLIT=1;off:COL_SPLIT=0" --json "$OUT/floor-32k-after.json"
+    wait; cat /tmp/wl128.log >> "$LOG"
+    PYTHONPATH=/tmp/L/before step floor-128k-before 40 python "$S/kernel_floor.py" --seqlens 131072 $F \
+        --methods minference --variants "main:COL_SPLIT=1" --json "$OUT/floor-128k-before.json"
+    step floor-128k-after 50 python "$S/kernel_floor.py" --seqlens 131072 $F --methods minference \
+        --variants "rule:COL_SPLIT=auto;on:COL_SPLIT=1" --json "$OUT/floor-128k-after.json"
+    step varlen 40 python "$S/issue21_s4.py" --parts varlen --flat-tma-only --varlen-grids --json "$OUT/varlen.json"
+    step ncu-delta 35 $NCU -k regex:_block_column_fwd -o /tmp/ncudelta python "$S/issue21_s4.py" \
+        --parts ncu_delta --json /tmp/x.json
+    ncu --import /tmp/ncudelta.ncu-rep --page details > "$OUT/ncu-delta-32k.txt" 2>&1
+fi
 echo "total $((SECONDS - T0)) s" | tee -a "$LOG"

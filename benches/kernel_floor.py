@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             tile_n = math.gcd(plan.block_n, 128)
             stats = plan_stats(plan, n, tile_n)
             has_cols = stats["C"] > 0
+            first: torch.Tensor | None = None
             for vname, sets in (variants if has_cols else variants[:1]):
                 apply(dict(sets))
                 plan.__dict__.pop("_resolved_columns", None)
@@ -152,18 +153,23 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"N={n} {name} {vname}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
                 bad = int((~torch.isfinite(out)).sum())
-                del out
+                if first is None:
+                    first, diff = out, 0.0
+                else:
+                    diff = float((out.float() - first.float()).norm() / first.float().norm().clamp(min=1e-30))
+                    del out
                 row = {"plan": name, "kind": kind, "variant": vname, "seqlen": n, "density": dens,
                        "kernel_ms": ms, "cudnn_ms": cudnn_ms, "own_dense_ms": own_dense,
                        "ratio": ms / (dens * cudnn_ms), "vs_own_dense": ms / (dens * own_dense),
-                       "nonfinite": bad, **stats}
+                       "nonfinite": bad, "rel_diff_vs_first_variant": diff, **stats}
                 row["tile_share"] = dens / stats["computed_share"] if stats["computed_share"] else math.nan
                 rows.append(row)
                 write()
                 print(f"N={n} {name:<34} {vname:<10} dens {dens:.4f} {ms:9.3f} ms ratio {row['ratio']:.2f} "
                       f"own {row['vs_own_dense']:.2f} tiles {row['tile_share']:.2f} C {stats['C']} "
-                      f"cols {stats['mean_columns']:.0f} unmasked {stats['mean_unmasked_col_tiles']:.1f}",
-                      flush=True)
+                      f"cols {stats['mean_columns']:.0f} unmasked {stats['mean_unmasked_col_tiles']:.1f} "
+                      f"diff {diff:.1e}", flush=True)
+            del first
             apply(dict(variants[0][1]))
 
         for name in names:

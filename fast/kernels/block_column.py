@@ -52,6 +52,7 @@ from ._common import (
     check_kernel_block_sizes,
     check_kernel_device,
     dot_f32,
+    head_group,
     interpreter_active,
     tma_ok,
 )
@@ -291,6 +292,7 @@ def _block_column_fwd(
     GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr, COL_N: tl.constexpr,
     COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr, TILE_MAJOR: tl.constexpr,
     FLAT_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, COPY: tl.constexpr = 0,
+    TILE_START=None, SEQ_P2: tl.constexpr = 1,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -324,7 +326,19 @@ def _block_column_fwd(
             return
     # Longest rows first: later query tiles list more blocks. (A tile-major 1-D grid for
     # varlen batches measured slower on the H200: 89.6 vs 83.3 ms on 4K + 16K + 60K.)
-    if TILE_MAJOR:
+    if TILE_START is not None:
+        # A varlen batch on a packed grid: program t of a head is query tile t of the
+        # sequences' tiles laid end to end (TILE_START: their first tiles, then INT32_MAX
+        # padding), longest first within a sequence; programs past the last tile leave.
+        t = tl.program_id(0)
+        starts = tl.load(TILE_START + tl.arange(0, SEQ_P2))
+        i_s = tl.sum((starts <= t).to(tl.int32), 0) - 1
+        t_end = tl.load(TILE_START + i_s + 1)
+        if t_end == 2147483647:
+            return
+        i_m = t_end - 1 - t
+        i_bh = i_s * num_heads + tl.program_id(1)
+    elif TILE_MAJOR:
         # Query tiles on the slow grid axis: the programs start in one global
         # longest-first order (every head's last query tile, then the one before, ...).
         i_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -604,6 +618,9 @@ _FLAT_TMA = os.environ.get("SPARSEPREFILL_FLAT_TMA", "1") == "1"
 # A tuning switch: Triton's warp specialisation of the unmasked block loop (producer
 # warps for the TMA loads, consumer warps for the products); off by default.
 _WARP_SPEC = os.environ.get("SPARSEPREFILL_WARP_SPEC", "0") == "1"
+# Varlen batches on a packed grid (the sequences' query tiles end to end, `TILE_START`):
+# no programs for a shorter sequence's tiles past its end. `0`: the S x max-tiles grid.
+_VARLEN_PACKED_GRID = os.environ.get("SPARSEPREFILL_VARLEN_PACKED_GRID", "1") == "1"
 
 
 @dataclass(frozen=True)
@@ -946,11 +963,7 @@ def _head_chunk(plan: BlockColumnPlan, call: _KernelCall) -> int:
     group = hq // call.k.shape[1]
     per_head = b * plan.num_query_blocks * plan.column_index.shape[3] * 4
     fit = own_columns.DISJOINT_COLUMN_BYTES // max(1, per_head)
-    if fit < 1 or fit >= hq:
-        return 0
-    if fit >= group:
-        return int(fit // group * group)
-    return max(c for c in range(1, group + 1) if group % c == 0 and c <= fit)
+    return 0 if fit < 1 or fit >= hq else head_group(hq, group, int(fit))
 
 
 def _head_slice(plan: BlockColumnPlan, h0: int, h1: int) -> BlockColumnPlan:
@@ -1090,6 +1103,16 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     v_desc = TensorDescriptor(v, [call.varlen_rows, cols], [v.stride(2), 1], [block_n, head_dim])
             tile_major = _TILE_MAJOR and call.varlen is None
             grid = (b * hq, triton.cdiv(n, block_m)) if tile_major else (triton.cdiv(n, block_m), b * hq)
+            tile_start = None
+            if call.varlen is not None and _VARLEN_PACKED_GRID and cu_arg is not None:
+                # The sequences' query tiles end to end: at most cdiv(T, BLOCK_M) + S programs
+                # a head (no host read of the lengths), not S x cdiv(max_seqlen, BLOCK_M).
+                tile_start = torch.full((triton.next_power_of_2(b + 1) + 1,), 2**31 - 1, dtype=torch.int32,
+                                        device=q.device)
+                tile_start[0] = 0
+                lengths = (cu_arg[1:] - cu_arg[:-1]).to(torch.int32)
+                tile_start[1:b + 1] = torch.cumsum((lengths + block_m - 1) // block_m, 0).to(torch.int32)
+                grid = (triton.cdiv(call.varlen_rows or n * b, block_m) + b, hq)
             try:
                 _block_column_fwd[grid](
                     q, k, v, out, lse, mask_arg,
@@ -1115,6 +1138,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     COL_SPLIT=col_split,
                     COL_TAIL=triton.next_power_of_2(plan.block_m) if has_columns else 1,
                     TILE_MAJOR=tile_major, FLAT_TMA=flat_tma, WARP_SPEC=_WARP_SPEC, COPY=copy,
+                    TILE_START=tile_start, SEQ_P2=triton.next_power_of_2(b + 1),
                     num_warps=num_warps, num_stages=num_stages,
                 )
             except OutOfResources:
