@@ -36,6 +36,7 @@ import torch
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: `small` under TRITON_INTERPRET=1
 ROWS: list[dict[str, Any]] = []
 TMA_CASES = [True, False]  # the flat TMA path on, then off (`--flat-tma-only`: on only)
+GRID_CASES: list[bool] = []  # `--varlen-grids`: the packed varlen grid on, then off
 META: dict[str, Any] = {}
 
 
@@ -125,12 +126,14 @@ def part_varlen(small: bool) -> None:
     alone = [fast.sparse_attention(*s, p)[0].transpose(0, 1) for s, p in zip(seqs, per)]
     cud = None if small else _ms(lambda: [_cudnn(*s) for s in seqs])
     per_ms = None if small else _ms(lambda: [fast.sparse_attention(*s, p) for s, p in zip(seqs, per)])
-    for tma in TMA_CASES:
+    grids = (True, False) if GRID_CASES else (bc._VARLEN_PACKED_GRID,)
+    for tma, packed_grid in ((t, g) for t in TMA_CASES for g in grids):
         bc._FLAT_TMA = tma
+        bc._VARLEN_PACKED_GRID = packed_grid
         out = fast.varlen_attention(q, k, v, cu, max(lengths), plan)
         same = all(torch.equal(out[b[i]:b[i + 1]], a) for i, a in enumerate(alone))
         diff = max(_rel(out[b[i]:b[i + 1]], a) for i, a in enumerate(alone))
-        row: dict[str, Any] = dict(part="varlen", lengths=lengths, head_dim=d, flat_tma=tma,
+        row: dict[str, Any] = dict(part="varlen", lengths=lengths, head_dim=d, flat_tma=tma, packed_grid=packed_grid,
                                    bit_equal_per_sequence=same, max_rel_diff=diff)
         if not small:
             one = _ms(lambda: fast.varlen_attention(q, k, v, cu, max(lengths), plan))
@@ -139,6 +142,7 @@ def part_varlen(small: bool) -> None:
                        speedup_vs_cudnn=cud / one if cud else None)
         _row(**row)
     bc._FLAT_TMA = True
+    bc._VARLEN_PACKED_GRID = True
 
 
 def _runs_keys(n: int, d: int, hkv: int, run: int, seed: int) -> torch.Tensor:
@@ -235,6 +239,47 @@ def part_ncu() -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
+def part_ncu_varlen() -> None:
+    """The varlen batch in one launch and per sequence, once each between cudaProfilerStart/Stop."""
+    from sparseprefill import fast
+
+    lengths = [4096, 16384, 61440]
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q, k, v = (torch.randn(total, h, 128, device=DEV, dtype=torch.bfloat16, generator=g) for h in (32, 8, 8))
+    b = cu.tolist()
+    seqs = [tuple(t[x:y].transpose(0, 1).unsqueeze(0) for t in (q, k, v)) for x, y in zip(b, b[1:])]
+    plan = fast.varlen_plans(fast.dense_plan, q, k, cu)
+    per = [fast.dense_plan(s[0], s[1]) for s in seqs]
+    for _ in range(2):
+        fast.varlen_attention(q, k, v, cu, max(lengths), plan)
+        for s, p in zip(seqs, per):
+            fast.sparse_attention(*s, p)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fast.varlen_attention(q, k, v, cu, max(lengths), plan)
+    for s, p in zip(seqs, per):
+        fast.sparse_attention(*s, p)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def part_ncu_delta(n: int = 32768) -> None:
+    """One `fast.delta_kv` call at keep ratio 0.5 between cudaProfilerStart/Stop (every kernel)."""
+    from sparseprefill import fast
+
+    q, _, v = _qkv(n, 128, 32, 8, seed=n + 2)
+    k = _runs_keys(n, 128, 8, 2, seed=n)
+    for _ in range(2):
+        fast.delta_kv(q, k, v, threshold=0.95, metric="cosine")
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fast.delta_kv(q, k, v, threshold=0.95, metric="cosine")
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def main(argv: list[str] | None = None) -> int:
     import triton
 
@@ -246,9 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="/tmp/issue21_s4.json")
     p.add_argument("--small", action="store_true", help="the listed parts at small sizes, untimed")
     p.add_argument("--flat-tma-only", action="store_true", help="ragged / varlen: the flat TMA path only")
+    p.add_argument("--varlen-grids", action="store_true", help="varlen: the packed grid on, then off")
     args = p.parse_args(argv)
     if args.flat_tma_only:
         TMA_CASES[:] = [True]
+    if args.varlen_grids:
+        GRID_CASES[:] = [True]
     META.update(device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
                 triton=triton.__version__)
     parts = args.parts.split(",")
@@ -266,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
                 part_dense([(int(a), int(b)) for a, b in (x.split(":") for x in args.dense.split(","))])
             if part == "ncu":
                 part_ncu()
+            if part == "ncu_varlen":
+                part_ncu_varlen()
+            if part == "ncu_delta":
+                part_ncu_delta()
             Path(args.json).write_text(json.dumps({"meta": META, "rows": ROWS}, indent=1))
             print(f"[{part} done at {time.time() - t0:.0f} s]", flush=True)
     finally:

@@ -45,7 +45,7 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 def apply(sets: dict[str, str]) -> None:
     from sparseprefill.fast.kernels import block_column as bc
 
-    bc._COL_SPLIT = sets.get("COL_SPLIT", "1") == "1"
+    bc._COL_SPLIT = {"1": True, "0": False}.get(sets.get("COL_SPLIT", "auto"))  # auto: the rule
     bc._COL_TILE = int(sets.get("COL_TILE", "0"))
     bc._COL_PREFETCH = sets.get("COL_PREFETCH", "1") == "1"
     bc._TILE_MAJOR = sets.get("TILE_MAJOR", "0") == "1"

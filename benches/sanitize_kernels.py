@@ -138,6 +138,22 @@ def main() -> int:
     out_nan, _ = block_column_attention(q, k, v_nan, plan)
     _sync(dev)
     print(f"non-finite V ran; {int(out_nan.isnan().any(-1).sum())} NaN rows", flush=True)
+    # The column split's copy picked on the device (`_column_split`: many columns a query
+    # block), V finite and not; shared lists past the budget launched in head chunks.
+    from sparseprefill.fast.kernels import block_column as bc, own_columns
+
+    wide = fast.vertical_slash_plan(q, k, vertical_size=512, slash_size=64, last_q=64, block_m=64, block_n=64)
+    block_column_attention(q, k, v, wide)
+    block_column_attention(q, k, v_nan, wide)
+    budget = own_columns.DISJOINT_COLUMN_BYTES
+    own_columns.DISJOINT_COLUMN_BYTES = 0  # the plan keeps its shared lists
+    lines = fast.flexprefill_vs_plan(q, k, gamma=0.95, line_block=1)
+    own_columns.DISJOINT_COLUMN_BYTES = lines.batch * lines.num_query_blocks * lines.column_index.shape[3] * 4
+    chunk = bc._head_chunk(lines, bc._KernelCall(q, k, v, lines, 0.125, n, True))
+    block_column_attention(q, k, v, lines, return_lse=True)
+    own_columns.DISJOINT_COLUMN_BYTES = budget
+    _sync(dev)
+    print(f"column split by the device flag ran; head chunks of {chunk} ran", flush=True)
     # Chunked prefill (query_offset) and a packed varlen batch.
     fast.sparse_attention(q[:, :, 300:], k, v, fast.dense_plan(q[:, :, 300:], k))
     fast.sparse_attention(q[:, :, 320:], k, v, plan.rows(320))

@@ -40,7 +40,7 @@ from ..reference.plan import BlockColumnPlan, cdiv
 from .capture import static_widths_active
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
 from .kernels.anchor_stripes import search_width_bound, stripe_index
-from .vertical_slash import head_group
+from .kernels._common import head_group
 
 # Largest stripe plan `anchor_attention` builds at once (the 128K budget).
 PLAN_BYTES = 256 << 20

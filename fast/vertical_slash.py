@@ -34,6 +34,7 @@ from ..reference.vertical_slash import (
     pad_to_counts,
 )
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
+from .kernels._common import head_group
 from .kernels.last_q_estimate import last_q_scores
 from .kernels.own_columns import resolve_covered_columns
 from .kernels.vertical_slash_index import (
@@ -236,10 +237,3 @@ def vertical_slash(
     return out
 
 
-def head_group(q_heads: int, group: int, fit: int) -> int:
-    """Query heads planned at once: at most `fit` (at least 1), whole KV heads or a divisor of G."""
-    if fit >= q_heads:
-        return q_heads
-    if fit >= group:
-        return fit // group * group
-    return max(d for d in range(1, group + 1) if group % d == 0 and d <= max(fit, 1))

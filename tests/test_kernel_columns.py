@@ -277,3 +277,98 @@ def test_unmasked_column_tiles_and_grid_order(monkeypatch: pytest.MonkeyPatch) -
     out = fast.sparse_attention(q, k, v, plans[1])
     ref = reference.sparse_attention(q.double(), k.double(), v.double(), plans[1])
     assert torch.equal(torch.isnan(out).any(-1), torch.isnan(ref).any(-1))
+
+
+def test_column_split_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_column_split`: the unmasked column tiles' copy of the kernel runs where the query
+    blocks list on average at least `SPLIT_MIN_COLUMN_TILES` column tiles. The host settles
+    what it can (no columns, a capacity below the threshold, lists not disjoint, a dense
+    mask, the tuning switch); otherwise a flag on the device picks the copy in the launch,
+    and every copy gives the same attention (a NaN in V picks the non-finite copy)."""
+    from sparseprefill.fast.kernels import block_column
+
+    monkeypatch.setattr(block_column, "_COL_SPLIT", None)
+    gen = torch.Generator().manual_seed(5)
+    grouped = _grouped_plan(gen, 200, 32, 32, 2, b=1)
+    plan = replace(grouped, block_count=torch.zeros_like(grouped.block_count), columns_disjoint=True).validate()
+    cap, mean = plan.column_index.shape[3], float(plan.column_count.float().mean())
+    split = block_column._column_split
+    assert split(plan, cap + 1) is False                        # capacity below one tile x 2
+    assert split(plan, 16, masked=True) is False                # a dense mask: never split
+    assert split(replace(plan, columns_disjoint=False), 16) is False
+    monkeypatch.setattr(block_column, "SPLIT_MIN_COLUMN_TILES", 1)
+    for col_n in (int(mean) - 4, int(mean) + 4):
+        flag = split(plan, col_n)
+        assert isinstance(flag, torch.Tensor) and int(flag) == int(mean >= col_n)
+    monkeypatch.setattr(block_column, "_COL_SPLIT", True)
+    assert split(plan, cap + 1) is True
+
+
+@pytest.mark.slow
+def test_column_split_copies_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch through the device selector (tile 32, one column tile as the threshold:
+    the split's copy computes) against the copy forced off, bit for bit; then a NaN in V
+    (the non-finite copy computes)."""
+    from sparseprefill.fast.kernels import block_column
+
+    monkeypatch.setattr(block_column, "SPLIT_MIN_COLUMN_TILES", 1)
+    gen = torch.Generator().manual_seed(5)
+    grouped = _grouped_plan(gen, 200, 32, 32, 2, b=1)
+    plan = replace(grouped, block_count=torch.zeros_like(grouped.block_count), columns_disjoint=True).validate()
+    mean = float(plan.column_count.float().mean())
+    q = torch.randn(1, 2, 200, 24, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 1, 200, 24, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, 1, 200, 24, generator=gen).to(torch.bfloat16)
+    assert mean >= 32
+    monkeypatch.setattr(block_column, "_COL_SPLIT", False)
+    off = fast.sparse_attention(q, k, v, plan)
+    monkeypatch.setattr(block_column, "_COL_SPLIT", None)
+    assert torch.equal(fast.sparse_attention(q, k, v, plan), off)
+    v[0, 0, 7] = float("nan")
+    out = fast.sparse_attention(q, k, v, plan)
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), plan)
+    assert torch.equal(torch.isnan(out).any(-1), torch.isnan(ref).any(-1))
+
+
+@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_shared_columns_past_the_budget_run_in_head_chunks(monkeypatch: pytest.MonkeyPatch, slow: bool) -> None:
+    """Shared (stride-0) column lists too large to resolve at once (`DISJOINT_COLUMN_BYTES`)
+    launch a few query heads at a time (`_head_chunk`: a divisor or a multiple of the GQA
+    group), each chunk resolved: the same attention as the kernel's own covered-column test."""
+    from sparseprefill.fast.kernels import block_column
+
+    gen = torch.Generator().manual_seed(11)
+    n, bm, hq, hkv = 160, 32, 4, 2
+    qb, kb = n // bm, n // bm
+    blocks = torch.rand(1, hq, qb, kb, generator=gen) < 0.4
+    base = reference.BlockColumnPlan.from_masks(blocks, None, seqlen=n, block_m=bm, block_n=bm)
+    col_list = torch.sort(torch.randperm(n, generator=gen)[:40]).values.to(torch.int32)
+    last = (torch.arange(qb) + 1) * bm - 1
+    count = torch.searchsorted(col_list, last.to(torch.int32), right=True).to(torch.int32)
+    plan = reference.BlockColumnPlan(
+        seqlen=n, block_m=bm, block_n=bm, block_count=base.block_count, block_index=base.block_index,
+        column_count=count.view(1, 1, qb).expand(1, hq, qb),
+        column_index=col_list.view(1, 1, 1, -1).expand(1, hq, qb, -1)).validate()
+    q = torch.randn(1, hq, n, 16, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, hkv, n, 16, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, hkv, n, 16, generator=gen).to(torch.bfloat16)
+    per_head = qb * 40 * 4
+    call = block_column._KernelCall(q, k, v, plan, 0.25, n, True)
+    for fit, chunk in ((0, 0), (1, 1), (3, 2), (4, 0)):  # 0: none fits; 4: all heads fit at once
+        monkeypatch.setattr(own_columns_mod(), "DISJOINT_COLUMN_BYTES", fit * per_head)
+        assert block_column._head_chunk(plan, call) == chunk
+    if not slow:
+        return
+    monkeypatch.setattr(own_columns_mod(), "DISJOINT_COLUMN_BYTES", 0)
+    whole, whole_lse = fast.sparse_attention(q, k, v, plan, return_lse=True)
+    for fit in (1, 3):
+        monkeypatch.setattr(own_columns_mod(), "DISJOINT_COLUMN_BYTES", fit * per_head)
+        out, lse = fast.sparse_attention(q, k, v, plan, return_lse=True)
+        torch.testing.assert_close(out, whole, atol=2e-2, rtol=0)
+        torch.testing.assert_close(lse, whole_lse, atol=1e-4, rtol=0)
+
+
+def own_columns_mod() -> object:
+    from sparseprefill.fast.kernels import own_columns
+
+    return own_columns

@@ -164,6 +164,16 @@ __all__ = [
     "check_kernel_device",
     "dot",
     "dot_f32",
+    "head_group",
     "interpreter_active",
     "tma_ok",
 ]
+
+
+def head_group(q_heads: int, group: int, fit: int) -> int:
+    """Query heads planned or launched at once: at most `fit` (at least 1), whole KV heads or a divisor of G."""
+    if fit >= q_heads:
+        return q_heads
+    if fit >= group:
+        return fit // group * group
+    return max(d for d in range(1, group + 1) if group % d == 0 and d <= max(fit, 1))

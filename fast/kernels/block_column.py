@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -52,10 +52,12 @@ from ._common import (
     check_kernel_block_sizes,
     check_kernel_device,
     dot_f32,
+    head_group,
     interpreter_active,
     tma_ok,
 )
 from ._common import dot as _dot
+from . import own_columns
 from .own_columns import resolve_covered_columns
 
 
@@ -278,7 +280,7 @@ def _column_tiles(
 def _block_column_fwd(
     Q, K, V, O, LSE, MASK,
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX,
-    M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS, CU_SEQLENS, K_DESC, V_DESC, V_BAD,
+    M_ST, L_ST, ACC_ST, BSUM, KV_OFFSET, KEY_BIAS, CU_SEQLENS, K_DESC, V_DESC, COPY_SEL,
     qk_scale, sm_scale, seqlen, key_len, q_offset, head_dim, num_heads, group,
     plan_block_m, plan_block_n, num_key_blocks, block_width, column_width, column_group,
     strides_q, strides_k, strides_v, strides_o, strides_lse, strides_mask,
@@ -289,7 +291,8 @@ def _block_column_fwd(
     SEARCH_STEPS: tl.constexpr, WIN: tl.constexpr, SKIP_COVERED: tl.constexpr,
     GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr, COL_N: tl.constexpr,
     COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr, TILE_MAJOR: tl.constexpr,
-    FLAT_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    FLAT_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, COPY: tl.constexpr = 0,
+    TILE_START=None, SEQ_P2: tl.constexpr = 1,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -314,19 +317,28 @@ def _block_column_fwd(
     stride_cib, stride_cih, stride_cim, stride_cik = strides_ci
     stride_sb, stride_sh, stride_sm, stride_sn = strides_sum
     stride_xb, stride_xh, stride_xn = strides_bias
-    # Two compiled copies share a launch (see `_launch`): with V_BAD given, the copy
-    # without the non-finite step runs only where V holds no NaN / inf, the copy with
-    # it only where it does; the other copy's programs leave at once.
-    if V_BAD is not None:
-        if NONFINITE:
-            if tl.load(V_BAD) == 0:
-                return
-        else:
-            if tl.load(V_BAD) != 0:
-                return
+    # Compiled copies share a launch (see `_launch`): with COPY_SEL given, only the copy
+    # whose COPY equals the selector on the device computes (the copy without the
+    # non-finite step where V holds no NaN / inf, the one with it where it does; with or
+    # without the unmasked column tiles, `_column_split`); the others' programs leave at once.
+    if COPY_SEL is not None:
+        if tl.load(COPY_SEL) != COPY:
+            return
     # Longest rows first: later query tiles list more blocks. (A tile-major 1-D grid for
     # varlen batches measured slower on the H200: 89.6 vs 83.3 ms on 4K + 16K + 60K.)
-    if TILE_MAJOR:
+    if TILE_START is not None:
+        # A varlen batch on a packed grid: program t of a head is query tile t of the
+        # sequences' tiles laid end to end (TILE_START: their first tiles, then INT32_MAX
+        # padding), longest first within a sequence; programs past the last tile leave.
+        t = tl.program_id(0)
+        starts = tl.load(TILE_START + tl.arange(0, SEQ_P2))
+        i_s = tl.sum((starts <= t).to(tl.int32), 0) - 1
+        t_end = tl.load(TILE_START + i_s + 1)
+        if t_end == 2147483647:
+            return
+        i_m = t_end - 1 - t
+        i_bh = i_s * num_heads + tl.program_id(1)
+    elif TILE_MAJOR:
         # Query tiles on the slow grid axis: the programs start in one global
         # longest-first order (every head's last query tile, then the one before, ...).
         i_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -585,8 +597,13 @@ _COL_PREFETCH = os.environ.get("SPARSEPREFILL_COL_PREFETCH", "1") == "1"
 # Tuning switches only: the column loop's index prefetch, and its tile width (keys per
 # column tile, a power of two >= 16; 0 = the key tile's). docs/plan-and-kernels.md.
 _COL_TILE = int(os.environ.get("SPARSEPREFILL_COL_TILE", "0"))
-# Column tiles wholly before a query tile's first row run without masks (on by default).
-_COL_SPLIT = os.environ.get("SPARSEPREFILL_COL_SPLIT", "1") == "1"
+# Column tiles wholly before a query tile's first row run without masks where the plan's
+# query blocks list enough columns for it to pay (`_column_split`); a tuning switch
+# forces it: `SPARSEPREFILL_COL_SPLIT=1` always, `0` never (None: the rule).
+_COL_SPLIT: bool | None = {"1": True, "0": False}.get(os.environ.get("SPARSEPREFILL_COL_SPLIT", "auto"))
+# The rule's threshold: the split's copy of the kernel runs where the query blocks list on
+# average at least this many column tiles (docs/plan-and-kernels.md, session 5).
+SPLIT_MIN_COLUMN_TILES = 2
 # Grid order (a tuning switch): query tiles on the slow axis, so programs start longest
 # first over all heads, not head after head (docs/plan-and-kernels.md, short prompts).
 _TILE_MAJOR = os.environ.get("SPARSEPREFILL_TILE_MAJOR", "0") == "1"
@@ -601,6 +618,9 @@ _FLAT_TMA = os.environ.get("SPARSEPREFILL_FLAT_TMA", "1") == "1"
 # A tuning switch: Triton's warp specialisation of the unmasked block loop (producer
 # warps for the TMA loads, consumer warps for the products); off by default.
 _WARP_SPEC = os.environ.get("SPARSEPREFILL_WARP_SPEC", "0") == "1"
+# Varlen batches on a packed grid (the sequences' query tiles end to end, `TILE_START`):
+# no programs for a shorter sequence's tiles past its end. `0`: the S x max-tiles grid.
+_VARLEN_PACKED_GRID = os.environ.get("SPARSEPREFILL_VARLEN_PACKED_GRID", "1") == "1"
 
 
 @dataclass(frozen=True)
@@ -632,6 +652,8 @@ class _KernelCall:
     v_nonfinite: torch.Tensor | None = None
     # Rows of the packed varlen buffers the views stand on (their flat TMA descriptors).
     varlen_rows: int = 0
+    # Where to write (`out`, `lse`) instead of fresh tensors (one head chunk of a launch).
+    dest: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
 def _front_door(
@@ -881,6 +903,35 @@ def _check_bias(bias: object, shape: tuple[int, ...], device: torch.device) -> N
         raise ValueError(f"key_bias must be on q's device ({device}), got {bias.device}")
 
 
+def _column_split(plan: BlockColumnPlan, col_n: int, masked: bool = False) -> bool | torch.Tensor:
+    """Whether a column plan runs the copy of the kernel with unmasked column tiles.
+
+    The split (`COL_SPLIT`: whole column tiles before a query tile's first row run without
+    masks) pays where query blocks list many columns (AnchorAttention's stripes: 1.56x at
+    32K) and costs where they list few: its copy of the kernel holds more registers (the
+    64 x 64, D 128 copy: 255 against 242), and with almost no whole tile to run unmasked
+    that slows the whole launch (H200, 32K: the single-line FlexPrefill plan, 47 columns per
+    query block, 5% slower; SharePrefill's, 4, 7%). The rule: split where the query blocks
+    list on average at least `SPLIT_MIN_COLUMN_TILES` column tiles of `col_n` keys.
+
+    Returns:
+        False where the plan cannot reach that (no columns, or a column capacity below
+        it: known on the host) or the kernel could not split (columns not disjoint, a
+        dense mask), else an int32 `[1]` flag on the plan's device (0 / 1,
+        no host sync) that picks the copy in the launch. `_COL_SPLIT` (a tuning switch)
+        forces True / False.
+    """
+    if plan.column_index.shape[3] == 0 or not plan.columns_disjoint or masked:
+        return False
+    if _COL_SPLIT is not None:
+        return _COL_SPLIT
+    need = SPLIT_MIN_COLUMN_TILES * col_n
+    if plan.column_index.shape[3] < need or plan.column_count.numel() == 0:
+        return False
+    total = plan.column_count.sum(dtype=torch.int64)
+    return (total >= need * plan.column_count.numel()).to(torch.int32).reshape(1)
+
+
 def _nonfinite_flag(v: torch.Tensor) -> torch.Tensor:
     """int32 `[1]` on v's device: 1 if v holds a NaN or an infinity, else 0 (no host sync)."""
     low, high = torch.aminmax(v)
@@ -891,11 +942,65 @@ def _zero_strides(n: int) -> tuple[int, ...]:
     return (0,) * n
 
 
+def _head_chunk(plan: BlockColumnPlan, call: _KernelCall) -> int:
+    """Query heads per launch where shared column lists are too large to resolve at once.
+
+    `resolve_covered_columns` leaves shared (stride-0) single lists whose per-query-block
+    expansion passes `own_columns.DISJOINT_COLUMN_BYTES` to the kernel's covered-column
+    test (the single-line FlexPrefill plan at 128K: 11.5 GB expanded, 0.50 of the block
+    path). Launched a few query heads at a time, each chunk's lists fit the budget and run
+    resolved, with the unmasked column tiles. Returns the chunk (a multiple or a divisor of
+    the GQA group, so a chunk's heads share whole KV heads), or 0: no chunking (lists
+    resolved or not shared, a call with a mask, state, block means, key bias, ragged or
+    varlen K / V, or one head's lists alone past the budget).
+    """
+    if (plan.column_index.shape[3] == 0 or plan.columns_disjoint or plan.column_group != 1
+            or not own_columns.RESOLVE_COVERED or call.mask is not None or call.state is not None
+            or call.block_mean_out is not None or call.key_bias is not None or call.kv_offsets is not None
+            or call.varlen is not None or call.dest is not None):
+        return 0
+    b, hq = call.q.shape[:2]
+    group = hq // call.k.shape[1]
+    per_head = b * plan.num_query_blocks * plan.column_index.shape[3] * 4
+    fit = own_columns.DISJOINT_COLUMN_BYTES // max(1, per_head)
+    return 0 if fit < 1 or fit >= hq else head_group(hq, group, int(fit))
+
+
+def _head_slice(plan: BlockColumnPlan, h0: int, h1: int) -> BlockColumnPlan:
+    """Query heads `[h0, h1)` of a plan (views of its index tensors)."""
+    sub = replace(plan, block_count=plan.block_count[:, h0:h1], block_index=plan.block_index[:, h0:h1],
+                  column_count=plan.column_count[:, h0:h1], column_index=plan.column_index[:, h0:h1])
+    return sub.mark_valid() if plan._checked else sub
+
+
+def _launch_head_chunks(call: _KernelCall, plan: BlockColumnPlan, chunk: int) -> tuple[
+        torch.Tensor, torch.Tensor | None]:
+    """One launch per `chunk` query heads, each writing its heads of one output."""
+    q, k, v = call.q, call.k, call.v
+    b, hq, n, d = q.shape
+    group = hq // k.shape[1]
+    out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if call.return_lse else None
+    flag = call.v_nonfinite
+    if flag is None and _NONFINITE:
+        flag = _nonfinite_flag(v)
+    for h0 in range(0, hq, chunk):
+        h1 = min(hq, h0 + chunk)
+        k0, k1 = h0 // group, (h1 - 1) // group + 1
+        _launch(replace(call, q=q[:, h0:h1], k=k[:, k0:k1], v=v[:, k0:k1], plan=_head_slice(plan, h0, h1),
+                        v_nonfinite=flag, dest=(out[:, h0:h1], None if lse is None else lse[:, h0:h1])))
+    return out, lse
+
+
 def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch `_block_column_fwd` for one checked call (the only launch site)."""
     q, k, v = call.q, call.k, call.v
-    # Covered columns resolved once per plan (cached on it), not in every column tile.
+    # Covered columns resolved once per plan (cached on it), not in every column tile;
+    # shared lists too large for that, a few heads at a time (`_head_chunk`).
     plan = resolve_covered_columns(call.plan)
+    chunk = _head_chunk(plan, call)
+    if chunk:
+        return _launch_head_chunks(call, plan, chunk)
     b, hq, n, d = q.shape
     ragged = call.kv_offsets is not None
     group = hq // (call.kv_offsets.shape[0] // b if call.kv_offsets is not None else k.shape[1])
@@ -903,6 +1008,9 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     lse: torch.Tensor | None
     if call.varlen is not None:
         cu_arg, out, lse = call.varlen
+    elif call.dest is not None:
+        cu_arg = None
+        out, lse = call.dest
     else:
         cu_arg = None
         out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
@@ -942,19 +1050,35 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     flat_tma = (_FLAT_TMA and head_dim == d and (ragged or call.varlen is not None) and k.shape[0] > 0
                 and tma_ok(q, k, v)
                 and (ragged or (k.stride(1) == d and v.stride(1) == d and call.varlen_rows > 0)))
-    # Column plans: two copies of the kernel, one launch each; the flag on the device
-    # picks the one whose programs compute (no host sync), the other's leave at once.
-    # The copy without the non-finite step does not carry its registers (H100: the
-    # single kernel holding both column loops spilled; docs/plan-and-kernels.md).
-    def launch_copy(nonfinite: bool, launched: bool) -> bool:
-        """Launch one compiled copy (`NONFINITE=nonfinite`), falling back to smaller tiles
-        where shared memory runs out; returns True. A launch that fails for shared memory
-        never ran, so a fallback leaves what an earlier copy wrote alone (block sums are
-        zeroed only before any copy ran)."""
+    # Column plans: copies of the kernel, one launch each; a selector on the device picks
+    # the one whose programs compute (no host sync), the others' leave at once. The copy
+    # without the non-finite step does not carry its registers (H100: the single kernel
+    # holding both column loops spilled; docs/plan-and-kernels.md), and the unmasked column
+    # tiles run in their own copy where `_column_split` cannot settle them on the host.
+    initial = _tile_config(plan.block_m, plan.block_n, d)
+    col_n = min(initial[1], _COL_TILE) if _COL_TILE else initial[1]
+    split = _column_split(plan, col_n, call.mask is not None) if has_columns else False
+    copies: list[tuple[bool, bool]]  # (NONFINITE, COL_SPLIT), launched in order; COPY = position
+    selector: torch.Tensor | None = None
+    if isinstance(split, torch.Tensor):
+        copies = [(False, False), (False, True)]
+        selector = split
+        if v_bad is not None:
+            copies.append((True, True))
+            selector = torch.maximum(split, 2 * v_bad)
+    elif v_bad is not None:
+        copies, selector = [(False, split), (True, split)], v_bad
+    else:
+        copies = [(_NONFINITE, split)]
+
+    def launch_copy(nonfinite: bool, col_split: bool, copy: int, launched: bool) -> bool:
+        """Launch one compiled copy (`NONFINITE=nonfinite`, `COL_SPLIT=col_split`, `COPY=copy`),
+        falling back to smaller tiles where shared memory runs out; returns True. A launch
+        that fails for shared memory never ran, so a fallback leaves what an earlier copy
+        wrote alone (block sums are zeroed only before any copy ran)."""
         key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma or flat_tma,
                call.varlen is None, has_columns, call.return_lse, ragged, bias is not None,
-               work is not None, sums is not None, nonfinite)
-        initial = _tile_config(plan.block_m, plan.block_n, d)
+               work is not None, sums is not None, nonfinite, col_split)
         config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
         # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
         diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
@@ -979,12 +1103,22 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     v_desc = TensorDescriptor(v, [call.varlen_rows, cols], [v.stride(2), 1], [block_n, head_dim])
             tile_major = _TILE_MAJOR and call.varlen is None
             grid = (b * hq, triton.cdiv(n, block_m)) if tile_major else (triton.cdiv(n, block_m), b * hq)
+            tile_start = None
+            if call.varlen is not None and _VARLEN_PACKED_GRID and cu_arg is not None:
+                # The sequences' query tiles end to end: at most cdiv(T, BLOCK_M) + S programs
+                # a head (no host read of the lengths), not S x cdiv(max_seqlen, BLOCK_M).
+                tile_start = torch.full((triton.next_power_of_2(b + 1) + 1,), 2**31 - 1, dtype=torch.int32,
+                                        device=q.device)
+                tile_start[0] = 0
+                lengths = (cu_arg[1:] - cu_arg[:-1]).to(torch.int32)
+                tile_start[1:b + 1] = torch.cumsum((lengths + block_m - 1) // block_m, 0).to(torch.int32)
+                grid = (triton.cdiv(call.varlen_rows or n * b, block_m) + b, hq)
             try:
                 _block_column_fwd[grid](
                     q, k, v, out, lse, mask_arg,
                     plan.block_count, plan.block_index, plan.column_count, plan.column_index,
                     *((work.m, work.l, work.acc) if work is not None else (None, None, None)),
-                    sums, call.kv_offsets, bias, cu_arg, k_desc, v_desc, v_bad,
+                    sums, call.kv_offsets, bias, cu_arg, k_desc, v_desc, selector,
                     call.sm_scale * LOG2E, call.sm_scale, n, call.key_len, plan.query_offset, d, hq, group,
                     plan.block_m, plan.block_n, plan.num_key_blocks, plan.block_index.shape[3],
                     plan.column_index.shape[3], plan.column_group,
@@ -1001,9 +1135,10 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     SKIP_COVERED=has_columns and not plan.columns_disjoint,
                     GUARD=_GUARD, NONFINITE=nonfinite, COL_PREFETCH=_COL_PREFETCH,
                     COL_N=min(block_n, _COL_TILE) if _COL_TILE else block_n,
-                    COL_SPLIT=_COL_SPLIT and has_columns,
+                    COL_SPLIT=col_split,
                     COL_TAIL=triton.next_power_of_2(plan.block_m) if has_columns else 1,
-                    TILE_MAJOR=tile_major, FLAT_TMA=flat_tma, WARP_SPEC=_WARP_SPEC,
+                    TILE_MAJOR=tile_major, FLAT_TMA=flat_tma, WARP_SPEC=_WARP_SPEC, COPY=copy,
+                    TILE_START=tile_start, SEQ_P2=triton.next_power_of_2(b + 1),
                     num_warps=num_warps, num_stages=num_stages,
                 )
             except OutOfResources:
@@ -1020,10 +1155,9 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                 _FITTED[key] = config
             return True
 
-    copies = (False, True) if v_bad is not None else (_NONFINITE,)
     launched = False
-    for nonfinite in copies:
-        launched = launch_copy(nonfinite, launched)
+    for copy, (nonfinite, col_split) in enumerate(copies):
+        launched = launch_copy(nonfinite, col_split, copy, launched)
     if state is not None and work is not state:
         assert work is not None
         for name in ("m", "l", "acc"):
