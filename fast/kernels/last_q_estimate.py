@@ -31,6 +31,13 @@ from ._common import LOG2E, check_kernel_device, dot as _dot_f32, interpreter_ac
 
 # Keys per split of the lse pass: enough splits to fill the GPU at long N.
 _SPLIT_KEYS = 4096
+# `_slash_kernel`'s tile: (rows a step, offsets a program, warps, pipeline stages). The
+# fourth session's (64, 64, 4, 2) read a 128-key window per step and skewed a 64 x 128
+# tile with `tl.gather`: 255 registers and 131 KB of shared memory a program, one
+# 4-warp program per SM (ncu, H200, 32K: 0.50 ms, 4.4x `_vertical_kernel`'s 0.11 ms
+# for twice its multiply-adds). 32 rows x 32 offsets read a 64-key window: a quarter
+# of the tile, the same multiply-adds per offset (docs/xattention.md, fifth session).
+SLASH_CONFIG: tuple[int, int, int, int] = (32, 32, 4, 2)
 
 
 @triton.jit
@@ -202,8 +209,6 @@ def last_q_scores(
     rows = min(last_q, n)
     block_l = min(64, max(16, triton.next_power_of_2(rows)))
     block_n = 64
-    block_o = 64
-    window = triton.next_power_of_2(block_l + block_o - 1)
     head_dim = max(16, triton.next_power_of_2(d))
     dot_f32 = interpreter_active() and q.dtype == torch.bfloat16
     num_stages = 1 if interpreter_active() else 2
@@ -229,9 +234,12 @@ def last_q_scores(
         num_warps=4, num_stages=num_stages,
     )
     slash = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
-    _slash_kernel[(triton.cdiv(n, block_o), b * hq)](
+    slash_l, slash_o, slash_warps, slash_stages = SLASH_CONFIG
+    slash_l = min(slash_l, block_l)
+    _slash_kernel[(triton.cdiv(n, slash_o), b * hq)](
         q, k, lse, slash, qk_scale, *common,
-        BLOCK_L=block_l, BLOCK_O=block_o, WINDOW=window, HEAD_DIM=head_dim, DOT_F32=dot_f32,
-        num_warps=4, num_stages=num_stages,
+        BLOCK_L=slash_l, BLOCK_O=slash_o, WINDOW=triton.next_power_of_2(slash_l + slash_o - 1),
+        HEAD_DIM=head_dim, DOT_F32=dot_f32,
+        num_warps=slash_warps, num_stages=1 if interpreter_active() else slash_stages,
     )
     return vertical, slash
