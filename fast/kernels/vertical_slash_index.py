@@ -59,6 +59,31 @@ _NUM_WARPS = 4
 # offsets) rather than at the largest offset: the same plan, fewer chunks for the early
 # query blocks (fifth session; False is the fourth session's walk, kept for the timing).
 SKIP_UNREACHED = True
+# How the slash part's block lists are built: "walk" (Alg. 4, O(k_s) a query block), "blocks"
+# (the band kernel's key-block walk with bands of one offset, O(Kb) a query block: a block is
+# listed when a kept offset meets the offsets its causal pairs span, a prefix count over the
+# offsets answering in two loads; the same lists) or "auto": "blocks" when k_s >= Kb
+# (the bench's 6096 slashes: Kb 512 at 32K, 2048 at 128K; fifth session).
+INDEX_BY: str = "auto"
+
+
+def _by_blocks(n_slash: int, seqlen: int, block_n: int) -> bool:
+    if INDEX_BY not in ("auto", "walk", "blocks"):
+        raise ValueError(f"INDEX_BY must be 'auto', 'walk' or 'blocks', got {INDEX_BY!r}")
+    return INDEX_BY == "blocks" or (INDEX_BY == "auto" and n_slash >= cdiv(seqlen, block_n))
+
+
+def _offset_counts(slashes: torch.Tensor, seqlen: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_band_blocks_kernel`'s inputs for bands of one offset: no vertical band (int8 zeros
+    `[B, H, Kb]`) and the kept offsets before each offset (int32 `[B, H, N + 1]`); padding
+    entries N (and anything out of range) are counted nowhere."""
+    b, h, _ = slashes.shape
+    dev = slashes.device
+    kept = torch.zeros(b, h, seqlen + 1, dtype=torch.int32, device=dev)
+    kept.scatter_(2, slashes.long().clamp(0, seqlen), 1)
+    counts = torch.zeros(b, h, seqlen + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(kept[..., :seqlen], dim=-1, out=counts[..., 1:])
+    return torch.zeros(b, h, cdiv(seqlen, block_n), dtype=torch.int8, device=dev), counts
 
 
 @triton.jit
@@ -183,6 +208,9 @@ def count_blocks(slashes: torch.Tensor, *, seqlen: int, block_m: int, block_n: i
     """
     b, h, ks = slashes.shape
     qb = cdiv(seqlen, block_m)
+    if _by_blocks(ks, seqlen, block_n):
+        vblocks, counts = _offset_counts(slashes, seqlen, block_n)
+        return count_band_blocks(vblocks, counts, seqlen=seqlen, block_m=block_m, block_n=block_n, line_block=1)
     block_count = torch.empty(b, h, qb, dtype=torch.int32, device=slashes.device)
     _vertical_slash_blocks_kernel[(qb, b * h)](
         slashes.contiguous(), block_count, block_count,
@@ -239,7 +267,14 @@ def fill_index(
     qb = cdiv(seqlen, block_m)
     dev = verticals.device
     block_index = torch.empty(b, h, qb, block_width, dtype=torch.int32, device=dev)
-    if block_width > 0:
+    if block_width > 0 and _by_blocks(ks, seqlen, block_n):
+        vblocks, counts = _offset_counts(slashes, seqlen, block_n)
+        _band_blocks_kernel[(qb, b * h)](
+            vblocks, counts, block_count, block_index,
+            seqlen, block_m, block_n, 1, vblocks.shape[2], seqlen, qb, block_width,
+            CHUNK=_CHUNK, WRITE=True, num_warps=_NUM_WARPS,
+        )
+    elif block_width > 0:
         _vertical_slash_blocks_kernel[(qb, b * h)](
             slashes.contiguous(), block_count, block_index,
             seqlen, block_m, block_n, ks, qb, block_width, ks.bit_length(),
