@@ -218,7 +218,7 @@ def _slash_variants(q: torch.Tensor, k: torch.Tensor, add: Any, log: Callable[[s
     est = lambda: lq.last_q_scores(q, k, last_q=64)  # noqa: E731
     _, base_slash = est()
     base_hash = {name: es._plan_hash(fn()) for name, fn in calls.items()}
-    saved = lq.SLASH_CONFIG, lq._SPLIT_KEYS, vsi.SKIP_UNREACHED
+    saved = lq.SLASH_CONFIG, lq._SPLIT_KEYS, vsi.SKIP_UNREACHED, vsi.INDEX_BY
 
     def measure(label: str) -> None:
         try:
@@ -249,14 +249,14 @@ def _slash_variants(q: torch.Tensor, k: torch.Tensor, add: Any, log: Callable[[s
             line_args = {key: val for key, val in p.items() if key in (
                 "vertical_size", "slash_size", "last_q", "init_columns", "local_diagonals")}
             _, slashes = vertical_slash_lines(q, k, **line_args)
-            for skip in (False, True):
-                vsi.SKIP_UNREACHED = skip
-                add("vertical_slash", f"count_blocks skip={skip}",
+            for by, skip in (("walk", False), ("walk", True), ("blocks", True)):
+                vsi.INDEX_BY, vsi.SKIP_UNREACHED = by, skip
+                add("vertical_slash", f"count_blocks {by} skip={skip}",
                     lambda: vsi.count_blocks(slashes, seqlen=q.shape[2], block_m=p.get("block_m", 64),
                                              block_n=p.get("block_n", 64)), None)
-                measure(f"index skip={skip}")
+                measure(f"index {by} skip={skip}")
     finally:
-        lq.SLASH_CONFIG, lq._SPLIT_KEYS, vsi.SKIP_UNREACHED = saved
+        lq.SLASH_CONFIG, lq._SPLIT_KEYS, vsi.SKIP_UNREACHED, vsi.INDEX_BY = saved
 
 
 def _key_splits(q: torch.Tensor, k: torch.Tensor, dense_ms: float, add: Any, log: Callable[[str], None]) -> None:
