@@ -12,7 +12,9 @@ The estimate is the softmax attention `A_hat` of the last `L` queries against al
 3. `_slash_kernel`: per (offset tile, head), loads the key window that the tile's
    diagonals cross for a row tile, computes `P = exp2(s - lse)` on it, and skews
    it with `tl.gather` (row `i`, offset `t` -> window column `i - t + BLOCK_O - 1`)
-   so the diagonal sums become column sums.
+   so the diagonal sums become column sums; or, `SLASH_CONFIG`'s fifth entry > 0,
+   through a per-program scratch slot (stored, a barrier, read back skewed), each
+   program walking several offset tiles. 32 rows x 32 offsets a step by default.
 
 No host synchronisation: every size is known from the shapes. GQA maps query
 head `h` to KV head `h // G`; K is never copied.

@@ -9,6 +9,12 @@ union of the earlier ones are `[max(f, l_prev + 1), l]`: the two-way merge of
 Alg. 4 becomes a prefix sum over chunks of slashes, and every slash writes its (at
 most `(block_m - 1) // block_n + 2`) new blocks at its prefix-sum position.
 
+Each query block's walk starts at its first slash that reaches it (a bisection
+of the sorted offsets, `SKIP_UNREACHED`). When `k_s >= Kb` (`INDEX_BY = "auto"`)
+the blocks come from the band kernel below instead, with bands of one offset: a
+key block is listed when a kept offset meets the offsets its causal pairs span,
+O(Kb) a query block instead of O(k_s); the same sorted lists.
+
 The kernel runs twice: a counting pass writes only `block_count`; the host reads
 its maximum (the one synchronisation of `vertical_slash_index`), allocates
 `block_index` exactly that wide, and the fill pass writes the lists. A width from
