@@ -10,10 +10,10 @@ Alg. 4 becomes a prefix sum over chunks of slashes, and every slash writes its (
 most `(block_m - 1) // block_n + 2`) new blocks at its prefix-sum position.
 
 Each query block's walk starts at its first slash that reaches it (a bisection
-of the sorted offsets, `SKIP_UNREACHED`). When `k_s >= Kb` (`INDEX_BY = "auto"`)
-the blocks come from the band kernel below instead, with bands of one offset: a
-key block is listed when a kept offset meets the offsets its causal pairs span,
-O(Kb) a query block instead of O(k_s); the same sorted lists.
+of the sorted offsets, `SKIP_UNREACHED`). When `k_s >= Kb >= 128` (`INDEX_BY =
+"auto"`) the blocks come from the band kernel below instead, with bands of one
+offset: a key block is listed when a kept offset meets the offsets its causal
+pairs span, O(Kb) a query block instead of O(k_s); the same sorted lists.
 
 The kernel runs twice: a counting pass writes only `block_count`; the host reads
 its maximum (the one synchronisation of `vertical_slash_index`), allocates
@@ -68,15 +68,20 @@ SKIP_UNREACHED = True
 # How the slash part's block lists are built: "walk" (Alg. 4, O(k_s) a query block), "blocks"
 # (the band kernel's key-block walk with bands of one offset, O(Kb) a query block: a block is
 # listed when a kept offset meets the offsets its causal pairs span, a prefix count over the
-# offsets answering in two loads; the same lists) or "auto": "blocks" when k_s >= Kb
-# (the bench's 6096 slashes: Kb 512 at 32K, 2048 at 128K; fifth session).
+# offsets answering in two loads; the same lists) or "auto": "blocks" when k_s >= Kb and
+# Kb >= `_BLOCKS_MIN_KB` (the bench's 6096 slashes: Kb 512 at 32K, 2048 at 128K; fifth
+# session). Below that both take microseconds, and the walk, Alg. 4 as written, stays what
+# the conformance properties exercise at their sizes (the band kernel is exercised there
+# through flexprefill_vs; tests/test_minference.py runs both ways against the reference).
 INDEX_BY: str = "auto"
+_BLOCKS_MIN_KB = 128
 
 
 def _by_blocks(n_slash: int, seqlen: int, block_n: int) -> bool:
     if INDEX_BY not in ("auto", "walk", "blocks"):
         raise ValueError(f"INDEX_BY must be 'auto', 'walk' or 'blocks', got {INDEX_BY!r}")
-    return INDEX_BY == "blocks" or (INDEX_BY == "auto" and n_slash >= cdiv(seqlen, block_n))
+    kb = cdiv(seqlen, block_n)
+    return INDEX_BY == "blocks" or (INDEX_BY == "auto" and n_slash >= kb >= _BLOCKS_MIN_KB)
 
 
 def _offset_counts(slashes: torch.Tensor, seqlen: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
