@@ -55,6 +55,25 @@ NCU_CONFIGS = (DPXA_CONFIGS[0], DPXA_CONFIGS[2])
 # Session 3's configuration (one program walks its whole key range), the tie check's "before".
 DPXA_CONFIGS_BEFORE = DPXA_CONFIGS[0]
 KEY_SPLITS = (0, 2, 4, 8)
+# `_slash_kernel` tiles timed by `--slash-variants` (`last_q_estimate.SLASH_CONFIG`: rows a
+# step, offsets a program, warps, stages, memory-skew programs per head (0: tl.gather)).
+# The first is the fourth session's kernel.
+SLASH_VARIANTS: tuple[tuple[int, int, int, int, int], ...] = (
+    (64, 64, 4, 2, 0),
+    (64, 64, 4, 1, 0),
+    (32, 64, 4, 2, 0),
+    (32, 32, 4, 2, 0),
+    (32, 32, 4, 1, 0),
+    (32, 32, 2, 2, 0),
+    (16, 32, 4, 2, 0),
+    (16, 16, 4, 2, 0),
+    (64, 64, 4, 2, 32),
+    (32, 32, 4, 2, 32),
+    (32, 32, 4, 2, 64),
+    (16, 16, 4, 2, 64),
+    (32, 64, 4, 2, 32),
+)
+SPLIT_KEYS = (1024, 2048, 4096)
 # The run's environment and the rows of the (N, D) already done, for the JSON written after every row.
 ENV: dict[str, Any] = {}
 DONE: list[dict[str, Any]] = []
@@ -137,6 +156,8 @@ def run_one(n: int, d: int, args: argparse.Namespace, log: Callable[[str], None]
             add(method, "plan", fn, floor, **extra)
         if args.dpxa_variants:
             _dpxa_variants(q, k, dense_ms, add, log)
+        if args.slash_variants:
+            _slash_variants(q, k, add, log)
         if args.tie_check:
             rows.extend(tie_check(n, d, q, k, log))
         if args.key_splits:
@@ -181,6 +202,61 @@ def _dpxa_variants(q: torch.Tensor, k: torch.Tensor, dense_ms: float, add: Any, 
             add("dpxa", f"plan {config}", lambda: fast.dpxa_plan(q, k), None, same_plan_as_default=same)
     finally:
         ds.SCORE_CONFIG = default
+
+
+def _slash_variants(q: torch.Tensor, k: torch.Tensor, add: Any, log: Callable[[str], None]) -> None:
+    """The last-q estimate and the vertical_slash / minference plans at each of
+    `SLASH_VARIANTS`, the lse pass's key splits at `SPLIT_KEYS`, and the VS index with
+    and without its bisection start (rows through `add`; plan hashes against the defaults)."""
+    from sparseprefill.fast.kernels import last_q_estimate as lq
+    from sparseprefill.fast.kernels import vertical_slash_index as vsi
+    from sparseprefill.methods import METHODS
+
+    specs = {name: METHODS.get(name) for name in ("vertical_slash", "minference")}
+    calls = {name: (lambda s=spec, p=spec.call_params(spec.demo_params(q.shape[2]), q): s.fast_plan(q, k, **p))
+             for name, spec in specs.items() if spec is not None}
+    est = lambda: lq.last_q_scores(q, k, last_q=64)  # noqa: E731
+    _, base_slash = est()
+    base_hash = {name: es._plan_hash(fn()) for name, fn in calls.items()}
+    saved = lq.SLASH_CONFIG, lq._SPLIT_KEYS, vsi.SKIP_UNREACHED, vsi.INDEX_BY
+
+    def measure(label: str) -> None:
+        try:
+            _, slash = est()
+            diff = float((slash - base_slash).abs().max())
+            same = {name: es._plan_hash(fn()) == base_hash[name] for name, fn in calls.items()}
+        except Exception as exc:  # noqa: BLE001 - e.g. a failed compile
+            log(f"{label}: {type(exc).__name__}: {str(exc)[:200]}")
+            return
+        add("last_q_scores", f"estimate {label}", est, None, max_slash_diff=diff)
+        for name, fn in calls.items():
+            add(name, f"plan {label}", fn, None, same_plan_as_default=same[name])
+
+    try:
+        for config in SLASH_VARIANTS:
+            lq.SLASH_CONFIG = config
+            measure(f"{config}")
+        lq.SLASH_CONFIG = saved[0]
+        for keys in SPLIT_KEYS:
+            lq._SPLIT_KEYS = keys
+            measure(f"lse split {keys}")
+        lq._SPLIT_KEYS = saved[1]
+        from sparseprefill.fast.vertical_slash import vertical_slash_lines
+
+        spec = specs["vertical_slash"]
+        if spec is not None:
+            p = spec.call_params(spec.demo_params(q.shape[2]), q)
+            line_args = {key: val for key, val in p.items() if key in (
+                "vertical_size", "slash_size", "last_q", "init_columns", "local_diagonals")}
+            _, slashes = vertical_slash_lines(q, k, **line_args)
+            for by, skip in (("walk", False), ("walk", True), ("blocks", True)):
+                vsi.INDEX_BY, vsi.SKIP_UNREACHED = by, skip
+                add("vertical_slash", f"count_blocks {by} skip={skip}",
+                    lambda: vsi.count_blocks(slashes, seqlen=q.shape[2], block_m=p.get("block_m", 64),
+                                             block_n=p.get("block_n", 64)), None)
+                measure(f"index {by} skip={skip}")
+    finally:
+        lq.SLASH_CONFIG, lq._SPLIT_KEYS, vsi.SKIP_UNREACHED, vsi.INDEX_BY = saved
 
 
 def _key_splits(q: torch.Tensor, k: torch.Tensor, dense_ms: float, add: Any, log: Callable[[str], None]) -> None:
@@ -334,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the default DPXA plan and XAttention stride 16 plan against the unsplit kernels' "
                              "weights: greedy selections up to tile_weight_tolerance (conformance.ties)")
     parser.add_argument("--key-splits", action="store_true")
+    parser.add_argument("--slash-variants", action="store_true",
+                        help="the slash kernel's tiles, the lse key splits and the VS index walk, timed")
     parser.add_argument("--profile-flex", action="store_true")
     parser.add_argument("--ncu-dpxa", action="store_true")
     parser.add_argument("--table", nargs="*", default=None, metavar="JSON")

@@ -124,6 +124,21 @@ def main() -> int:
         out = spec.run_fn("fast")(q, k, v, **params)
         _sync(dev)
         print(f"{spec.name:18s} out finite={bool(torch.isfinite(out).all())}", flush=True)
+    # The slash kernel's other tiles and its memory skew (SLASH_CONFIG), and the index walk
+    # without its bisection start (SKIP_UNREACHED): the defaults ran above.
+    from sparseprefill.fast.kernels import last_q_estimate as lq
+    from sparseprefill.fast.kernels import vertical_slash_index as vsi
+
+    saved = lq.SLASH_CONFIG, vsi.SKIP_UNREACHED, vsi.INDEX_BY
+    try:
+        for config, skip, by in (((64, 64, 4, 2, 0), False, "walk"), ((32, 32, 4, 2, 3), True, "walk"),
+                                 ((16, 16, 4, 2, 5), True, "blocks")):
+            lq.SLASH_CONFIG, vsi.SKIP_UNREACHED, vsi.INDEX_BY = config, skip, by
+            fast.vertical_slash_plan(q, k, vertical_size=64, slash_size=64, last_q=50, block_m=64, block_n=64)
+            _sync(dev)
+            print(f"slash config {config}, index {by} skip {skip} ran", flush=True)
+    finally:
+        lq.SLASH_CONFIG, vsi.SKIP_UNREACHED, vsi.INDEX_BY = saved
     plan = fast.vertical_slash_plan(q, k, vertical_size=64, slash_size=64, last_q=64, block_m=64, block_n=64)
     state = fast.AttentionState.empty(2, 4, n, 64, device=dev)
     means = torch.empty(2, 4, plan.num_query_blocks, plan.num_key_blocks, device=dev)

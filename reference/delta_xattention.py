@@ -282,13 +282,18 @@ def check_selection(weights: object, selected: object) -> tuple[torch.Tensor, to
 
 
 def rank_off_diagonal(
-    weights: torch.Tensor, selected: torch.Tensor, *, first: bool = True
+    weights: torch.Tensor, selected: torch.Tensor, *, first: bool = True,
+    key_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The selected off-diagonal tiles of every (batch row, head), heaviest first.
 
     Args:
         weights, selected: `[B, H, T, T]`.
         first: whether the first key tile (`j = 0`) is a candidate.
+        key_dtype: the sort keys' dtype. float64 is the spec; float32 gives the same order
+            for weights of float32 or narrower (each is exact in both) that are never
+            float32's lowest finite value (where NaN ranks), in half the radix passes
+            (`fast.exact_tiles`).
 
     Returns:
         (order int64 `[B, H, T * T]`: row-major tile indices, the `n` candidates first by
@@ -298,7 +303,7 @@ def rank_off_diagonal(
     idx = torch.arange(t, device=weights.device)
     off = (idx[None, :] < idx[:, None]) & ((idx[None, :] > 0) | first)
     candidate = (selected & off).reshape(b, h, t * t)
-    ranked = torch.where(candidate, rank_nan_last(weights.reshape(b, h, t * t).to(torch.float64)), -math.inf)
+    ranked = torch.where(candidate, rank_nan_last(weights.reshape(b, h, t * t).to(key_dtype)), -math.inf)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     return order, candidate.sum(-1)
 
@@ -308,7 +313,8 @@ def share_of(fraction: float, n: torch.Tensor) -> torch.Tensor:
     return torch.floor(fraction * n.to(torch.float64) + 0.5).to(torch.int64)
 
 
-def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float) -> torch.Tensor:
+def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float, *,
+                key_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """4.2.1: the tiles computed exactly: the diagonal, and the top `exact_top` of the selected
     off-diagonal tiles by weight (per batch row and head; see the module doc).
 
@@ -316,6 +322,7 @@ def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float)
         weights: float `[B, H, T, T]`, XAttention tile weights.
         selected: bool `[B, H, T, T]`, the selected tiles (`select_tiles`).
         exact_top: fraction in `[0, 1]`.
+        key_dtype: the ranking's sort keys (`rank_off_diagonal`).
 
     Returns:
         bool `[B, H, T, T]`.
@@ -326,7 +333,7 @@ def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float)
     weights, selected = check_selection(weights, selected)
     top = check_exact_top(exact_top)
     b, h, t, _ = weights.shape
-    order, n = rank_off_diagonal(weights, selected)
+    order, n = rank_off_diagonal(weights, selected, key_dtype=key_dtype)
     # 4.2.1: "the top 10% of off-diagonal tiles by XAttention tile importance score".
     in_top = torch.arange(t * t, device=weights.device) < share_of(top, n).unsqueeze(-1)
     top_tiles = torch.zeros(b, h, t * t, dtype=torch.bool, device=weights.device).scatter_(-1, order, in_top)
@@ -334,7 +341,8 @@ def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float)
     return top_tiles.view(b, h, t, t) | (idx[None, :] == idx[:, None])
 
 
-def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> torch.Tensor:
+def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float, *,
+               key_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """4.2.2's ablation: XAttention's selection less its `skip` least important off-diagonal tiles.
 
     Per batch row and head, `round(skip * n)` of its `n` selected off-diagonal tiles
@@ -347,6 +355,7 @@ def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> to
         weights: float `[B, H, T, T]`, XAttention tile weights.
         selected: bool `[B, H, T, T]` (`select_tiles`).
         skip: fraction in `[0, 1]`.
+        key_dtype: the ranking's sort keys (`rank_off_diagonal`).
 
     Returns:
         bool `[B, H, T, T]`, a subset of `selected` keeping every diagonal and first tile.
@@ -357,7 +366,7 @@ def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> to
     weights, selected = check_selection(weights, selected)
     drop = check_fraction("skip", skip)
     b, h, t, _ = weights.shape
-    order, n = rank_off_diagonal(weights, selected, first=False)
+    order, n = rank_off_diagonal(weights, selected, first=False, key_dtype=key_dtype)
     pos = torch.arange(t * t, device=weights.device)
     # Sec. 4.2.2: "skip the alpha% least important off-diagonal tiles".
     dropped = (pos >= (n - share_of(drop, n)).unsqueeze(-1)) & (pos < n.unsqueeze(-1))

@@ -92,6 +92,17 @@ def test_nan_weights_rank_last_for_exact_and_first_for_skipping() -> None:
     assert torch.equal(kept, want)
 
 
+def test_fast_ranking_on_float32_keys_is_the_float64_order() -> None:
+    """`fast.exact_tiles` / `skip_tiles` sort float32 weights on float32 keys: the same tiles
+    as the reference's float64 ranking, ties (to the lower index) and NaN included."""
+    w, sel = _weights()
+    w[0, 0, 3, 2] = math.nan
+    w32 = w.float()
+    for frac in (0.1, 0.2, 0.39, 0.67, 1.0):
+        assert torch.equal(fast.exact_tiles(w32, sel, frac), reference.exact_tiles(w32.double(), sel, frac))
+        assert torch.equal(fast.skip_tiles(w32, sel, frac), reference.skip_tiles(w32.double(), sel, frac))
+
+
 def test_skip_tiles_drops_the_lightest_off_diagonal_tiles_but_never_the_first() -> None:
     w, sel = _weights()
     w[0, 0, 4, 0] = 0.01  # the lightest tile of all, but the first key tile: XAttention forces it

@@ -192,7 +192,13 @@ def test_block_sparse_steps_by_hand() -> None:
 # -- fast against reference --------------------------------------------------------
 
 
-def test_index_kernel_matches_reference_and_literal() -> None:
+@pytest.mark.parametrize("by", ["walk", "blocks"])
+def test_index_kernel_matches_reference_and_literal(monkeypatch: pytest.MonkeyPatch, by: str) -> None:
+    """Both ways of building the slash blocks (`INDEX_BY`: Alg. 4's walk over the slashes,
+    the key-block walk over a prefix count of offsets) give the reference's lists."""
+    import sparseprefill.fast.kernels.vertical_slash_index as vsi
+
+    monkeypatch.setattr(vsi, "INDEX_BY", by)
     gen = torch.Generator().manual_seed(3)
     cases = [(37, 16, 16, 5, 9), (100, 32, 16, 20, 3), (130, 16, 48, 7, 30), (64, 64, 64, 64, 64)]
     for n, bm, bn, kv, ks in cases:
@@ -205,6 +211,41 @@ def test_index_kernel_matches_reference_and_literal() -> None:
         for b in range(2):
             literal = _alg4_literal(v[b, 0].tolist(), s[b, 0].tolist(), n, bm, bn)
             assert _lists(want, b) == literal, (n, bm, bn, kv, ks, b)
+
+
+def test_index_kernel_skips_unreached_slashes_over_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bisection start (`SKIP_UNREACHED`) over several chunks, the walk starting inside
+    one: the same plan as the full walk and as the reference (slashes at and around each
+    query block's last row, padding N)."""
+    import sparseprefill.fast.kernels.vertical_slash_index as vsi
+
+    monkeypatch.setattr(vsi, "_CHUNK", 2)
+    n, bm, bn = 90, 16, 16
+    # Query block 2 (rows 32-47) meets key block 0 only through offset 47, on its last row.
+    s = torch.tensor([0, 1, 15, 47, 50, 63, 80, 89, 90, 90], dtype=torch.int32).reshape(1, 1, -1)
+    v = torch.tensor([[[3, 40]]], dtype=torch.int32)
+    want = vertical_slash_index(v, s.clamp(max=n - 1).unique().reshape(1, 1, -1), seqlen=n, block_m=bm, block_n=bn)
+    plans = []
+    for skip in (True, False):
+        monkeypatch.setattr(vsi, "SKIP_UNREACHED", skip)
+        plans.append(fast_index(v, s, seqlen=n, block_m=bm, block_n=bn).validate())
+    assert plans[0].equal(plans[1]) and plans[0].equal(want)
+    assert _lists(plans[0])[0] == _lists(plans[1])[0]
+
+
+@pytest.mark.parametrize("config", [(16, 32, 4, 2, 2)])
+def test_fast_slash_scores_at_other_tiles(monkeypatch: pytest.MonkeyPatch,
+                                          config: tuple[int, int, int, int, int]) -> None:
+    """`SLASH_CONFIG` changes the slash kernel's tile and skew, not its sums (last_q 40: rows
+    in steps of 16, one partial; 32 offsets a tile; the memory skew with 2 programs per
+    head, each walking several offset tiles through one scratch slot)."""
+    import sparseprefill.fast.kernels.last_q_estimate as lq
+
+    monkeypatch.setattr(lq, "SLASH_CONFIG", config)
+    q, k, _ = _inputs(1, 2, 1, 97, 32, torch.float16, seed=5)
+    _, slash = fast_scores(q, k, last_q=40)
+    _, ref_slash = vertical_slash_scores(q, k, last_q=40)
+    assert (slash.double() - ref_slash).abs().max() < line_tolerance(40) / 10
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -9,6 +9,12 @@ union of the earlier ones are `[max(f, l_prev + 1), l]`: the two-way merge of
 Alg. 4 becomes a prefix sum over chunks of slashes, and every slash writes its (at
 most `(block_m - 1) // block_n + 2`) new blocks at its prefix-sum position.
 
+Each query block's walk starts at its first slash that reaches it (a bisection
+of the sorted offsets, `SKIP_UNREACHED`). When `k_s >= Kb >= 128` (`INDEX_BY =
+"auto"`) the blocks come from the band kernel below instead, with bands of one
+offset: a key block is listed when a kept offset meets the offsets its causal
+pairs span, O(Kb) a query block instead of O(k_s); the same sorted lists.
+
 The kernel runs twice: a counting pass writes only `block_count`; the host reads
 its maximum (the one synchronisation of `vertical_slash_index`), allocates
 `block_index` exactly that wide, and the fill pass writes the lists. A width from
@@ -55,13 +61,48 @@ from ..capture import static_widths_active
 # warps 3.49 ms, 128 x 4 3.81 ms, 8 warps no faster at any chunk; benches/tune_index_chunk.py).
 _CHUNK = 256
 _NUM_WARPS = 4
+# Start each query block's walk at its first reaching slash (a bisection of the sorted
+# offsets) rather than at the largest offset: the same plan, fewer chunks for the early
+# query blocks (fifth session; False is the fourth session's walk, kept for the timing).
+SKIP_UNREACHED = True
+# How the slash part's block lists are built: "walk" (Alg. 4, O(k_s) a query block), "blocks"
+# (the band kernel's key-block walk with bands of one offset, O(Kb) a query block: a block is
+# listed when a kept offset meets the offsets its causal pairs span, a prefix count over the
+# offsets answering in two loads; the same lists) or "auto": "blocks" when k_s >= Kb and
+# Kb >= `_BLOCKS_MIN_KB` (the bench's 6096 slashes: Kb 512 at 32K, 2048 at 128K; fifth
+# session). Below that both take microseconds, and the walk, Alg. 4 as written, stays what
+# the conformance properties exercise at their sizes (the band kernel is exercised there
+# through flexprefill_vs; tests/test_minference.py runs both ways against the reference).
+INDEX_BY: str = "auto"
+_BLOCKS_MIN_KB = 128
+
+
+def _by_blocks(n_slash: int, seqlen: int, block_n: int) -> bool:
+    if INDEX_BY not in ("auto", "walk", "blocks"):
+        raise ValueError(f"INDEX_BY must be 'auto', 'walk' or 'blocks', got {INDEX_BY!r}")
+    kb = cdiv(seqlen, block_n)
+    return INDEX_BY == "blocks" or (INDEX_BY == "auto" and n_slash >= kb >= _BLOCKS_MIN_KB)
+
+
+def _offset_counts(slashes: torch.Tensor, seqlen: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_band_blocks_kernel`'s inputs for bands of one offset: no vertical band (int8 zeros
+    `[B, H, Kb]`) and the kept offsets before each offset (int32 `[B, H, N + 1]`); padding
+    entries N (and anything out of range) are counted nowhere."""
+    b, h, _ = slashes.shape
+    dev = slashes.device
+    kept = torch.zeros(b, h, seqlen + 1, dtype=torch.int32, device=dev)
+    kept.scatter_(2, slashes.long().clamp(0, seqlen), 1)
+    counts = torch.zeros(b, h, seqlen + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(kept[..., :seqlen], dim=-1, out=counts[..., 1:])
+    return torch.zeros(b, h, cdiv(seqlen, block_n), dtype=torch.int8, device=dev), counts
 
 
 @triton.jit
 def _vertical_slash_blocks_kernel(
     SLASH, BLOCK_COUNT, BLOCK_INDEX,
     seqlen, block_m, block_n, n_slash, num_qblocks, block_width,
-    RANGE_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, WRITE: tl.constexpr,
+    search_steps,
+    RANGE_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, WRITE: tl.constexpr, SKIP_UNREACHED: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -73,9 +114,24 @@ def _vertical_slash_blocks_kernel(
     o_ch = tl.arange(0, CHUNK)
 
     # Slash t (descending offset) is SLASH[n_slash - 1 - t] (stored ascending).
+    t_begin = n_slash * 0
+    if SKIP_UNREACHED:
+        # Alg. 4 line 7 as a bisection: the slashes above r1 - 1 (the first ones in
+        # descending order) reach no row of the block, add no block and leave
+        # `last_prev` at -1, so the walk starts at the first one that reaches.
+        lo = n_slash * 0
+        hi = n_slash + 0
+        for _ in range(0, search_steps):
+            mid = (lo + hi) // 2
+            live = lo < hi
+            v = tl.load(p_slash + mid, mask=live, other=seqlen)
+            right = live & (v <= r1 - 1)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(live & (v > r1 - 1), mid, hi)
+        t_begin = n_slash - lo
     n_blocks = 0
     last_prev = -1
-    for t0 in range(0, n_slash, CHUNK):
+    for t0 in range(t_begin, n_slash, CHUNK):
         o_t = t0 + o_ch
         m_t = o_t < n_slash
         off = tl.load(p_slash + (n_slash - 1 - o_t), mask=m_t, other=seqlen)
@@ -163,11 +219,15 @@ def count_blocks(slashes: torch.Tensor, *, seqlen: int, block_m: int, block_n: i
     """
     b, h, ks = slashes.shape
     qb = cdiv(seqlen, block_m)
+    if _by_blocks(ks, seqlen, block_n):
+        vblocks, counts = _offset_counts(slashes, seqlen, block_n)
+        return count_band_blocks(vblocks, counts, seqlen=seqlen, block_m=block_m, block_n=block_n, line_block=1)
     block_count = torch.empty(b, h, qb, dtype=torch.int32, device=slashes.device)
     _vertical_slash_blocks_kernel[(qb, b * h)](
         slashes.contiguous(), block_count, block_count,
-        seqlen, block_m, block_n, ks, qb, 0,
-        RANGE_BLOCKS=(block_m - 1) // block_n + 2, CHUNK=_CHUNK, WRITE=False, num_warps=_NUM_WARPS,
+        seqlen, block_m, block_n, ks, qb, 0, ks.bit_length(),
+        RANGE_BLOCKS=(block_m - 1) // block_n + 2, CHUNK=_CHUNK, WRITE=False, SKIP_UNREACHED=SKIP_UNREACHED,
+        num_warps=_NUM_WARPS,
     )
     return block_count
 
@@ -218,11 +278,19 @@ def fill_index(
     qb = cdiv(seqlen, block_m)
     dev = verticals.device
     block_index = torch.empty(b, h, qb, block_width, dtype=torch.int32, device=dev)
-    if block_width > 0:
+    if block_width > 0 and _by_blocks(ks, seqlen, block_n):
+        vblocks, counts = _offset_counts(slashes, seqlen, block_n)
+        _band_blocks_kernel[(qb, b * h)](
+            vblocks, counts, block_count, block_index,
+            seqlen, block_m, block_n, 1, vblocks.shape[2], seqlen, qb, block_width,
+            CHUNK=_CHUNK, WRITE=True, num_warps=_NUM_WARPS,
+        )
+    elif block_width > 0:
         _vertical_slash_blocks_kernel[(qb, b * h)](
             slashes.contiguous(), block_count, block_index,
-            seqlen, block_m, block_n, ks, qb, block_width,
-            RANGE_BLOCKS=(block_m - 1) // block_n + 2, CHUNK=_CHUNK, WRITE=True, num_warps=_NUM_WARPS,
+            seqlen, block_m, block_n, ks, qb, block_width, ks.bit_length(),
+            RANGE_BLOCKS=(block_m - 1) // block_n + 2, CHUNK=_CHUNK, WRITE=True, SKIP_UNREACHED=SKIP_UNREACHED,
+            num_warps=_NUM_WARPS,
         )
     shared = verticals.contiguous()
     last_row = ((torch.arange(qb, device=dev, dtype=torch.int32) + 1) * block_m - 1).clamp_(max=seqlen - 1)
