@@ -96,10 +96,57 @@ def delta_kv_plans(
         TypeError, ValueError: bad inputs.
     """
     packed, q = check_packed_for(packed, q)
-    b, hq, n, _ = q.shape
     bm = check_block_size("block_m", block_m)
+    check_kernel_block_sizes(bm, packed.block, names=("block_m", "packed.block"))
+    phase1, diagonal = _phase1_plan(q, packed, bm)
+    return phase1, _phase2_plan(diagonal, _HostMax(diagonal.count).get())
+
+
+class _Diagonal:
+    """Phase 2's per-query-block geometry, on the device: the first whole key block past
+    the cut (`first_block`), the number of whole blocks up to the diagonal (`count`) and
+    the columns `[cut, col_end)` before the first whole block."""
+
+    def __init__(self, cut: torch.Tensor, *, n: int, bm: int, bs: int) -> None:
+        dev = cut.device
+        qb = cut.shape[-1]
+        last_row = (torch.arange(1, qb + 1, device=dev, dtype=torch.int64) * bm).clamp(max=n) - 1
+        self.cut, self.n, self.bm, self.bs = cut, n, bm, bs
+        self.first_block = cdiv_tensor(cut, bs)
+        self.count = (last_row // bs - self.first_block + 1).clamp(min=0)
+        # Columns: from `cut` up to the first whole block, never past the block's last row.
+        self.col_count = (torch.minimum(self.first_block * bs, last_row + 1) - cut).clamp(min=0)
+
+
+class _HostMax:
+    """The maximum of an integer tensor, read on the host without stalling the stream.
+
+    On a GPU the value is copied into pinned memory behind an event as soon as it is
+    computed; `get` waits for that event only, so kernels launched between the two
+    calls (Delta-KV's phase 1) keep the GPU busy while the host waits. On the CPU it
+    is a plain read."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        m = t.max() if t.numel() else t.new_zeros(())
+        self._event: torch.cuda.Event | None = None
+        if m.is_cuda:
+            self._host = torch.empty((), dtype=m.dtype, pin_memory=True)
+            self._host.copy_(m, non_blocking=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+        else:
+            self._host = m
+
+    def get(self) -> int:
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host.item())
+
+
+def _phase1_plan(q: torch.Tensor, packed: PackedKV, bm: int) -> tuple[BlockColumnPlan, _Diagonal]:
+    """Phase 1's plan and phase 2's geometry, with tensor ops only (no host read)."""
+    b, hq, n, _ = q.shape
     bs = packed.block
-    check_kernel_block_sizes(bm, bs, names=("block_m", "packed.block"))
     dev = q.device
     qb, kb = cdiv(n, bm), cdiv(n, bs)
     safe, cut = safe_blocks(packed, block_m=bm)
@@ -113,25 +160,24 @@ def delta_kv_plans(
         column_count=torch.zeros(b, hq, qb, dtype=torch.int32, device=dev),
         column_index=torch.zeros(b, hq, qb, 0, dtype=torch.int32, device=dev),
     ).mark_valid()
-    last_row = (torch.arange(1, qb + 1, device=dev, dtype=torch.int64) * bm).clamp(max=n) - 1
-    first_block = cdiv_tensor(cut, bs)
-    count2 = (last_row // bs - first_block + 1).clamp(min=0)
-    width2 = int(count2.max().item()) if count2.numel() else 0
-    blocks = first_block.unsqueeze(-1) + torch.arange(width2, device=dev)
-    # Columns: from `cut` up to the first whole block, never past the block's last row.
-    col_end = torch.minimum(first_block * bs, last_row + 1)
-    col_count = (col_end - cut).clamp(min=0)
-    columns = cut.unsqueeze(-1) + torch.arange(max(bs - 1, 0), device=dev)
-    phase2 = BlockColumnPlan(
-        seqlen=n, block_m=bm, block_n=bs,
-        block_count=count2.to(torch.int32),
-        block_index=torch.where(torch.arange(width2, device=dev) < count2.unsqueeze(-1), blocks, 0).to(torch.int32),
-        column_count=col_count.to(torch.int32),
-        column_index=torch.where(torch.arange(columns.shape[-1], device=dev) < col_count.unsqueeze(-1),
+    return phase1, _Diagonal(cut, n=n, bm=bm, bs=bs)
+
+
+def _phase2_plan(diag: _Diagonal, width: int) -> BlockColumnPlan:
+    """Phase 2's plan, its block lists `width` wide (the longest critical diagonal)."""
+    dev, bs = diag.cut.device, diag.bs
+    blocks = diag.first_block.unsqueeze(-1) + torch.arange(width, device=dev)
+    columns = diag.cut.unsqueeze(-1) + torch.arange(max(bs - 1, 0), device=dev)
+    return BlockColumnPlan(
+        seqlen=diag.n, block_m=diag.bm, block_n=bs,
+        block_count=diag.count.to(torch.int32),
+        block_index=torch.where(torch.arange(width, device=dev) < diag.count.unsqueeze(-1), blocks, 0)
+        .to(torch.int32),
+        column_count=diag.col_count.to(torch.int32),
+        column_index=torch.where(torch.arange(columns.shape[-1], device=dev) < diag.col_count.unsqueeze(-1),
                                  columns, 0).to(torch.int32),
         columns_disjoint=True,
     ).mark_valid()
-    return phase1, phase2
 
 
 def safe_blocks(packed: PackedKV, *, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,14 +234,18 @@ def delta_kv_attention(
     check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
     bm = check_block_size("block_m", block_m)
     check_kernel_block_sizes(bm, packed.block, names=("block_m", "packed.block"))
-    plan1, plan2 = delta_kv_plans(q, packed, block_m=bm)
+    plan1, diagonal = _phase1_plan(q, packed, bm)
+    width = _HostMax(diagonal.count)  # read after phase 1 is queued: no idle GPU while it waits
     counts = packed.counts.to(torch.float32)
     # Eq. 4 as a bias: c exp(s) = exp(s + log c); padding (count 0) weighs nothing.
     bias = torch.log(counts) if count_weighted else torch.where(counts > 0, 0.0, -math.inf)
     state = AttentionState.like(q)
-    if bool((plan1.block_count > 0).any()):
-        ragged_block_column_attention(q, packed.k, packed.v, packed.offsets[:-1].contiguous(), plan1,
-                                      key_bias=bias, scale=scale, state=state)
+    # Launched even where no query block has a safe block: its programs then leave at
+    # once, cheaper than the host read that would skip them. The offsets are a checked
+    # packing's (`check_packed` above), so the launcher's own range check is skipped.
+    ragged_block_column_attention(q, packed.k, packed.v, packed.offsets[:-1].contiguous(), plan1,
+                                  key_bias=bias, scale=scale, state=state, check_offsets=False)
+    plan2 = _phase2_plan(diagonal, width.get())
     k2, v2 = (k, v) if exact_diagonal else expand_packed(packed)
     out, _ = block_column_attention(q, k2, v2, plan2, scale=scale, state=state, validate_plan=False)
     return out
@@ -218,9 +268,10 @@ def delta_kv(
     """Delta-KV attention end to end (see `reference.delta_kv`; `threshold` a scalar or one
     value per query head, equal within each KV group).
 
-    Host synchronisations: the packed buffer's size, the segment ids' count, the
-    phase-2 width, the phase-1 launch test and the ragged launcher's offset check; no
-    static variant, not capture-safe (docs/serving.md).
+    Host synchronisations: two, the packed buffer's size and the phase-2 width; the
+    width is copied out behind an event and read after phase 1 is queued, so the GPU
+    does not idle while the host waits for it. No static variant, not capture-safe
+    (docs/serving.md).
 
     Raises:
         TypeError, ValueError: bad inputs or parameters, before any launch.

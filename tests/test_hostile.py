@@ -313,7 +313,7 @@ def test_packers_mark_their_output_valid() -> None:
         assert tiles.packed._checked and tiles.validate() is tiles
 
 
-@pytest.mark.parametrize("field_name", ["timestamps", "counts", "lengths"])
+@pytest.mark.parametrize("field_name", ["timestamps", "counts", "lengths", "offsets"])
 def test_packing_edited_after_validation_cannot_read_out_of_bounds(field_name: str) -> None:
     """In place, after `validate`: not re-checked (as plans), wrong numbers, no stray read."""
     (q, k, v), packed = _packed()

@@ -751,6 +751,7 @@ def ragged_block_column_attention(
     scale: float | None = None,
     return_lse: bool = False,
     state: AttentionState | None = None,
+    check_offsets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The kernel over keys stored ragged: one flat `[T, D]` K and V, a segment per (b, KV head).
 
@@ -769,6 +770,10 @@ def ragged_block_column_attention(
         plan: a plan for `[B, Hq, N]` over the segments' keys (block sizes multiples of 16).
         key_bias: optional float32 `[T]` added to every scaled logit of a key.
         scale, return_lse, state: as `block_column_attention`.
+        check_offsets: check that every offset lies in `[0, T]` (one host
+            synchronisation); skip only for offsets the caller built and checked, as
+            `fast.delta_kv` does with a validated `PackedKV` (its `offsets` are a
+            cumulative sum of segment sizes ending at `T`).
 
     Returns:
         (out `[B, Hq, N, D]`, lse or None).
@@ -794,8 +799,10 @@ def ragged_block_column_attention(
                          f"{kv_offsets.shape[0]} for B={b}, Hq={hq}")
     if kv_offsets.device != q.device:
         raise ValueError(f"kv_offsets must be on q's device ({q.device})")
-    if kv_offsets.numel() and (int(kv_offsets.min()) < 0 or int(kv_offsets.max()) > k.shape[0]):
-        raise ValueError(f"kv_offsets must lie in [0, T={k.shape[0]}]")
+    if check_offsets and kv_offsets.numel():
+        lo, hi = torch.stack(torch.aminmax(kv_offsets)).tolist()  # one host read
+        if lo < 0 or hi > k.shape[0]:
+            raise ValueError(f"kv_offsets must lie in [0, T={k.shape[0]}]")
     if plan.seqlen != n or tuple(plan.block_count.shape[:2]) != (b, hq) or plan.device != q.device:
         raise ValueError("plan must be for q (seqlen, B, Hq, device)")
     if state is not None:

@@ -215,7 +215,7 @@ def pack(
         num_warps=4,
     )
     # Run lengths: the next anchor's position (or N) minus this one's, within a segment.
-    seg = torch.repeat_interleave(torch.arange(b * h, device=k.device), rows)
+    seg = torch.repeat_interleave(torch.arange(b * h, device=k.device), rows, output_size=total)
     seg_end = torch.full_like(pos, n)
     real = pos >= 0
     nxt = torch.cat([pos[1:], pos.new_full((1,), -1)])
