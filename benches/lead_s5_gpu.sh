@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The lead's device call of 2026-11-26 (session 5), from the merged tree's root with main at the
+# session's start carried in .carry/before:
+#   OUT=$OUT bash benches/lead_s5_gpu.sh perf     (parts 1-3)
+#   OUT=$OUT bash benches/lead_s5_gpu.sh check    (part 4)
+# 1. Delta-KV before / after the host-read change (keep 0.5 and 0.33 at 32K, keep 0.5 at 128K),
+#    benches/delta_kv_profile.py in both trees, cuDNN in each run.
+# 2. Varlen in one launch against per-sequence launches, packed grid on / off (issue 21).
+# 3. compute-sanitizer memcheck of every method's fast path (benches/sanitize_kernels.py).
+# 4. GPU conformance of the methods and kernel paths changed this session.
+set -u -o pipefail
+MODE=${1:-perf}
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+R=$(pwd)
+source benches/device_env.sh
+LOG=$OUT/run.log
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$LOG"
+rm -rf /tmp/L/before && mkdir -p /tmp/L/before && cp -r "$R/.carry/before/sparseprefill" /tmp/L/before/
+for d in reference fast conformance; do ln -s "$R/.carry/before/$d" /tmp/L/before/sparseprefill/$d; done
+step() { local name=$1 limit=$2; shift 2; echo "=== $name" | tee -a "$LOG"; local t=$SECONDS
+    timeout "$limit" "$@" 2>&1 | grep -v -i warn | tee -a "$LOG"; echo "=== $name rc=${PIPESTATUS[0]} $((SECONDS - t))s" | tee -a "$LOG"; }
+W=$(mktemp -d)
+if [ "$MODE" = perf ]; then
+for cfg in "32768 2" "32768 3" "131072 2"; do set -- $cfg
+    PYTHONPATH=/tmp/L/before step "delta-before-$1-run$2" 120 python3 "$R/benches/delta_kv_profile.py" --seqlen $1 --run $2 \
+        --json "$W/delta-before-$1-run$2.json"
+    step "delta-after-$1-run$2" 120 python3 benches/delta_kv_profile.py --seqlen $1 --run $2 --json "$W/delta-after-$1-run$2.json"
+done
+step varlen 90 python3 benches/issue21_s4.py --parts varlen --flat-tma-only --varlen-grids --json "$W/varlen.json"
+step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benches/sanitize_kernels.py
+fi
+if [ "$MODE" = check ]; then
+step conformance "${CONF_S:-240}" python3 -m sparseprefill.conformance --device cuda --max-seqlen 8192 --examples 6 \
+    --row-budget "${ROW_S:-6}" \
+    --methods delta_kv,vertical_slash,minference,flexprefill_vs,shareprefill,delta_xattention \
+    --properties plan,end_to_end,estimate,sparse_attention,nonfinite,resumed_attention,block_means \
+    --json "$W/conformance.json"
+fi
+tar -czf "$OUT/lead-s5.tgz" -C "$W" .
