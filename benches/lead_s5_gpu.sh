@@ -13,7 +13,7 @@ MODE=${1:-perf}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 R=$(pwd)
-source benches/device_env.sh
+source benches/device_env.sh "$R"
 LOG=$OUT/run.log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$LOG"
 rm -rf /tmp/L/before && mkdir -p /tmp/L/before && cp -r "$R/.carry/before/sparseprefill" /tmp/L/before/
