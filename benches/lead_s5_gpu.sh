@@ -33,7 +33,7 @@ fi
 if [ "$MODE" = check ]; then
 step conformance "${CONF_S:-240}" python3 -m sparseprefill.conformance --device cuda --max-seqlen 8192 --examples 6 \
     --row-budget "${ROW_S:-6}" \
-    --methods delta_kv,vertical_slash,minference,flexprefill_vs,shareprefill,delta_xattention \
+    --methods delta_kv,vertical_slash,minference,flexprefill_vs,shareprefill,delta_xattention,anchor_attention,sample_attention \
     --properties plan,end_to_end,estimate,sparse_attention,nonfinite,resumed_attention,block_means \
     --json "$W/conformance.json"
 fi
