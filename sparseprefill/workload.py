@@ -1111,7 +1111,7 @@ def _layer_summary(cap: Stats, gen: Stats) -> dict[str, Any]:
 
 
 def calibration_report(
-    data: Mapping[str, Any],
+    data: Mapping[str, Any] | None,
     calibration: Calibration,
     fit_stats: Mapping[int, Stats],
     *,
@@ -1124,24 +1124,27 @@ def calibration_report(
 
     When the calibration was fitted on a prefix, the generated workload is made at the
     capture's full length under each rule and compared with the full capture's
-    statistics: the rule's prediction error.
+    statistics: the rule's prediction error. With `data` None (a fit to saved statistics) the
+    comparison is at the fit's own length, against `fit_stats`.
 
     Returns:
         A JSON-ready dict: `source`, `fit_seqlen`, `seqlen`, and per rule the per-layer
         summaries (`_layer_summary`) and per-head statistics.
     """
-    index = {int(x): i for i, x in enumerate(data["layers"])}
+    index = {int(x): i for i, x in enumerate(data["layers"])} if data is not None else {}
     report: dict[str, Any] = {"source": calibration.source, "rules": {}}
     for rule in rules:
         check_rule(rule)
         layers: list[dict[str, Any]] = []
         for lp in calibration.layers:
-            i = index[lp.layer]
-            q, k = data["q"][i], data["k"][i]
-            n = int(q.shape[2])
             # A shared fit (salience drawn) is measured as it was fitted: slashes first.
             first = any(h.salience for h in lp.heads)
-            cap = fit_stats[lp.layer] if n == lp.seqlen else attention_stats(q, k, rows=rows, slash_first=first)
+            if data is None:
+                n, cap = lp.seqlen, fit_stats[lp.layer]
+            else:
+                q, k = data["q"][index[lp.layer]], data["k"][index[lp.layer]]
+                n = int(q.shape[2])
+                cap = fit_stats[lp.layer] if n == lp.seqlen else attention_stats(q, k, rows=rows, slash_first=first)
             shape = Shape(1, len(lp.heads), len(lp.kv), n, FIT_HEAD_DIM, torch.float64)
             gq, gk, _ = generate_layer(lp.heads, lp.kv, shape, seed=seed, fit_seqlen=lp.seqlen, rule=rule)
             gen = attention_stats(gq, gk, rows=rows, slash_first=first)
