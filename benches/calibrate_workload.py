@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of --qkv: fit to the captured statistics of a --stats-only JSON (made "
                              "with the same --shared and --rows); no capture needed, e.g. on a machine the "
                              "capture does not reach; the report compares at the statistics' own length")
+    parser.add_argument("--predict-stats", type=Path, default=None,
+                        help="with --stats of a prefix: the capture's statistics at its full length (a --stats-only "
+                             "JSON): predict there under every rule (--rules), as --max-seqlen --predict does")
     parser.add_argument("--join", type=Path, nargs="+", default=None,
                         help="instead of fitting: join these calibrations (one layer each, e.g. fitted in "
                              "parallel processes) into --calibration, layers in order")
@@ -50,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="experimental: also fit the shared far-field structure (workload.fit_layer)")
     parser.add_argument("--joint-runs", action="store_true",
                         help="with --shared: query runs fitted with the vertical share, clean sink key")
+    parser.add_argument("--slash-select", choices=workload.SLASH_SELECT, default="mean",
+                        help="how the slash diagonals are ranked (workload.attention_stats)")
     parser.add_argument("--stats-only", action="store_true",
                         help="only the captured statistics of every chosen layer (no fit)")
     args = parser.parse_args(argv)
@@ -86,17 +91,19 @@ def main(argv: list[str] | None = None) -> int:
                 scale = float(data["scale"][i])
                 stats[int(layer)] = asdict(workload.attention_stats(
                     q, k, scale=None if math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6) else scale,
-                    rows=args.rows, slash_first=args.shared))
+                    rows=args.rows, slash_first=args.shared, slash_select=args.slash_select))
                 log(f"layer {layer}: oracle@0.95 mean {sum(o[1] for o in stats[int(layer)]['oracle']) / len(stats[int(layer)]['oracle']):.4f}")
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"command": " ".join(["python benches/calibrate_workload.py",
                                                               *(argv or sys.argv[1:])]),
                                          "source": data.get("meta", {}), "slash_first": args.shared,
+                                         "slash_select": args.slash_select,
                                          "rows": args.rows, "layers": stats}, indent=1))
         return 0
     cal, fit_stats = workload.fit_capture(data, layers=args.layers, max_seqlen=args.max_seqlen,
                                           rows=args.rows, iterations=args.iterations, log=log,
-                                          shared=args.shared, joint_runs=args.joint_runs)
+                                          shared=args.shared, joint_runs=args.joint_runs,
+                                          slash_select=args.slash_select)
     if args.calibration is not None:
         args.calibration.parent.mkdir(parents=True, exist_ok=True)
         args.calibration.write_text(json.dumps(cal.to_json(), indent=1))
@@ -115,9 +122,10 @@ def _fit_from_stats(args: argparse.Namespace, argv: list[str] | None, start: flo
     """`--stats`: fit every chosen layer to saved captured statistics; the report as `--qkv`'s
     at the statistics' own length."""
     saved = json.loads(args.stats.read_text())
-    if bool(saved.get("slash_first", False)) != bool(args.shared) or int(saved.get("rows", args.rows)) != args.rows:
-        raise SystemExit(f"{args.stats}: statistics made with slash_first={saved.get('slash_first')}, rows="
-                         f"{saved.get('rows')}; this fit needs slash_first={args.shared}, rows={args.rows}")
+    made = (bool(saved.get("slash_first", False)), int(saved.get("rows", args.rows)), saved.get("slash_select", "mean"))
+    if made != (bool(args.shared), args.rows, args.slash_select):
+        raise SystemExit(f"{args.stats}: statistics made with (slash_first, rows, slash_select) = {made}; this fit "
+                         f"needs {(bool(args.shared), args.rows, args.slash_select)}")
     fitted, stats = [], {}
     for key, d in sorted(saved["layers"].items(), key=lambda kv: int(kv[0])):
         layer = int(key)
@@ -128,14 +136,19 @@ def _fit_from_stats(args: argparse.Namespace, argv: list[str] | None, start: flo
         shape = Shape(1, len(target.sink), len(target.slash_offsets), target.seqlen, workload.FIT_HEAD_DIM,
                       torch.float64)
         fitted.append(workload.fit_layer(target, shape, layer=layer, iterations=args.iterations, rows=args.rows,
-                                         log=log, shared=args.shared, joint_runs=args.joint_runs))
+                                         log=log, shared=args.shared, joint_runs=args.joint_runs,
+                                         slash_select=args.slash_select))
     meta = saved.get("source", {})
     cal = workload.Calibration(source=f"{meta.get('model', 'capture')}, N={fitted[0].seqlen if fitted else 0}",
                                layers=tuple(fitted))
     if args.calibration is not None:
         args.calibration.parent.mkdir(parents=True, exist_ok=True)
         args.calibration.write_text(json.dumps(cal.to_json(), indent=1))
-    report = workload.calibration_report(None, cal, stats, rows=args.rows, log=log)
+    full = None
+    if args.predict_stats is not None:
+        full = {int(key): workload.Stats(**d) for key, d in json.loads(args.predict_stats.read_text())["layers"].items()}
+    report = workload.calibration_report(None, cal, stats, rows=args.rows, log=log, captured=full,
+                                         rules=(args.rules or workload.RULES) if full is not None else (cal.rule,))
     report["command"] = " ".join(["python benches/calibrate_workload.py", *(argv or sys.argv[1:])])
     report["seconds"] = time.perf_counter() - start
     args.json.parent.mkdir(parents=True, exist_ok=True)
