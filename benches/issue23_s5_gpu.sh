@@ -4,7 +4,7 @@
 # --stats-only --shared --slash-select median [--max-seqlen M]`, M = 8192, 4096, 2048) and statsC/
 # (`--stats-only`, the default fit's statistics, 8192 only), calB.json and the peers' scratch copy):
 #   source benches/device_env.sh
-#   OUT=$OUT bash benches/issue23_s5_gpu.sh slim_h4.pt.xz statsB statsC calB.json peer2
+#   OUT=$OUT bash benches/issue23_s5_gpu.sh slim statsB statsC calB.json peer2
 # 1. (CPU, background) build MInference's own CUDA index builder (peer2/minference/cuda.py);
 # 2. (CPU, FIT_PROCS processes of one thread) fit every layer from its saved 8K statistics
 #    (`calibrate_workload.py --stats`) twice: B = the shared fit with the median slash statistic,
@@ -17,8 +17,8 @@
 # 4. (GPU) the peers beside our equal-recall rows on the calibrated workload at SEQLENS
 #    (calB, Hq 12 / Hkv 4, the workload of the earlier equal-recall tables).
 set -u -o pipefail
-SLIM=${1:?one-head capture (.pt.xz)}; STATS=${2:?folder of B's stats-8192/4096/2048.json}
-STATSC=${3:?folder of C's stats-8192.json}; CAL=${4:?calibration of the equal-recall runs}; PEER=${5:?peer folder}
+SLIM=${1:?one-head capture (prefix of _meta.pt, _lo.bin, _hi.xz)}; STATS=${2:?folder of the B statistics at 8192 4096 2048}
+STATSC=${3:?folder of the C statistics at 8192}; CAL=${4:?calibration of the equal-recall runs}; PEER=${5:?peer folder}
 FIT_PROCS=${FIT_PROCS:-13}
 OUT=${OUT:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 T0=$(date +%s); TOTAL_S=${TOTAL_S:-460}
@@ -43,32 +43,42 @@ fit() {  # $1 = layer, $2 = prefix length (8192: the fit itself), $3 = B or C
 }
 export -f fit; export W STATS STATSC
 # One queue: the 8K fits of B and C, then B's prefix fits (while the GPU works below).
-( printf '%s 8192 B\n' $LAYERS; printf '%s 8192 C\n' $LAYERS; printf '%s 4096 B\n' $LAYERS;
-  printf '%s 2048 B\n' $LAYERS ) | xargs -P "$FIT_PROCS" -L1 bash -c 'fit $0 $1 $2' &
+( printf '%s 8192 B\n' $LAYERS; printf '%s 4096 B\n' $LAYERS; printf '%s 2048 B\n' $LAYERS;
+  printf '%s 8192 C\n' $LAYERS ) | xargs -P "$FIT_PROCS" -L1 bash -c 'fit $0 $1 $2' &
 fits=$!
-xz -d -T4 -c "$SLIM" >"$W/slim.pt"
-python3 - "$W/slim.pt" "$W/capture.pt" <<'EOF'
-import sys, torch
-d = torch.load(sys.argv[1], map_location="cpu")
-h, j = d["query_head"], d["kv_head"]
+python3 - "$SLIM" "$W/capture.pt" <<'EOF'
+# The one-head capture, carried as byte planes (the low bytes raw, the high bytes xz: 2 MiB a layer
+# does not fit the carry with 30 layers otherwise), unpacked into the capture layout with zeros in
+# the other heads (calibration_acceptance.py --query-heads 4 reads only head 4 and its KV head).
+import lzma, sys, numpy as np, torch
+d = torch.load(sys.argv[1] + "_meta.pt")
+lo = np.fromfile(sys.argv[1] + "_lo.bin", dtype=np.uint8)
+hi = np.frombuffer(lzma.decompress(open(sys.argv[1] + "_hi.xz", "rb").read()), dtype=np.uint8)
+flat = torch.from_numpy(np.stack([lo, hi], 1).reshape(-1).copy().view(np.float16))
+ts, at = [], 0
+for shape in d["shapes"]:
+    size = int(np.prod(shape)); ts.append(flat[at:at + size].view(shape)); at += size
+n = len(d["layers"]); h, j = d["query_head"], d["kv_head"]
 qs, ks = [], []
-for q1, k1 in zip(d["q"], d["k"]):
+for q1, k1 in zip(ts[:n], ts[n:]):
     q = torch.zeros(1, 9, *q1.shape[2:], dtype=q1.dtype); q[:, h] = q1[:, 0]
     k = torch.zeros(1, 3, *k1.shape[2:], dtype=k1.dtype); k[:, j] = k1[:, 0]
     qs.append(q); ks.append(k)
 torch.save({"layers": d["layers"], "q": qs, "k": ks, "v": ks, "scale": d["scale"], "meta": d["meta"]}, sys.argv[2])
 print("capture expanded:", len(qs), "layers, query head", h, "KV head", j)
 EOF
+if [ -z "${SKIP_ER:-}" ]; then
 wait "$build"; echo "minference build exit $? at $(( $(date +%s) - T0 )) s"; tail -n 3 "$OUT/minference-build.log"
 OMP_NUM_THREADS=4 python3 benches/equal_recall.py --measure --seqlens $SEQLENS --calibration "$CAL" --q-heads 12 \
   --kv-heads 4 --rep 30 --methods $ER_METHODS --source-budget-s $SOURCE_S --method-s 25 --peer "$PEER" --peers-first \
   --points-json "$OUT/points-peers.json" --json "$OUT/equal-recall-peers.json" >"$OUT/equal-recall-peers.log" 2>&1
 grep -i "peer\|cudnn\|not run\|fail" "$OUT/equal-recall-peers.log" | tail -n 40
 tail -n 25 "$OUT/equal-recall-peers.log"
+fi
 n8=$(echo $LAYERS | wc -w)
 for _ in $(seq 240); do
-  [ $(ls "$W"/?-fit8192-l*.log 2>/dev/null | wc -l) -ge $(( 2 * n8 )) ] && \
-    ! pgrep -f -- "--stats $STATS/stats-8192.json|--stats $STATSC/stats-8192.json" >/dev/null && break; sleep 1; done
+  [ $(ls "$W"/B-fit8192-l*.log 2>/dev/null | wc -l) -ge "$n8" ] && \
+    ! pgrep -f -- "--stats $STATS/stats-8192.json" >/dev/null && break; sleep 1; done
 echo "8K fits done at $(( $(date +%s) - T0 )) s: $(ls "$W"/B-fit8192-l*.json | wc -l) B, $(ls "$W"/C-fit8192-l*.json | wc -l) C"
 for v in B C; do python3 benches/calibrate_workload.py --join "$W"/$v-fit8192-l*.json --calibration "$OUT/fit-all-$v.json"; done
 V=$(python3 - "$W" <<'EOF'
@@ -82,10 +92,12 @@ for v in "BC":
 print(min(err, key=err.get))
 EOF
 )
+V=${FORCE_V:-$V}
 echo "acceptance on fit $V"
 FIT=$OUT/fit-all-$V.json
 
-LAYERS=$(python3 -c "import json; print(' '.join(str(l['layer']) for l in json.load(open('$FIT'))['layers']))")
+# The fitted layers the carried capture holds (it may leave some out to fit the carry).
+LAYERS=$(python3 -c "import json, torch; have = set(torch.load('${SLIM}_meta.pt')['layers']); print(' '.join(str(l['layer']) for l in json.load(open('$FIT'))['layers'] if l['layer'] in have))")
 timeout 200 python3 benches/calibration_acceptance.py --qkv "$W/capture.pt" --calibration "$FIT" --layers $LAYERS \
   --query-heads 4 --backend fast --device cuda --methods $ACCEPT_METHODS --budget-s 170 \
   --json "$OUT/acceptance-all-h4.json" 2>"$OUT/acceptance.log" | tail -n 14

@@ -408,3 +408,21 @@ def test_fit_from_saved_stats_equals_fit_from_capture(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):  # statistics made for another fit are refused
         mod.main(["--stats", str(tmp_path / "s.json"), "--iterations", "1", "--rows", "16",
                   "--json", str(tmp_path / "rc.json")])
+
+
+def test_median_slash_statistic_ignores_a_heavy_column() -> None:
+    # One heavy key column crosses every long diagonal in one sampled row: ranked by the mean over
+    # the rows that reach a diagonal it shows up as slashes (few rows reach the longest ones); ranked
+    # by the median it does not, and its mass is counted as vertical.
+    n, col = 640, 20
+    q = torch.zeros(1, 1, n, 2)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, n, 2)
+    k[0, 0, col, 0] = 12.0
+    stats = {sel: workload.attention_stats(q, k, scale=1.0, rows=32, with_keep=False, with_structure=False,
+                                           slash_first=True, slash_select=sel) for sel in workload.SLASH_SELECT}
+    assert stats["mean"].slash[0] > 0.15
+    assert stats["median"].slash[0] < 1e-3
+    assert stats["median"].vertical[0] > stats["mean"].vertical[0] + 0.15
+    with pytest.raises(ValueError, match="slash_select"):
+        workload.attention_stats(q, k, rows=8, slash_select="max")
