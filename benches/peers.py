@@ -11,6 +11,21 @@ that does not import is listed with the import error: it is not run, and said so
 
     python benches/peers.py --seqlen 32768 --peer .carryE/peer --json $OUT/peers.json
 
+The peers and what of theirs runs (docs/workload.md, "Peers"):
+
+* FlexPrefill (own code): MInference's `minference/modules/flexprefill.py`, estimate and kernel.
+* MInference (own code): `minference/ops/pit_sparse_flash_attention_v2.py`, its index builder
+  (`convert_vertical_slash_indexes`, MInference's CUDA extension `minference.cuda`, built from its
+  csrc on first use) and its Triton vertical-slash kernel, K/V repeated to the query heads as its
+  model patch does; the lines come from our `fast.vertical_slash_lines` (the same last-64-query
+  rule): MInference's estimate lives inside its model patch (closures over the layer), not in a
+  callable function. Slash count = `SLASH_PER_VERTICAL` x the vertical count.
+* XAttention (own code): `xattn.src.Xattention` imports `block_sparse_attn` (a CUDA extension built
+  from FlashAttention-2's sources) at module level; where it imports it runs end to end.
+* XAttention estimate (own code) + our kernel: the `xattn_estimate` of MInference's packaging of
+  XAttention (`minference/modules/xattention.py`, the same Triton kernels as XAttention's
+  `xattn/src/kernels.py`), its block mask run by our `fast.sparse_attention`.
+
 `benches/equal_recall.py --measure --peer DIR` runs the same on each of its sources.
 """
 
@@ -45,6 +60,11 @@ class Peer:
     # (module, q, k, v, knob) -> per (batch, head) the kept blocks `row block * T + column block`
     blocks: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, float], list[list[torch.Tensor]]] | None
     estimate: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, float], Any] | None = None
+    # Instead of `blocks`: (module, q, k, v, knob, probs, rows) -> (density, recall) on the sampled rows.
+    measure: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor],
+                      tuple[float, float]] | None = None
+    # "bnhd": q, k, v passed as [B, N, H, D] (FlexPrefill's layout); "bhnd": as [B, H, N, D].
+    layout: str = "bnhd"
 
 
 def _flex_run(m: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -58,27 +78,117 @@ def _flex_blocks(m: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamm
     return blocks
 
 
+SLASH_PER_VERTICAL = 4
+VS_BLOCK = 64  # MInference's vertical-slash kernel and index builder block (M = N = 64)
+
+
+def _vs_lines(q: torch.Tensor, k: torch.Tensor, size: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(verticals ascending, slash offsets descending) int32 `[B, H, count]`, MInference's index format."""
+    from sparseprefill.fast.vertical_slash import vertical_slash_lines
+
+    vert, slash = vertical_slash_lines(q, k, vertical_size=int(size), slash_size=int(SLASH_PER_VERTICAL * size))
+    return vert.to(torch.int32).contiguous(), slash.to(torch.int32).flip(-1).contiguous()
+
+
+def _repeat_kv(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    g = q.shape[1] // x.shape[1]
+    return x.repeat_interleave(g, dim=1) if g > 1 else x
+
+
+def _minference_index(m: Any, q: torch.Tensor, k: torch.Tensor, size: float) -> tuple[torch.Tensor, ...]:
+    vert, slash = _vs_lines(q, k, size)
+    seqlens = torch.tensor([q.shape[2]] * q.shape[0], dtype=torch.int32, device=q.device)
+    out: tuple[torch.Tensor, ...] = tuple(m.convert_vertical_slash_indexes(seqlens, vert, slash, q.shape[2],
+                                                                           VS_BLOCK, VS_BLOCK))
+    return out
+
+
 def _minference_run(m: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: float) -> torch.Tensor:
-    # MInference's vertical-slash kernel on [B, H, N, D]; vertical = size, slash = 2 size.
-    fn = m.vertical_slash_sparse_attention
-    out: torch.Tensor = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), int(size), int(2 * size))
-    return out.transpose(1, 2)
+    # MInference's own path from the lines on: index builder, padding, Triton kernel ([B, H, N, D]).
+    vert, slash = _vs_lines(q, k, size)
+    out: torch.Tensor = m.vertical_slash_sparse_attention(q, _repeat_kv(q, k), _repeat_kv(q, v), vert, slash)
+    return out
+
+
+def _minference_measure(m: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: float,
+                        probs: torch.Tensor, rows: torch.Tensor) -> tuple[float, float]:
+    """Density and recall of the keys MInference's index covers on the sampled rows: per row block,
+    `block_count` 64-key ranges from `block_offset` (the slashes) and `column_count` columns."""
+    count, offset, ccount, cindex = _minference_index(m, q, k, size)
+    b_, h_, n = q.shape[0], q.shape[1], q.shape[2]
+    rb = rows // VS_BLOCK
+    keys = torch.arange(n, device=q.device)
+    causal = keys[None, :] <= rows[:, None]
+    kept, recall = 0, []
+    for b in range(b_):
+        for h in range(h_):
+            off = offset[b, h, rb].long()
+            valid = torch.arange(off.shape[-1], device=q.device)[None, :] < count[b, h, rb].long()[:, None]
+            edge = torch.zeros(rows.numel(), n + VS_BLOCK + 1, device=q.device)
+            edge.scatter_add_(1, off.clamp(0, n), valid.float())
+            edge.scatter_add_(1, (off + VS_BLOCK).clamp(0, n + VS_BLOCK), -valid.float())
+            mask = edge.cumsum(-1)[:, :n] > 0.5
+            col = cindex[b, h, rb].long()
+            cvalid = torch.arange(col.shape[-1], device=q.device)[None, :] < ccount[b, h, rb].long()[:, None]
+            cols = torch.zeros(rows.numel(), n + 1, dtype=torch.bool, device=q.device)
+            cols.scatter_(1, torch.where(cvalid, col.clamp(0, n - 1), n), True)
+            mask = (mask | cols[:, :n]) & causal
+            kept += int(mask.sum())
+            recall.append((probs[b, h] * mask).sum(-1).double().mean())
+    return kept / (b_ * h_ * float((rows + 1).sum())), float(torch.stack(recall).mean())
 
 
 def _xattention_run(m: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threshold: float) -> torch.Tensor:
-    out: torch.Tensor = m.Xattention_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), stride=8,
+    out: torch.Tensor = m.Xattention_prefill(q, _repeat_kv(q, k), _repeat_kv(q, v), stride=8,
                                              threshold=threshold, causal=True)
-    return out.transpose(1, 2)
+    return out
+
+
+def _xattn_chunk(n: int) -> int:
+    # XAttention's default estimate chunk for length n (as its `Xattention_prefill` picks it).
+    p2 = 1 << (n - 1).bit_length()
+    return int(max(min(max(2048, p2), 128 * 1024 * 2048 // p2), 2048))
+
+
+def _xattn_tiles(m: Any, q: torch.Tensor, k: torch.Tensor, threshold: float) -> torch.Tensor:
+    """XAttention's own estimate (stride 8, block 128): the kept causal tiles `[B, H, T, T]`."""
+    n = q.shape[2]
+    t = math.ceil(n / BLOCK)
+    _, mask = m.xattn_estimate(q, _repeat_kv(q, k), block_size=BLOCK, stride=8, norm=1, threshold=threshold,
+                               chunk_size=_xattn_chunk(n), select_mode="inverse", use_triton=True, causal=True)
+    tiles: torch.Tensor = mask[:, :, :t, :t] & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    return tiles
+
+
+def _xattn_est_run(m: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threshold: float) -> torch.Tensor:
+    from sparseprefill.fast import sparse_attention
+    from sparseprefill.fast.xattention import tiles_to_plan
+
+    plan = tiles_to_plan(_xattn_tiles(m, q, k, threshold), seqlen=q.shape[2], block=BLOCK)
+    return sparse_attention(q, k, v, plan)
+
+
+def _xattn_est_measure(m: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threshold: float,
+                       probs: torch.Tensor, rows: torch.Tensor) -> tuple[float, float]:
+    tiles = _xattn_tiles(m, q, k, threshold)
+    t = tiles.shape[-1]
+    grid = torch.arange(t * t, device=q.device).view(t, t)
+    blocks = [[grid[tiles[b, h]] for h in range(tiles.shape[1])] for b in range(tiles.shape[0])]
+    return block_recall(blocks, probs, rows, q.shape[2])
 
 
 PEERS = (
     Peer("FlexPrefill (own code)", "minference.modules.flexprefill", "gamma", (0.8, 0.85, 0.9, 0.95, 0.98),
          _flex_run, _flex_blocks,
          lambda m, q, k, v, g: m.get_active_blocks(q, k, v, BLOCK, g, 1, math.ceil(q.shape[1] / BLOCK), 0.1, False)),
-    Peer("MInference (own code)", "minference.ops.pit_sparse_flash_attention_v2", "vertical_size", (256.0, 512.0, 1024.0, 2048.0),
-         _minference_run, None),
+    Peer("MInference (own code)", "minference.ops.pit_sparse_flash_attention_v2", "vertical_size",
+         (250.0, 500.0, 1000.0, 2000.0, 4000.0, 8000.0), _minference_run, None,
+         lambda m, q, k, v, s: _minference_index(m, q, k, s), measure=_minference_measure, layout="bhnd"),
     Peer("XAttention (own code)", "xattn.src.Xattention", "threshold", (0.8, 0.9, 0.95),
-         _xattention_run, None),
+         _xattention_run, None, layout="bhnd"),
+    Peer("XAttention estimate (own code) + our kernel", "minference.modules.xattention", "threshold",
+         (0.8, 0.9, 0.95, 0.98), _xattn_est_run, None, lambda m, q, k, v, t: _xattn_tiles(m, q, k, t),
+         measure=_xattn_est_measure, layout="bhnd"),
 )
 
 
@@ -143,7 +253,8 @@ def peer_points(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, source: str, 
             points.append({"method": f"peer: {peer.name}", "source": source, "seqlen": n, "params": {},
                            "status": f"not importable: {why}", "density": None, "recall_mean": None, "gpu": {}})
             continue
-        if peer.blocks is None:
+        a, b, c = (q, k, v) if peer.layout == "bhnd" else (qt, kt, vt)
+        if peer.blocks is None and peer.measure is None:
             log(f"{source}: peer {peer.name} imports but its plan is not read here: not run")
             points.append({"method": f"peer: {peer.name}", "source": source, "seqlen": n, "params": {},
                            "status": "imports; plan reader not written", "density": None, "recall_mean": None,
@@ -152,7 +263,11 @@ def peer_points(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, source: str, 
         mine = []
         for value in peer.values:
             try:
-                density, recall = block_recall(peer.blocks(mod, qt, kt, vt, value), probs, idx, n)
+                if peer.measure is not None:
+                    density, recall = peer.measure(mod, a, b, c, value, probs, idx)
+                else:
+                    assert peer.blocks is not None
+                    density, recall = block_recall(peer.blocks(mod, a, b, c, value), probs, idx, n)
             except Exception as exc:  # noqa: BLE001 - a peer failing is reported, not fatal
                 log(f"{source}: peer {peer.name} {peer.knob}={value}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
@@ -168,14 +283,20 @@ def peer_points(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, source: str, 
                     picked.append(pick)
         for p in picked:
             value = p["params"][peer.knob]
-            e2e = ms(lambda: peer.run(mod, qt, kt, vt, value))
+            try:
+                e2e = ms(lambda: peer.run(mod, a, b, c, value))
+            except Exception as exc:  # noqa: BLE001 - a peer failing is reported, not fatal
+                p["status"] = f"run failed: {type(exc).__name__}: {str(exc)[:300]}"
+                log(f"{source}: peer {peer.name} {peer.knob}={value}: {p['status']}")
+                continue
             gpu: dict[str, Any] = {"e2e_ms": e2e, "cudnn_ms": cudnn_ms, "speedup_vs_cudnn": cudnn_ms / e2e,
                                    "floor_ms": p["density"] * cudnn_ms}
             if peer.estimate is not None:
-                gpu["estimate_plan_ms"] = ms(lambda: peer.estimate(mod, qt, kt, vt, value))  # type: ignore[misc]
+                gpu["estimate_plan_ms"] = ms(lambda: peer.estimate(mod, a, b, c, value))  # type: ignore[misc]
                 gpu["kernel_ms"] = None
             if dense is not None:
-                out = peer.run(mod, qt, kt, vt, value).transpose(1, 2).float()
+                out = peer.run(mod, a, b, c, value)
+                out = (out if peer.layout == "bhnd" else out.transpose(1, 2)).float()
                 p["output_error"] = float((out - dense.float()).norm() / dense.float().norm())
             p["gpu"] = gpu
             log(f"{source} peer {peer.name} {peer.knob}={value}: recall {p['recall_mean']:.3f} density "

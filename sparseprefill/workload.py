@@ -89,6 +89,11 @@ KEEP_THRESHOLDS = (0.95, 0.9, 0.83, 0.75)
 KEEP_KEYS = 2048
 KEEP_CHUNK = 512
 SLASH_OFFSETS = 4
+# How `attention_stats` ranks the diagonals (`SLASH_SELECT`): "mean" mass over the sampled rows
+# that have them, or "median" over them, among the diagonals at least SLASH_MIN_ROWS rows have
+# (a heavy key column crosses each diagonal in one row only: it moves a mean, not a median).
+SLASH_SELECT = ("mean", "median")
+SLASH_MIN_ROWS = 8
 VERTICAL_FRACTION = 0.005
 RUN_JITTER = 0.3
 RUN_LENGTHS = (1.0, 4.0, 16.0)
@@ -187,6 +192,7 @@ def attention_stats(
     with_keep: bool = True,
     with_structure: bool = True,
     slash_first: bool = False,
+    slash_select: str = "mean",
 ) -> Stats:
     """Structure statistics of one layer's attention (batch 0; see the module doc).
 
@@ -199,15 +205,21 @@ def attention_stats(
         slash_first: take the slash diagonals before the vertical columns (the shared fit's
             order): the vertical columns first (the default, the first fit's order) count a
             sharp slash as vertical lines, one heavy column per sampled row (docs/workload.md).
+        slash_select: how the slash diagonals are ranked (`SLASH_SELECT`): "mean" far mass over
+            the rows that have them, or "median" over them among the diagonals at least
+            `SLASH_MIN_ROWS` rows have: with the mean, a heavy key column counts as a slash on the
+            long diagonals that few sampled rows reach (docs/workload.md).
 
     Returns:
         A `Stats`.
 
     Raises:
-        ValueError: bad shapes or `rows < 1`.
+        ValueError: bad shapes, `rows < 1` or an unknown `slash_select`.
     """
     from .reference._checks import check_qk, resolve_scale
 
+    if slash_select not in SLASH_SELECT:
+        raise ValueError(f"slash_select must be one of {SLASH_SELECT}, got {slash_select!r}")
     shape = check_qk(q, k)
     n, hq, hkv = shape.seqlen, shape.q_heads, shape.kv_heads
     sm_scale = resolve_scale(scale, shape.head_dim)
@@ -239,6 +251,14 @@ def attention_stats(
     diag_sum.scatter_add_(1, dist_idx, p_far.reshape(hq, -1))
     diag_rows = torch.bincount(dist.clamp(min=0, max=n)[far].reshape(-1), minlength=n + 1).to(torch.float64)
     diag_mean = diag_sum / diag_rows.clamp(min=1)
+    if slash_select == "median":
+        # Per diagonal d the median over the rows i >= d of p[i, i - d] (far keys only).
+        d = torch.arange(n + 1)
+        key = idx[:, None] - d[None, :]  # [R, N + 1]
+        ok = (key >= SINK_KEYS) & (d[None, :] >= LOCAL)
+        vals = torch.gather(p_far, 2, key.clamp(min=0, max=n - 1).expand(hq, -1, -1))
+        med = torch.nanmedian(vals.masked_fill(~ok, math.nan), dim=1).values
+        diag_mean = torch.where((ok.sum(0) >= SLASH_MIN_ROWS)[None, :], torch.nan_to_num(med, nan=-1.0), -1.0)
     diag_mean[:, :LOCAL] = -1.0
     sdiag = diag_mean.topk(min(top, n), dim=-1).indices  # [Hq, top]
     is_slash_d = torch.zeros(hq, n + 1, dtype=torch.bool)
@@ -447,6 +467,8 @@ class LayerParams:
     seqlen: int
     heads: tuple[HeadParams, ...]
     kv: tuple[KVParams, ...]
+    # The statistic the layer was fitted with (`attention_stats(slash_select=...)`).
+    slash_select: str = "mean"
 
 
 @dataclass(frozen=True)
@@ -475,7 +497,8 @@ class Calibration:
             kv = tuple(KVParams(**{**j, "slash_offsets": tuple(j["slash_offsets"])}) for j in item["kv"])
             if not heads or not kv or len(heads) % len(kv):
                 raise ValueError(f"layer {item['layer']}: {len(heads)} query heads for {len(kv)} KV heads")
-            layers.append(LayerParams(int(item["layer"]), int(item["seqlen"]), heads, kv))
+            layers.append(LayerParams(int(item["layer"]), int(item["seqlen"]), heads, kv,
+                                      str(item.get("slash_select", "mean"))))
         rule = str(data.get("rule", DEFAULT_RULE))
         check_rule(rule)
         return Calibration(str(data["source"]), tuple(layers), rule)
@@ -836,6 +859,7 @@ def fit_layer(
     log: Callable[[str], None] | None = None,
     shared: bool = False,
     joint_runs: bool = False,
+    slash_select: str = "mean",
 ) -> LayerParams:
     """Fit one layer's generator to `target` statistics (see the module doc).
 
@@ -856,6 +880,8 @@ def fit_layer(
         rows: query rows of the statistics of each iteration (as for the target).
         seed: the workload seed the fit is made on.
         log: progress lines.
+        slash_select: the slash statistic of the shared fit (`attention_stats`); `target` must
+            have been measured with it.
 
     Returns:
         The fitted `LayerParams`.
@@ -905,7 +931,8 @@ def fit_layer(
     measured_run = [p.query_run for p in heads]
     for it in range(iterations):
         q, k, _ = generate_layer(heads, kv, replace(shape, batch=1), seed=seed)
-        got = attention_stats(q, k, rows=rows, with_keep=False, with_structure=False, slash_first=shared)
+        got = attention_stats(q, k, rows=rows, with_keep=False, with_structure=False, slash_first=shared,
+                              slash_select=slash_select)
         new = []
         for h, p in enumerate(heads):
             profile = tuple(
@@ -939,7 +966,7 @@ def fit_layer(
             err = max(abs(a - b) / max(b, 1e-9) for a, b in zip((o[1] for o in got.oracle),
                                                                   (o[1] for o in target.oracle)))
             log(f"layer {layer} iteration {it}: worst oracle@0.95 relative error {err:.3f}")
-    return LayerParams(layer=layer, seqlen=shape.seqlen, heads=tuple(heads), kv=tuple(kv))
+    return LayerParams(layer=layer, seqlen=shape.seqlen, heads=tuple(heads), kv=tuple(kv), slash_select=slash_select)
 
 
 def fit_capture(
@@ -952,6 +979,7 @@ def fit_capture(
     log: Callable[[str], None] | None = None,
     shared: bool = False,
     joint_runs: bool = False,
+    slash_select: str = "mean",
 ) -> tuple[Calibration, dict[int, Stats]]:
     """Fit every (or the given) captured layer; also return the captured statistics.
 
@@ -959,7 +987,7 @@ def fit_capture(
         data: a capture (`sparseprefill eval capture`): lists `layers`, `q`, `k`, `scale`.
         layers: which captured layers (default all).
         max_seqlen: fit on the first tokens only (the prefix check).
-        rows, iterations, shared, joint_runs: as `fit_layer`.
+        rows, iterations, shared, joint_runs, slash_select: as `fit_layer`.
 
     Returns:
         (the `Calibration`, {layer: captured `Stats`}).
@@ -983,11 +1011,11 @@ def fit_capture(
         d = q.shape[-1]
         if not math.isclose(float(data["scale"][i]), d ** -0.5, rel_tol=1e-6):
             raise ValueError(f"layer {layer}: scale {data['scale'][i]} is not 1/sqrt({d})")
-        target = attention_stats(q, k, rows=rows, slash_first=shared)
+        target = attention_stats(q, k, rows=rows, slash_first=shared, slash_select=slash_select)
         stats[int(layer)] = target
         shape = Shape(1, q.shape[1], k.shape[1], q.shape[2], FIT_HEAD_DIM, torch.float64)
         fitted.append(fit_layer(target, shape, layer=int(layer), iterations=iterations, rows=rows, log=log,
-                                shared=shared, joint_runs=joint_runs))
+                                shared=shared, joint_runs=joint_runs, slash_select=slash_select))
     meta = data.get("meta", {})
     source = f"{meta.get('model', 'capture')}, N={fitted[0].seqlen if fitted else 0}"
     return Calibration(source=source, layers=tuple(fitted)), stats
@@ -1111,7 +1139,7 @@ def _layer_summary(cap: Stats, gen: Stats) -> dict[str, Any]:
 
 
 def calibration_report(
-    data: Mapping[str, Any],
+    data: Mapping[str, Any] | None,
     calibration: Calibration,
     fit_stats: Mapping[int, Stats],
     *,
@@ -1119,32 +1147,39 @@ def calibration_report(
     rules: Sequence[str] = (DEFAULT_RULE,),
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    captured: Mapping[int, Stats] | None = None,
 ) -> dict[str, Any]:
     """Captured against generated statistics, per fitted layer, at the capture's length.
 
     When the calibration was fitted on a prefix, the generated workload is made at the
     capture's full length under each rule and compared with the full capture's
-    statistics: the rule's prediction error.
+    statistics: the rule's prediction error. With `data` None (a fit to saved statistics) the
+    comparison is against `captured` (saved statistics of the capture at its full length) or,
+    without it, against `fit_stats` at the fit's own length.
 
     Returns:
         A JSON-ready dict: `source`, `fit_seqlen`, `seqlen`, and per rule the per-layer
         summaries (`_layer_summary`) and per-head statistics.
     """
-    index = {int(x): i for i, x in enumerate(data["layers"])}
+    index = {int(x): i for i, x in enumerate(data["layers"])} if data is not None else {}
     report: dict[str, Any] = {"source": calibration.source, "rules": {}}
     for rule in rules:
         check_rule(rule)
         layers: list[dict[str, Any]] = []
         for lp in calibration.layers:
-            i = index[lp.layer]
-            q, k = data["q"][i], data["k"][i]
-            n = int(q.shape[2])
             # A shared fit (salience drawn) is measured as it was fitted: slashes first.
             first = any(h.salience for h in lp.heads)
-            cap = fit_stats[lp.layer] if n == lp.seqlen else attention_stats(q, k, rows=rows, slash_first=first)
+            if data is None:
+                cap = captured[lp.layer] if captured is not None else fit_stats[lp.layer]
+                n = cap.seqlen
+            else:
+                q, k = data["q"][index[lp.layer]], data["k"][index[lp.layer]]
+                n = int(q.shape[2])
+                cap = fit_stats[lp.layer] if n == lp.seqlen else attention_stats(q, k, rows=rows, slash_first=first,
+                                                                                 slash_select=lp.slash_select)
             shape = Shape(1, len(lp.heads), len(lp.kv), n, FIT_HEAD_DIM, torch.float64)
             gq, gk, _ = generate_layer(lp.heads, lp.kv, shape, seed=seed, fit_seqlen=lp.seqlen, rule=rule)
-            gen = attention_stats(gq, gk, rows=rows, slash_first=first)
+            gen = attention_stats(gq, gk, rows=rows, slash_first=first, slash_select=lp.slash_select)
             layers.append({"layer": lp.layer, "summary": _layer_summary(cap, gen),
                            "captured": asdict(cap), "generated": asdict(gen)})
             report["fit_seqlen"], report["seqlen"] = lp.seqlen, n

@@ -377,3 +377,52 @@ def test_equal_recall_rows_as_points_and_settings() -> None:
     assert [(p["method"], p["recall_mean"]) for p in points] == [("oracle", 0.95), ("a", 0.96), ("oracle", 0.9)]
     config = {"config": "{'pattern': 'vertical_slash', 'params': {'slash_size': 1024, 'vertical_size': 512}}"}
     assert mod._setting(config) == "config (first head: vertical 512, slash 1024)"
+
+
+@pytest.mark.slow
+def test_fit_from_saved_stats_equals_fit_from_capture(tmp_path: Path) -> None:
+    # `calibrate_workload.py --stats` (fit to a --stats-only JSON, no capture) fits exactly what
+    # `--qkv` fits on the same capture: the statistics round-trip through JSON unchanged.
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parent.parent / "benches" / "calibrate_workload.py"
+    spec = importlib.util.spec_from_file_location("calibrate_workload_t", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    q, k, v = synthetic_qkv(Shape(1, 2, 1, 400, 32, torch.float32), device=torch.device("cpu"), seed=3)
+    cap = tmp_path / "cap.pt"
+    torch.save({"layers": [5], "q": [q], "k": [k], "v": [v], "scale": [32 ** -0.5], "meta": {"model": "t"}}, cap)
+    common = ["--shared", "--iterations", "1", "--rows", "16"]
+    assert mod.main(["--qkv", str(cap), *common, "--calibration", str(tmp_path / "a.json"),
+                     "--json", str(tmp_path / "ra.json")]) == 0
+    assert mod.main(["--qkv", str(cap), "--stats-only", *common, "--json", str(tmp_path / "s.json")]) == 0
+    assert mod.main(["--stats", str(tmp_path / "s.json"), *common, "--calibration", str(tmp_path / "b.json"),
+                     "--json", str(tmp_path / "rb.json")]) == 0
+    a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
+    assert a["layers"] == b["layers"] and a["layers"][0]["layer"] == 5
+    ra, rb = (json.loads((tmp_path / n).read_text()) for n in ("ra.json", "rb.json"))
+    assert ra["rules"] == rb["rules"]
+    with pytest.raises(SystemExit):  # statistics made for another fit are refused
+        mod.main(["--stats", str(tmp_path / "s.json"), "--iterations", "1", "--rows", "16",
+                  "--json", str(tmp_path / "rc.json")])
+
+
+def test_median_slash_statistic_ignores_a_heavy_column() -> None:
+    # One heavy key column crosses every long diagonal in one sampled row: ranked by the mean over
+    # the rows that reach a diagonal it shows up as slashes (few rows reach the longest ones); ranked
+    # by the median it does not, and its mass is counted as vertical.
+    n, col = 640, 20
+    q = torch.zeros(1, 1, n, 2)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, n, 2)
+    k[0, 0, col, 0] = 12.0
+    stats = {sel: workload.attention_stats(q, k, scale=1.0, rows=32, with_keep=False, with_structure=False,
+                                           slash_first=True, slash_select=sel) for sel in workload.SLASH_SELECT}
+    assert stats["mean"].slash[0] > 0.15
+    assert stats["median"].slash[0] < 1e-3
+    assert stats["median"].vertical[0] > stats["mean"].vertical[0] + 0.15
+    with pytest.raises(ValueError, match="slash_select"):
+        workload.attention_stats(q, k, rows=8, slash_select="max")
