@@ -7,6 +7,7 @@ of `fast.delta_kv` (keep mask, packing, plans, phase 1 on the ragged launcher, p
 cuDNN SDPA, and writes both as JSON.
 
     python benches/delta_kv_profile.py --seqlen 32768 --run 2 --json out.json
+    python benches/delta_kv_profile.py --seqlen 32768 --runs 2,2,1 --json out.json   # keep ~ 0.6
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqlen", type=int, default=32768)
     p.add_argument("--run", type=int, default=2, help="keys per run of near-duplicates (keep ~ 1 / run)")
+    p.add_argument("--runs", default=None,
+                   help="run lengths repeated along the keys instead of --run, e.g. 2,2,1 (keep ~ 0.6)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -40,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator(device="cuda").manual_seed(n)
     q = torch.randn(1, hq, n, d, device="cuda", generator=g).to(torch.bfloat16)
     v = torch.randn(1, hkv, n, d, device="cuda", generator=g).to(torch.bfloat16)
-    k = _runs_keys(n, d, hkv, args.run, seed=n)
+    run = tuple(int(x) for x in args.runs.split(",")) if args.runs else args.run
+    k = _runs_keys(n, d, hkv, run, seed=n)
     keep = float(fast.delta_keep_mask(k, threshold=0.95, metric="cosine").float().mean())
 
     def ours() -> torch.Tensor:
@@ -53,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = float(triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median"))
     cud = float(triton.testing.do_bench(cudnn, warmup=10, rep=100, return_mode="median"))
     result: dict[str, object] = {"device": torch.cuda.get_device_name(), "seqlen": n, "heads": hq,
-                                 "kv_heads": hkv, "head_dim": d, "keep_ratio": keep, "delta_kv_ms": ms,
+                                 "kv_heads": hkv, "head_dim": d, "runs": list(run) if isinstance(run, tuple) else [run], "keep_ratio": keep, "delta_kv_ms": ms,
                                  "cudnn_ms": cud, "speedup_vs_cudnn": cud / ms}
     print(f"{result['device']} N={n} keep={keep:.3f}: delta_kv {ms:.3f} ms, cuDNN {cud:.3f} ms, "
           f"{cud / ms:.3f}x")

@@ -145,11 +145,20 @@ def part_varlen(small: bool) -> None:
     bc._VARLEN_PACKED_GRID = True
 
 
-def _runs_keys(n: int, d: int, hkv: int, run: int, seed: int) -> torch.Tensor:
-    """Keys in runs of `run` near-duplicates (cosine ~0.999 within a run, ~0 across)."""
+def _runs_keys(n: int, d: int, hkv: int, run: int | tuple[int, ...], seed: int) -> torch.Tensor:
+    """Keys in runs of `run` near-duplicates (cosine ~0.999 within a run, ~0 across).
+
+    `run` an int (every run that long: keep ratio about 1 / run) or a tuple of run lengths
+    repeated along the keys (`(2, 2, 1)`: 3 anchors per 5 keys, keep ratio about 0.6)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    base = torch.randn(1, hkv, -(-n // run), d, device=DEV, generator=g)
-    k = base.repeat_interleave(run, dim=2)[:, :, :n]
+    if isinstance(run, int):
+        base = torch.randn(1, hkv, -(-n // run), d, device=DEV, generator=g)
+        k = base.repeat_interleave(run, dim=2)[:, :, :n]
+    else:
+        runs = len(run) * -(-n // sum(run))
+        lengths = torch.tensor(run, device=DEV).repeat(runs // len(run))
+        base = torch.randn(1, hkv, runs, d, device=DEV, generator=g)
+        k = base[:, :, torch.repeat_interleave(torch.arange(runs, device=DEV), lengths)[:n]]
     return (k + 0.03 * torch.randn(k.shape, device=DEV, generator=g)).to(torch.bfloat16)
 
 

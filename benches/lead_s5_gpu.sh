@@ -3,6 +3,8 @@
 # session's start carried in .carry/before:
 #   OUT=$OUT bash benches/lead_s5_gpu.sh perf     (parts 1-3)
 #   OUT=$OUT bash benches/lead_s5_gpu.sh check    (part 4)
+#   OUT=$OUT bash benches/lead_s5_gpu.sh owed21   (issue 21's unmeasured rows: Delta-KV at keep 0.6, the column plans
+#                                                  at 128K D 64, shareprefill's kernel part at 128K with head chunks)
 # 1. Delta-KV before / after the host-read change (keep 0.5 and 0.33 at 32K, keep 0.5 at 128K),
 #    benches/delta_kv_profile.py in both trees, cuDNN in each run.
 # 2. Varlen in one launch against per-sequence launches, packed grid on / off (issue 21).
@@ -36,5 +38,16 @@ step conformance "${CONF_S:-240}" python3 -m sparseprefill.conformance --device 
     --methods delta_kv,vertical_slash,minference,flexprefill_vs,shareprefill,delta_xattention,anchor_attention,sample_attention \
     --properties plan,end_to_end,estimate,sparse_attention,nonfinite,resumed_attention,block_means \
     --json "$W/conformance.json"
+fi
+if [ "$MODE" = owed21 ]; then
+    python3 benches/discrete_keys.py workload --seqlens 131072 --head-dims 64,128 > "$W/wl.log" 2>&1 &
+    for n in 32768 131072; do
+        step "delta-keep06-$n" 120 python3 benches/delta_kv_profile.py --seqlen $n --runs 2,2,1 --json "$W/delta-keep06-$n.json"
+    done
+    wait; cat "$W/wl.log" >> "$LOG"
+    step floor-share-128k 150 python3 benches/kernel_floor.py --seqlens 131072 --methods shareprefill --json "$W/floor-share-128k.json"
+    step columns-128k-d64 150 python3 benches/kernel_variants.py --seqlens 131072 --head-dims 64 --warmup 5 --rep 40 \
+        --plans columns20,blocks_like_columns20,flexprefill_vs_0.95_lines,blocks_like_flexprefill_vs_0.95_lines \
+        --variants "rule:COL_SPLIT=auto;on:COL_SPLIT=1;off:COL_SPLIT=0" --json "$W/columns-128k-d64.json"
 fi
 tar -czf "$OUT/lead-s5.tgz" -C "$W" .
