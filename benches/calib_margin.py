@@ -7,7 +7,8 @@ mean >= 0.95 and worst head >= 0.85), held-out density of each and the margin's 
 cost (ratio), and the calibration-prompt density of each.
 
     python benches/calib_margin.py --pair "LABEL=CAL.json:HELD.json|CAL_M.json:HELD_M.json" ... --json out.json
-A side may be `-` (no run): the row then shows the other side only.
+A side may be `-` (no run: the row then shows the other side only) or several
+`CAL.json:HELD.json` joined by `+` (runs of different layers of one config).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def rows(spec: str, method: str) -> dict[int, tuple[dict[str, Any], dict[str, An
     """layer -> (calibration summary, held-out summary) of `method` in `CAL.json:HELD.json`."""
     if spec == "-":
         return {}
+    if "+" in spec:
+        return {k: v for part in spec.split("+") for k, v in rows(part, method).items()}
     cal, held = spec.split(":")
     c = {int(r["layer"]): r for r in json.loads(Path(cal).read_text())["summary"] if r["method"] == method}
     h = {int(r["layer"]): r for r in json.loads(Path(held).read_text())["summary"] if r["method"] == method}

@@ -249,3 +249,18 @@ def test_margin_calibrates_to_the_safe_side(tmp_path: Path) -> None:
     assert config["margin"] == 0.1 and config["target"]["recall"] == 0.85
     assert config["calibrated_to"]["recall"] == pytest.approx(0.95)
     assert main([*base, "--margin", "0.2", "--out-dir", str(tmp_path / "c")]) == 2
+
+
+def test_eval_ppl_and_passkey_take_the_model() -> None:
+    """`eval ppl` / `eval passkey` run a calibrated config on either model (Gemma 3's global layers)."""
+    import argparse
+
+    from sparseprefill import evaluate
+
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    for task in ("ppl", "passkey", "capture"):
+        assert parser.parse_args([task, "--model", "gemma3-270m"]).model == "gemma3-270m"
+        assert parser.parse_args([task]).model == "smollm2"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ppl", "--model", "llama"])
