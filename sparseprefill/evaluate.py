@@ -329,7 +329,8 @@ def format_table(rows: Sequence[LayerRow]) -> str:
 def passkey_prompt(tokenizer: Any, seqlen: int, depth: float, key: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A chat prompt of about `seqlen` tokens hiding `key` at relative `depth`.
 
-    The assistant turn is opened with "The pass key is", so the answer is the key's
+    A tokenizer without a chat template gets the same text as a plain prompt. The
+    assistant turn is opened with "The pass key is", so the answer is the key's
     digits (SmolLM2's tokenizer has one token per digit).
 
     Args:
@@ -354,6 +355,9 @@ def passkey_prompt(tokenizer: Any, seqlen: int, depth: float, key: int) -> tuple
         parts = [FILLER] * repeats
         parts.insert(round(depth * repeats), needle)
         content = PASSKEY_INTRO + "".join(parts) + PASSKEY_QUESTION
+        if getattr(tokenizer, "chat_template", None) is None:
+            # A tokenizer without a chat template (Gemma 3's GGUF): the plain text.
+            return content + "\n" + ANSWER_PREFIX
         text: str = tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
         )

@@ -264,3 +264,19 @@ def test_eval_ppl_and_passkey_take_the_model() -> None:
         assert parser.parse_args([task]).model == "smollm2"
     with pytest.raises(SystemExit):
         parser.parse_args(["ppl", "--model", "llama"])
+
+
+def test_passkey_prompt_without_chat_template() -> None:
+    """Gemma 3's GGUF tokenizer has no chat template: the passkey prompt is then plain text."""
+    from sparseprefill import evaluate
+
+    class CharTokenizer:
+        chat_template = None
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+            return {"input_ids": [ord(c) for c in text]}
+
+    prompt, answer = evaluate.passkey_prompt(CharTokenizer(), 2000, 0.5, 12345)
+    text = "".join(map(chr, prompt[0].tolist()))
+    assert 1800 < prompt.shape[1] <= 2000 and "The pass key is 12345." in text
+    assert text.endswith(evaluate.ANSWER_PREFIX) and "".join(map(chr, answer[0].tolist())) == " 12345"
