@@ -17,5 +17,6 @@ one sample_attention $Q $H "" smollm2-8k-m02-b smollm2-8k-sample_attention-m02-0
 one shareprefill $Q $H "" smollm2-8k-m02-b smollm2-8k-shareprefill-m02-0_9_27 --method shareprefill --layers 0 9 27
 one vertical_slash $QG $HG "--max-seqlen 8192" gemma3-8k-m02 gemma3-8k-vertical_slash-m02 --method vertical_slash --grid "$GV"
 one vertical_slash $Q $H "" smollm2-8k-m02-b smollm2-8k-vertical_slash-m02-0_9_27 --method vertical_slash --layers 0 9 27 --grid "$GV"
+# (stopped at the deadline before it finished: no result)
 one anchor_attention $Q $H "" smollm2-8k-m02-b smollm2-8k-anchor_attention-m02-0_9_27 --method anchor_attention --layers 0 9 27 \
     --refine 3 --refine-top 50.0
