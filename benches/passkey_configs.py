@@ -61,6 +61,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--check-seqlen", type=int, default=0,
                         help="compare masked vs reference logits on one prompt of this length first (0: skip)")
     parser.add_argument("--no-dense", action="store_true", help="skip the unpatched model")
+    parser.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
         configs.append((label, method, load_config(path, method=method)))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.perf_counter()
-    model, tokenizer = evaluate.load_smollm2()
+    model, tokenizer = evaluate.load_gemma3() if args.model == "gemma3-270m" else evaluate.load_smollm2()
     print(f"loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     result: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                               "torch": torch.__version__, "threads": torch.get_num_threads(),

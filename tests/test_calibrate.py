@@ -216,3 +216,67 @@ def test_refine_bisects_each_heads_knob_to_a_cheaper_value(tmp_path: Path) -> No
     # A head dense on the grid is bracketed by 0.6 and 1.0 and served.
     assert sum(p is None for p in fine.picks) < sum(p is None for p in coarse.picks)
     assert isinstance(fine.spec, dict) and isinstance(fine.spec["threshold"], list)
+
+
+def test_margin_calibrates_to_the_safe_side(tmp_path: Path) -> None:
+    """`--margin`: the bounds tighten on the calibration prompt (recall + m, error - m), the
+    config records the user's target and the margin, bad margins are refused."""
+    target = cal.Target(recall=0.9, row_recall=0.5, error=0.1)
+    safe = target.with_margin(0.05)
+    assert safe.recall == pytest.approx(0.95) and safe.row_recall == pytest.approx(0.55)
+    assert safe.error == pytest.approx(0.05) and target.with_margin(0) is target
+    for bad in (-0.1, 1.0, True, "0.1"):
+        with pytest.raises(ValueError, match="margin"):
+            target.with_margin(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="above 1"):
+        cal.Target(recall=0.97).with_margin(0.05)
+    with pytest.raises(ValueError, match="below 0"):
+        cal.Target(recall=None, error=0.01).with_margin(0.02)
+    from sparseprefill.calibrate import main
+
+    qkv = toy_capture(tmp_path)
+    grid = json.dumps([{"stride": 4, "block": 16, "threshold": t} for t in (0.3, 0.6)])
+    base = ["--qkv", str(qkv), "--method", "xattention", "--rows", "64", "--grid", grid,
+            "--refine", "2", "--refine-top", "1.0", "--target-recall", "0.85"]
+    assert main([*base, "--out-dir", str(tmp_path / "a"), "--table", str(tmp_path / "a")]) == 0
+    assert main([*base, "--margin", "0.1", "--out-dir", str(tmp_path / "b"), "--table", str(tmp_path / "b")]) == 0
+    plain = json.loads((tmp_path / "a.json").read_text())["layers"][0]
+    safe_run = json.loads((tmp_path / "b.json").read_text())["layers"][0]
+    served = [h for h in range(HQ) if safe_run["picks"][h] is not None]
+    assert served and all(safe_run["recall_mean"][h] >= 0.95 for h in served)
+    assert sum(safe_run["density"]) >= sum(plain["density"]) - 1e-12
+    config = json.loads((tmp_path / "b" / "xattention.json").read_text())
+    assert config["margin"] == 0.1 and config["target"]["recall"] == 0.85
+    assert config["calibrated_to"]["recall"] == pytest.approx(0.95)
+    assert main([*base, "--margin", "0.2", "--out-dir", str(tmp_path / "c")]) == 2
+
+
+def test_eval_ppl_and_passkey_take_the_model() -> None:
+    """`eval ppl` / `eval passkey` run a calibrated config on either model (Gemma 3's global layers)."""
+    import argparse
+
+    from sparseprefill import evaluate
+
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    for task in ("ppl", "passkey", "capture"):
+        assert parser.parse_args([task, "--model", "gemma3-270m"]).model == "gemma3-270m"
+        assert parser.parse_args([task]).model == "smollm2"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ppl", "--model", "llama"])
+
+
+def test_passkey_prompt_without_chat_template() -> None:
+    """Gemma 3's GGUF tokenizer has no chat template: the passkey prompt is then plain text."""
+    from sparseprefill import evaluate
+
+    class CharTokenizer:
+        chat_template = None
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+            return {"input_ids": [ord(c) for c in text]}
+
+    prompt, answer = evaluate.passkey_prompt(CharTokenizer(), 2000, 0.5, 12345)
+    text = "".join(map(chr, prompt[0].tolist()))
+    assert 1800 < prompt.shape[1] <= 2000 and "The pass key is 12345." in text
+    assert text.endswith(evaluate.ANSWER_PREFIX) and "".join(map(chr, answer[0].tolist())) == " 12345"
