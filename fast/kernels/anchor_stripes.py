@@ -62,9 +62,10 @@ def _anchor_stripes_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     WRITE: tl.constexpr, DOT_F32: tl.constexpr, SAVE_HITS: tl.constexpr, FROM_HITS: tl.constexpr,
+    WORD_BITS: tl.constexpr,
 ):
     # SAVE_HITS (counting pass): also store each (group, tile)'s kept keys as BLOCK_K bits
-    # (BLOCK_K // 32 int32 words at HITS); FROM_HITS (fill pass): read them back instead
+    # (BLOCK_K // WORD_BITS int32 words at HITS); FROM_HITS (fill pass): read them back instead
     # of recomputing the pooled scores (no dot products: a pass over the bits).
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -81,8 +82,8 @@ def _anchor_stripes_kernel(
         + o_d[:, None] * stride_kd
     if not FROM_HITS:
         b_k = tl.load(p_k, mask=(o_k[None, :] < seqlen) & m_d[:, None], other=0.0)
-    NWORDS: tl.constexpr = BLOCK_K // 32
-    o_bit = tl.arange(0, 32)
+    NWORDS: tl.constexpr = BLOCK_K // WORD_BITS
+    o_bit = tl.arange(0, WORD_BITS)
     p_qh = QH + i_bh * num_qblocks * head_dim + o_d[None, :]
     p_ql = QL + i_bh * num_qblocks * head_dim + o_d[None, :]
     p_a = AMEAN + i_bh * num_qblocks
@@ -118,7 +119,7 @@ def _anchor_stripes_kernel(
                 hit = tl.maximum(hit, tl.max(b_keep.to(tl.int32), 0))
         hit = tl.where(m_key, hit, 0)
         if SAVE_HITS:
-            bits = tl.reshape(hit, [NWORDS, 32]) << o_bit[None, :]
+            bits = tl.reshape(hit, [NWORDS, WORD_BITS]) << o_bit[None, :]
             tl.store(HITS + p_cell * NWORDS + tl.arange(0, NWORDS), tl.reduce(bits, 1, _bit_or))
         if WRITE:
             offset = tl.load(TILE_OFFSET + p_cell)
@@ -147,7 +148,7 @@ def _launch(
         *k.stride(),
         BLOCK_K=_BLOCK_K, BLOCK_Q=block_q, HEAD_DIM=head_dim, WRITE=write,
         DOT_F32=interpreter_active(), SAVE_HITS=hits is not None and not write,
-        FROM_HITS=hits is not None and write, num_warps=_NUM_WARPS,
+        FROM_HITS=hits is not None and write, WORD_BITS=_word_bits(), num_warps=_NUM_WARPS,
         num_stages=1 if interpreter_active() else 2,
     )
 
@@ -208,6 +209,11 @@ def count_stripes(
     return tile_count
 
 
+def _word_bits() -> int:
+    """Bits used per int32 word of `hit_bits` (fewer where a key tile is narrower than 32)."""
+    return min(32, _BLOCK_K)
+
+
 def hit_bits(batch: int, heads: int, seqlen: int, *, step: int, block_m: int,
              device: torch.device) -> torch.Tensor:
     """The counting pass's kept-key bits, int32 `[B * Hq, G, ceil(N / 128), 4]` (128 keys a
@@ -215,11 +221,12 @@ def hit_bits(batch: int, heads: int, seqlen: int, *, step: int, block_m: int,
     `4 * B * Hq * G * N / 32` bytes, 32 MB at 128K tokens, 32 heads, step 16."""
     groups = cdiv(cdiv(seqlen, block_m), step)
     tiles = cdiv(seqlen, _BLOCK_K)
-    nbytes = batch * heads * groups * tiles * (_BLOCK_K // 32) * 4
+    words = _BLOCK_K // _word_bits()
+    nbytes = batch * heads * groups * tiles * words * 4
     check_device_memory(f"AnchorAttention's kept-key bits ([B * Hq, G, tiles] = [{batch * heads}, {groups}, "
                         f"{tiles}])", nbytes, device,
                         hint="A larger step or fewer heads per call fit.")
-    return torch.empty(batch * heads, groups, tiles, _BLOCK_K // 32, dtype=torch.int32, device=device)
+    return torch.empty(batch * heads, groups, tiles, words, dtype=torch.int32, device=device)
 
 
 def fill_stripes(
