@@ -4,9 +4,11 @@ Three kernel passes, as the paper's Alg. 1-3:
 
 1. anchor: `block_column_attention` over the anchor blocks (the initial key block
    and the group's window) from an empty `AttentionState`; the state's row max
-   `m` (natural-log units of the scaled logits) is Equation 1's `x_a`;
-2. identification: `stripe_index` (Triton counting pass, one host sync for the
-   width, fill pass) pools queries and anchors per query block and keeps the
+   `m` (natural-log units of the scaled logits) is Equation 1's `x_a` (the plan alone,
+   `anchor_attention_plan`, runs the kernel's row-max switch instead: the same `m`, no
+   exp2, no P x V; `anchor_maxima`);
+2. identification: `stripe_index` (Triton counting pass that also keeps its
+   decisions as bits, one host sync for the width, fill pass from the bits) pools queries and anchors per query block and keeps the
    group's keys within `theta` of the pooled anchor;
 3. stripes: `block_column_attention` over the stripes alone (a plan with no
    blocks, one column list per group: `column_group = step`), resuming from the
