@@ -169,6 +169,17 @@ def main() -> int:
     own_columns.DISJOINT_COLUMN_BYTES = budget
     _sync(dev)
     print(f"column split by the device flag ran; head chunks of {chunk} ran", flush=True)
+    # The row-max switch (AnchorAttention's anchors; a column plan too) and the stripe
+    # fill from the counting pass's bits, then with the scores recomputed.
+    from sparseprefill.fast.kernels import anchor_stripes, block_column_row_max
+
+    fast.anchor_attention_plan(q, k, step=2, block_m=64, block_n=64)
+    block_column_row_max(q, k, wide)
+    anchor_stripes.STRIPE_BITS = False
+    fast.anchor_attention_plan(q, k, step=2, block_m=64, block_n=64)
+    anchor_stripes.STRIPE_BITS = True
+    _sync(dev)
+    print("row max (blocks, columns) and anchor stripes (bits, recomputed) ran", flush=True)
     # Chunked prefill (query_offset) and a packed varlen batch.
     fast.sparse_attention(q[:, :, 300:], k, v, fast.dense_plan(q[:, :, 300:], k))
     fast.sparse_attention(q[:, :, 320:], k, v, plan.rows(320))

@@ -4,9 +4,11 @@ Three kernel passes, as the paper's Alg. 1-3:
 
 1. anchor: `block_column_attention` over the anchor blocks (the initial key block
    and the group's window) from an empty `AttentionState`; the state's row max
-   `m` (natural-log units of the scaled logits) is Equation 1's `x_a`;
-2. identification: `stripe_index` (Triton counting pass, one host sync for the
-   width, fill pass) pools queries and anchors per query block and keeps the
+   `m` (natural-log units of the scaled logits) is Equation 1's `x_a` (the plan alone,
+   `anchor_attention_plan`, runs the kernel's row-max switch instead: the same `m`, no
+   exp2, no P x V; `anchor_maxima`);
+2. identification: `stripe_index` (Triton counting pass that also keeps its
+   decisions as bits, one host sync for the width, fill pass from the bits) pools queries and anchors per query block and keeps the
    group's keys within `theta` of the pooled anchor;
 3. stripes: `block_column_attention` over the stripes alone (a plan with no
    blocks, one column list per group: `column_group = step`), resuming from the
@@ -31,6 +33,8 @@ differently from the reference.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..reference._checks import HALF_DTYPES, PerHead, check_qk, check_qkv, per_head, resolve_scale
@@ -38,9 +42,14 @@ from ..reference.anchor_attention import STEP, THETA, check_anchor_params, check
 from ..reference.attention import AttentionState
 from ..reference.plan import BlockColumnPlan, cdiv
 from .capture import static_widths_active
-from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
+from .kernels import block_column_attention, block_column_row_max, check_forward_only, check_kernel_block_sizes, check_kernel_device
 from .kernels.anchor_stripes import search_width_bound, stripe_index
 from .kernels._common import head_group
+
+# Anchors from the kernel's row-max switch (no exp2, no P x V); `SPARSEPREFILL_ANCHOR_ROW_MAX=0`
+# runs the full attention pass with `k` as values instead (the earlier design, kept for
+# timing: docs/xattention.md, issue 22 AnchorAttention plan).
+ANCHOR_ROW_MAX = os.environ.get("SPARSEPREFILL_ANCHOR_ROW_MAX", "1") == "1"
 
 # Largest stripe plan `anchor_attention` builds at once (the issue's 128K budget).
 PLAN_BYTES = 256 << 20
@@ -116,11 +125,15 @@ def anchor_maxima(
     q: torch.Tensor, k: torch.Tensor, *, step: int, block_m: int, block_n: int, scale: float
 ) -> torch.Tensor:
     """Equation 1 on the GPU: `x_a`, fp32 `[B, Hq, N]`, the row max of the scaled logits over
-    the anchor blocks (the anchor pass's state `m`, with `k` as values; see
-    `reference.anchor_attention.anchor_scores`). Arguments are checked by the caller."""
+    the anchor blocks (see `reference.anchor_attention.anchor_scores`): the block kernel's
+    row-max switch (`block_column_row_max`: no exp2, no P x V), bit for bit the `m` of the
+    anchor pass's state; with `ANCHOR_ROW_MAX` off, that full pass with `k` as values.
+    Arguments are checked by the caller."""
     b, h, n = q.shape[0], q.shape[1], q.shape[2]
     anchor = _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=None, index=None,
                     device=q.device, with_blocks=True)
+    if ANCHOR_ROW_MAX:
+        return block_column_row_max(q, k, anchor, scale=scale, validate_plan=False)
     state = AttentionState.like(q)
     block_column_attention(q, k, k, anchor, scale=scale, state=state, validate_plan=False)
     return state.m
@@ -138,8 +151,8 @@ def anchor_attention_plan(
 ) -> BlockColumnPlan:
     """AnchorAttention plan (see `reference.anchor_attention_plan`).
 
-    Runs the anchor pass (with `k` as values: only the state's `m` is used) and the
-    stripe identification; block sizes must be multiples of 16.
+    Runs the anchor pass (row max only: `anchor_maxima`) and the stripe
+    identification; block sizes must be multiples of 16.
 
     Args:
         q: `[B, Hq, N, D]` fp16/bf16; k: `[B, Hkv, N, D]`.

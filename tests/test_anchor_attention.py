@@ -132,6 +132,22 @@ def test_stripes_are_alg2_literal_group_union() -> None:
         assert got == want and 0 < len(got) < 16 + 48 + 80  # not empty, not everything
 
 
+def test_stripe_bits_and_row_max_switches_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One scoring pass (the fill reads the counting pass's bits) and the row-max anchor
+    pass give the plan of the earlier designs (scores recomputed, full anchor pass)."""
+    stripes = importlib.import_module("sparseprefill.fast.kernels.anchor_stripes")
+    q, k, _ = _qkv(b=1, hq=1, hkv=1, n=200, d=16, seed=4)  # 4 groups: the last reaches key tile 1
+    args = dict(theta=4.0, step=2, block_m=32, block_n=16, scale=0.25)
+    new = fast_anchor.anchor_attention_plan(q, k, **args)
+    monkeypatch.setattr(stripes, "STRIPE_BITS", False)
+    monkeypatch.setattr(fast_anchor, "ANCHOR_ROW_MAX", False)
+    old = fast_anchor.anchor_attention_plan(q, k, **args)
+    kept = int(new.column_count[0, 0, ::2].sum())
+    assert 0 < kept < int(new.column_count.shape[2]) // 2 * 128, kept  # some stripes, not all
+    for name in ("block_count", "block_index", "column_count", "column_index"):
+        assert torch.equal(getattr(new, name), getattr(old, name)), name
+
+
 def test_x_a_is_equation_1_and_the_anchor_state_max() -> None:
     q, k, v = _qkv(b=2, hq=4, hkv=2, n=97, d=32, seed=5)
     bm, bn, step, scale = 32, 16, 2, 0.3

@@ -234,3 +234,16 @@ def test_shared_memory_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     launches.clear()
     fast.attention(q, k, v, mask, return_lse=True)
     assert launches == [(32, 2, 64)]  # the fitted configuration, first try
+
+
+def test_row_max_switch_is_the_state_max_bit_for_bit() -> None:
+    """`block_column_row_max` (the kernel's ROW_MAX switch: no exp2, no P x V) equals the
+    `m` a full pass leaves in an empty state, blocks and columns, empty rows -inf."""
+    from sparseprefill.fast.kernels import block_column_attention, block_column_row_max
+
+    q, k, v = qkv(1, 2, 1, 75, 16, torch.bfloat16, seed=7)
+    plan = random_plan(1, 2, 75, 32, 16, p_block=0.4, p_col=0.1, seed=3, empty_every=2)
+    state = fast.AttentionState.like(q)
+    block_column_attention(q, k, v, plan, scale=0.2, state=state)
+    got = block_column_row_max(q, k, plan, scale=0.2)
+    assert torch.equal(got, state.m) and bool(torch.isinf(got).any()) and bool(torch.isfinite(got).any())

@@ -7,10 +7,11 @@ from ._common import (
     check_kernel_device,
     interpreter_active,
 )
-from .block_column import block_column_attention, varlen_block_column_attention
+from .block_column import block_column_attention, block_column_row_max, varlen_block_column_attention
 
 __all__ = [
     "block_column_attention",
+    "block_column_row_max",
     "check_device_memory",
     "check_forward_only",
     "check_kernel_block_sizes",

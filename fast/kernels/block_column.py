@@ -106,7 +106,7 @@ def _load_kv(
 @triton.jit
 def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
                   MASKED: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_MEAN: tl.constexpr,
-                  NONFINITE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  NONFINITE: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_MAX: tl.constexpr):
     """One online-softmax update of `(acc, l_i, m_i)` with a key tile (keep-mask if MASKED).
 
     Scores stay unscaled until `s * qk_scale - m`, which compiles to one FMA per element.
@@ -114,6 +114,7 @@ def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale
     are zeroed for the product (0 * NaN would leak into rows that do not keep the key)
     and the rows that do keep one are recorded in `poison` (set to NaN at the end).
     Returns the updated state and, if BLOCK_MEAN, the sum of the kept scaled logits.
+    With ROW_MAX only `m_i` is updated (the same max, bit for bit): no exp2, no P x V.
     """
     b_s = _dot(b_q, b_k, DOT_F32)
     tile_sum = 0.0
@@ -121,7 +122,7 @@ def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale
         if BLOCK_MEAN:
             tile_sum = tl.sum(tl.sum(tl.where(b_keep, b_s, 0.0), 1), 0) * sm_scale
         b_s = tl.where(b_keep, b_s, float("-inf"))
-        if NONFINITE:
+        if NONFINITE and not ROW_MAX:
             # Compared in fp32: Triton's CPU interpreter holds bf16 as raw bits.
             b_v32 = b_v.to(tl.float32)
             v_bad = (b_v32 != b_v32) | (tl.abs(b_v32) == float("inf"))
@@ -130,6 +131,12 @@ def _softmax_step(acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale
             b_v = tl.where(v_bad, 0.0, b_v).to(b_v.dtype)
     elif BLOCK_MEAN:
         tile_sum = tl.sum(tl.sum(b_s, 1), 0) * sm_scale
+    if ROW_MAX:
+        if HAS_BIAS:
+            m_new = tl.maximum(m_i, tl.max(b_s * qk_scale + b_bias[None, :], 1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+        return acc, l_i, m_new, poison, tile_sum
     if HAS_BIAS:
         # Per-key additive bias (log2 units), e.g. Delta-KV's log run length.
         b_s = b_s * qk_scale + b_bias[None, :]
@@ -176,7 +183,7 @@ def _column_tiles(
     BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr,
     SKIP_COVERED: tl.constexpr, WIN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     NONFINITE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-    EVEN_D: tl.constexpr, COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr,
+    EVEN_D: tl.constexpr, COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr, ROW_MAX: tl.constexpr,
 ):
     """Fold the listed columns into `(acc, l_i, m_i)`, gathered `BLOCK_N` at a time.
 
@@ -225,7 +232,7 @@ def _column_tiles(
                 b_bias = tl.load(x_base + i_col.to(tl.int64) * stride_xn) * K_LOG2E
             acc, l_i, m_i, poison, tile_sum = _softmax_step(
                 acc, l_i, m_i, poison, b_q, b_k, b_v, b_q, b_bias, qk_scale, sm_scale,
-                False, DOT_F32, False, NONFINITE, HAS_BIAS)
+                False, DOT_F32, False, NONFINITE, HAS_BIAS, ROW_MAX)
     # The gathers below depend on the column indices: with disjoint columns, load the
     # next tile's one step ahead (H200, 128K MInference plan: 33.2 -> 32.4 ms). With
     # the column-in-block test it made the loop 1.75x slower (43.2 -> 75.7 ms), so
@@ -272,7 +279,7 @@ def _column_tiles(
             b_keep = b_keep & (m_user != 0)
         acc, l_i, m_i, poison, tile_sum = _softmax_step(
             acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
-            True, DOT_F32, False, NONFINITE, HAS_BIAS)
+            True, DOT_F32, False, NONFINITE, HAS_BIAS, ROW_MAX)
     return acc, l_i, m_i, poison
 
 
@@ -292,7 +299,7 @@ def _block_column_fwd(
     GUARD: tl.constexpr, NONFINITE: tl.constexpr, COL_PREFETCH: tl.constexpr, COL_N: tl.constexpr,
     COL_SPLIT: tl.constexpr, COL_TAIL: tl.constexpr, TILE_MAJOR: tl.constexpr,
     FLAT_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, COPY: tl.constexpr = 0,
-    TILE_START=None, SEQ_P2: tl.constexpr = 1,
+    TILE_START=None, SEQ_P2: tl.constexpr = 1, ROW_MAX_OUT=None,
 ):
     # A feature is on when its tensor is given: LSE (return_lse), MASK (a dense mask),
     # M_ST / L_ST / ACC_ST (a state to resume), BSUM (block means), KV_OFFSET (ragged
@@ -305,6 +312,10 @@ def _block_column_fwd(
     HAS_KV_OFFSET: tl.constexpr = KV_OFFSET is not None
     HAS_BIAS: tl.constexpr = KEY_BIAS is not None
     HAS_VARLEN: tl.constexpr = CU_SEQLENS is not None
+    # ROW_MAX_OUT (`block_column_row_max`): only the row max of the scaled logits is
+    # computed and written there (natural-log units, fp32 [B, Hq, N]); no exp2, no P x V,
+    # no output (no state, block means, lse or dense mask with it).
+    ROW_MAX: tl.constexpr = ROW_MAX_OUT is not None
     stride_qb, stride_qh, stride_qn, stride_qd = strides_q
     stride_kb, stride_kh, stride_kn, stride_kd = strides_k
     stride_vb, stride_vh, stride_vn, stride_vd = strides_v
@@ -469,11 +480,11 @@ def _block_column_fwd(
                              mask=m_row[:, None], other=0) != 0
             acc, l_i, m_i, poison, tile_sum = _softmax_step(
                 acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
-                True, DOT_F32, False, NONFINITE, HAS_BIAS)
+                True, DOT_F32, False, NONFINITE, HAS_BIAS, ROW_MAX)
         else:
             acc, l_i, m_i, poison, tile_sum = _softmax_step(
                 acc, l_i, m_i, poison, b_q, b_k, b_v, b_q, b_bias, qk_scale, sm_scale,
-                False, DOT_F32, BLOCK_MEAN, NONFINITE, HAS_BIAS)
+                False, DOT_F32, BLOCK_MEAN, NONFINITE, HAS_BIAS, ROW_MAX)
             if BLOCK_MEAN:
                 tl.atomic_add(p_bsum + kb.to(tl.int64) * stride_sn, tile_sum)
     for t in range(n_full, count * SUB_N):
@@ -494,7 +505,7 @@ def _block_column_fwd(
             b_keep = b_keep & (m_user != 0)
         acc, l_i, m_i, poison, tile_sum = _softmax_step(
             acc, l_i, m_i, poison, b_q, b_k, b_v, b_keep, b_bias, qk_scale, sm_scale,
-            True, DOT_F32, BLOCK_MEAN, NONFINITE, HAS_BIAS)
+            True, DOT_F32, BLOCK_MEAN, NONFINITE, HAS_BIAS, ROW_MAX)
         if BLOCK_MEAN:
             tl.atomic_add(p_bsum + kb.to(tl.int64) * stride_sn, tile_sum)
 
@@ -515,8 +526,11 @@ def _block_column_fwd(
             p_k_cols, p_v_cols, stride_kn, stride_vn, x_base, stride_xn, p_mask, stride_mn,
             m_row, m_d, o_m, tl.arange(0, COL_N), key_len, plan_block_n, qk_scale, sm_scale, row0_g,
             COL_N, DOT_F32, GUARD, COL_PREFETCH, SKIP_COVERED, WIN, SEARCH_STEPS, NONFINITE,
-            HAS_BIAS, HAS_MASK, EVEN_D, COL_SPLIT, COL_TAIL)
+            HAS_BIAS, HAS_MASK, EVEN_D, COL_SPLIT, COL_TAIL, ROW_MAX)
 
+    if ROW_MAX:
+        tl.store(ROW_MAX_OUT + o_st, m_i * K_LN2, mask=m_row)
+        return
     # A row that keeps a non-finite value reads NaN; finite inputs never give an infinite
     # output (a convex combination of values), so any infinity is such a row too.
     acc = tl.where(poison[:, None] > 0, float("nan"), acc)
@@ -654,6 +668,8 @@ class _KernelCall:
     varlen_rows: int = 0
     # Where to write (`out`, `lse`) instead of fresh tensors (one head chunk of a launch).
     dest: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    # fp32 `[B, Hq, N]` to receive the row max alone (`block_column_row_max`): no output.
+    row_max: torch.Tensor | None = None
 
 
 def _front_door(
@@ -738,6 +754,45 @@ def block_column_attention(
         _check_bias(key_bias, (b, shape.kv_heads, n), q.device)
     return _launch(_KernelCall(q, k, v, plan, sm_scale, shape.key_len, return_lse, mask=dense_mask,
                                state=state, block_mean_out=block_mean_out, key_bias=key_bias))
+
+
+def block_column_row_max(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    plan: BlockColumnPlan,
+    *,
+    scale: float | None = None,
+    validate_plan: bool = True,
+) -> torch.Tensor:
+    """The row max of the scaled logits over `plan`'s keys, without the attention.
+
+    The same kernel as `block_column_attention` with its row-max switch (`ROW_MAX`):
+    each key tile's logits and their running max only, no exp2, no P x V, no output.
+    Bit for bit the `m` an `AttentionState` started empty would hold after
+    `block_column_attention(q, k, v, plan, state=...)` (AnchorAttention's Equation 1
+    anchors, `fast.anchor_attention.anchor_maxima`).
+
+    Args:
+        q: `[B, Hq, N, D]` fp16/bf16 (any strides); k: `[B, Hkv, N, D]`.
+        plan: a `BlockColumnPlan` for `[B, Hq, N]` whose block sizes are multiples of 16.
+        scale: softmax scale, `1/sqrt(D)` if None.
+        validate_plan: check every plan invariant first.
+
+    Returns:
+        float32 `[B, Hq, N]`, natural-log units; -inf for a row with no listed key.
+
+    Raises:
+        TypeError, ValueError: any input the kernel does not support.
+    """
+    offset = plan.query_offset if isinstance(plan, BlockColumnPlan) else 0
+    shape = check_qkv(q, k, k, dtypes=HALF_DTYPES, query_offset=offset)
+    b, hq, n = shape.batch, shape.q_heads, shape.seqlen
+    sm_scale = _front_door(q, k, k, plan, head_dim=shape.head_dim, scale=scale)
+    if validate_plan:
+        check_plan(plan, b, hq, n, q.device)
+    row_max = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
+    _launch(_KernelCall(q, k, k, plan, sm_scale, shape.key_len, False, row_max=row_max))
+    return row_max
 
 
 def ragged_block_column_attention(
@@ -964,7 +1019,7 @@ def _head_chunk(plan: BlockColumnPlan, call: _KernelCall) -> int:
     if (plan.column_index.shape[3] == 0 or plan.columns_disjoint or plan.column_group != 1
             or not own_columns.RESOLVE_COVERED or call.mask is not None or call.state is not None
             or call.block_mean_out is not None or call.key_bias is not None or call.kv_offsets is not None
-            or call.varlen is not None or call.dest is not None):
+            or call.varlen is not None or call.dest is not None or call.row_max is not None):
         return 0
     b, hq = call.q.shape[:2]
     group = hq // call.k.shape[1]
@@ -1018,6 +1073,9 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     elif call.dest is not None:
         cu_arg = None
         out, lse = call.dest
+    elif call.row_max is not None:
+        cu_arg = None
+        out, lse = q.new_empty(1, 1, 1, 1), None  # not written: the kernel stores the row max only
     else:
         cu_arg = None
         out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
@@ -1049,7 +1107,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     vstrides = (0, 0, *v.stride()) if ragged else tuple(v.stride())
     has_columns = plan.column_index.shape[3] > 0
     v_bad = None
-    if has_columns and _NONFINITE:
+    if has_columns and _NONFINITE and call.row_max is None:
         v_bad = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
     use_tma = head_dim == d and not ragged and call.varlen is None and tma_ok(q, k, v)
     # Ragged `[T, D]` and varlen `[T, Hkv, D]` K / V: one 2-D descriptor each (a varlen
@@ -1085,7 +1143,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         wrote alone (block sums are zeroed only before any copy ran)."""
         key = (q.device, q.dtype, d, plan.block_m, plan.block_n, call.mask is not None, use_tma or flat_tma,
                call.varlen is None, has_columns, call.return_lse, ragged, bias is not None,
-               work is not None, sums is not None, nonfinite, col_split)
+               work is not None, sums is not None, nonfinite, col_split, call.row_max is not None)
         config = initial if os.environ.get("SPARSEPREFILL_TILE") else _FITTED.get(key, initial)
         # Listed blocks that can reach past a tile's first row overlap the plan block's rows.
         diag = triton.next_power_of_2(plan.block_m // plan.block_n + 2)
@@ -1145,7 +1203,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
                     COL_SPLIT=col_split,
                     COL_TAIL=triton.next_power_of_2(plan.block_m) if has_columns else 1,
                     TILE_MAJOR=tile_major, FLAT_TMA=flat_tma, WARP_SPEC=_WARP_SPEC, COPY=copy,
-                    TILE_START=tile_start, SEQ_P2=triton.next_power_of_2(b + 1),
+                    TILE_START=tile_start, SEQ_P2=triton.next_power_of_2(b + 1), ROW_MAX_OUT=call.row_max,
                     num_warps=num_warps, num_stages=num_stages,
                 )
             except OutOfResources:
