@@ -21,13 +21,13 @@ import sys, torch; torch.set_num_threads($2); sys.path.insert(0, 'benches'); imp
 e.workload($1, torch.device('cpu'), '$CACHE')"
 }
 mkdir -p $CACHE
-build 131072 8 & p128=$!
-build 32768 8
+build 32768 16
 M="--methods shareprefill sample_attention"
 el "32K after + variants"
 python3 benches/issue22_s5_share.py --seqlens 32768 $M --variants --deadline $DEADLINE --json "$OUT/after-32k.json" 2>&1 | grep -v Warn | grep -E "N=|Error"
 el "32K before"
 PYTHONPATH=$BEFORE python3 benches/issue22_s5_share.py --tag before --seqlens 32768 $M --deadline $DEADLINE --json "$OUT/before-32k.json" 2>&1 | grep -v Warn | grep -E "N=|Error"
+build 131072 12 & p128=$!
 el "GPU conformance ($(left)s left)"
 ( cd /tmp && timeout $(( $(left) < 150 ? $(left) - 25 : 150 )) python3 -m sparseprefill.conformance --device cuda --max-seqlen 8192 --examples 6 \
   --row-budget 6 --methods shareprefill,sample_attention --properties plan,end_to_end,estimate --json "$OUT/conformance.json" ) > "$OUT/conformance.txt" 2>&1
