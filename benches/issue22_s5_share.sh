@@ -33,7 +33,7 @@ el "GPU conformance ($(left)s left)"
   --row-budget 6 --methods shareprefill,sample_attention --properties plan,end_to_end,estimate --json "$OUT/conformance.json" ) > "$OUT/conformance.txt" 2>&1
 echo "conformance rc=$?"; grep -E "PASS|FAIL|ERROR" "$OUT/conformance.txt" | tail -12
 el "compile_check shareprefill ($(left)s left)"
-timeout 20 python3 benches/compile_check.py --methods shareprefill --compile-methods --json "$OUT/compile_check.json" > "$OUT/compile_check.txt" 2>&1
+timeout 30 python3 benches/compile_check.py --methods shareprefill sample_attention --compile-methods --json "$OUT/compile_check.json" > "$OUT/compile_check.txt" 2>&1
 echo "compile_check rc=$?"; grep -E " OK | FAIL | SKIP " "$OUT/compile_check.txt" | head -8
 wait $p128
 el "128K shareprefill after / before ($(left)s left)"
