@@ -193,7 +193,9 @@ METHOD = register(Method(
                "(fast HostLayerDecision)",
                "plan: both padded line widths in one transfer (padded_lines_many)",
                "plan: the dense and shared heads' block lists (mask_to_list)",
-               "vertical-slash heads: the index width (counting pass)"),
+               "vertical-slash heads: the index width (counting pass)",
+               "plan and attention: which heads are dense or shared (nonzero().tolist(), int()) from the host "
+               "copy of the patterns: a read of a CPU tensor, no device read on a GPU"),
         capture_safe=False,
         note="the pattern of each head is decided on the host from the data (and copied to the device "
              "from pinned memory); the dense heads' passes depend on it"),
