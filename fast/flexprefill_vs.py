@@ -83,6 +83,14 @@ def flexprefill_vs_lines(
     return kept[0], kept[1]
 
 
+#: How `padded_lines` lists the kept indices: "sort" (a sort of the indices with the
+#: dropped ones pushed to N) or "scatter" (each kept index written at its rank, the rank
+#: a cumulative sum; O(N) a row, no sort). Same lists; on an H200 at 32K (shareprefill's
+#: plan, same process) the sort measured 3.83 ms, the scatter 3.94: the sort stays.
+#: docs/xattention.md (issue 22, fifth session).
+COMPACT_BY = "sort"
+
+
 def padded_lines(kept: torch.Tensor) -> torch.Tensor:
     """bool `[B, H, N]` -> int32 `[B, H, W]` kept indices ascending, padded with N.
 
@@ -91,11 +99,37 @@ def padded_lines(kept: torch.Tensor) -> torch.Tensor:
     kernel reads offset N as a slash that reaches no row, and a column N is never
     causal, so the padding adds nothing.
     """
+    return padded_lines_many(kept)[0]
+
+
+def padded_lines_many(*kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`padded_lines` of several masks (each its own width) with one host synchronisation
+    for all their widths (none inside `static_widths()` or a capture)."""
+    if not kept:
+        return ()
+    n = [t.shape[-1] for t in kept]
+    if static_widths_active(kept[0]):
+        widths = n
+    else:
+        most = torch.stack([t.sum(dim=-1, dtype=torch.int32).max() for t in kept])
+        widths = [max(1, w) for w in most.tolist()]
+    return tuple(_compact(t, w) for t, w in zip(kept, widths))
+
+
+def _compact(kept: torch.Tensor, width: int) -> torch.Tensor:
+    """The first `width` kept indices of each row of `kept`, ascending, padded with N."""
     n = kept.shape[-1]
-    width = n if static_widths_active(kept) else max(1, int(kept.sum(dim=-1).max().item()))
     ids = torch.arange(n, dtype=torch.int32, device=kept.device)
-    ranked = torch.where(kept, ids, n)
-    return torch.sort(ranked, dim=-1).values[..., :width].contiguous()
+    if COMPACT_BY == "sort":
+        ranked = torch.where(kept, ids, n)
+        return torch.sort(ranked, dim=-1).values[..., :width].contiguous()
+    # Rank of each kept index = kept indices before it; dropped ones go to a spill column.
+    rank = torch.cumsum(kept, dim=-1, dtype=torch.int32) - 1
+    slot = torch.where(kept & (rank < width), rank, width).to(torch.int64)
+    out = torch.full((*kept.shape[:-1], width + 1), n, dtype=torch.int32, device=kept.device)
+    out.scatter_(-1, slot, torch.where(kept, ids, n).expand_as(slot))
+    # The spill column received arbitrary writes; every real slot got exactly one.
+    return out[..., :width].contiguous()
 
 
 def lines_index(
@@ -123,7 +157,7 @@ def lines_index(
         # A band is whole key blocks: its first column (or offset) says whether it is kept.
         return band_index(verticals[..., ::block_n], slashes[..., ::line_block], seqlen=n,
                           block_m=block_m, block_n=block_n, line_block=line_block).mark_valid()
-    plan = vertical_slash_index(padded_lines(verticals), padded_lines(slashes), seqlen=n,
+    plan = vertical_slash_index(*padded_lines_many(verticals, slashes), seqlen=n,
                                 block_m=block_m, block_n=block_n)
     return with_own_columns(plan.mark_valid())
 

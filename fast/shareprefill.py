@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ from ..reference.shareprefill import (
     construct_pivotal_pattern,
     js_distance,
 )
-from .flexprefill_vs import flexprefill_vs_lines, padded_lines
+from .flexprefill_vs import flexprefill_vs_lines, padded_lines_many
 from .kernels import block_column_attention, check_device_memory, check_forward_only, check_kernel_block_sizes
 from .kernels.own_columns import resolve_covered_columns
 from .kernels.vertical_slash_index import vertical_slash_index
@@ -89,30 +90,65 @@ def last_block_attention(
     return torch.softmax(logits, dim=-1).reshape(b, hq, kb)
 
 
+@dataclass(frozen=True)
+class HostLayerDecision(LayerDecision):
+    """A `LayerDecision` that also keeps the host copy of `pattern` the host walk
+    (`choose_patterns`) produced, so the plan's dispatch (which heads run which
+    pattern) reads it without a device round trip.
+
+    Attributes:
+        pattern_host: int8 `[B, Hq]` on the CPU, equal to `pattern`.
+    """
+
+    pattern_host: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+
+def host_pattern(decision: LayerDecision) -> torch.Tensor:
+    """`decision.pattern` on the CPU (a synchronisation unless the decision kept it)."""
+    kept = decision.pattern_host if isinstance(decision, HostLayerDecision) else None
+    return decision.pattern.cpu() if kept is None else kept
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: through pinned memory without waiting on CUDA (the
+    copy is queued on the stream), a plain copy elsewhere."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def determine_sparse_pattern(
     state: SharePrefillState, a_hat: torch.Tensor, *, layer: int
 ) -> LayerDecision:
     """Alg. 3 for every head of one layer (see `reference.shareprefill.determine_sparse_pattern`).
 
-    Distances for all heads at once on the device; the walk over heads on the host.
+    Distances for all heads at once on the device; the walk over heads on the host
+    (one device-to-host transfer of both distances); the patterns and clusters go back
+    to the device in one queued copy. Without any pivot (a layer's first prefill, or
+    no cluster built one yet) `d_sim` is NaN everywhere, as in the reference, with no
+    kernel launched for it.
     """
     b, hq, kb = a_hat.shape
     uniform = torch.full((kb,), 1.0 / kb, dtype=torch.float64, device=a_hat.device)
     d_sparse = js_distance(a_hat, uniform)
     clusters = [state.cluster(layer, h) for h in range(hq)]
-    pivots = torch.full((b, hq, kb), math.nan, dtype=torch.float64, device=a_hat.device)
-    for row in range(b):
-        for h, c in enumerate(clusters):
-            pivot = None if c == NOISE else state.pivot(c, row)
-            if pivot is not None:
-                pivots[row, h] = pivot.a_tilde
-    # NaN pivot rows give NaN distances: "no pivot", as in the reference.
-    d_sim = js_distance(a_hat, pivots)
-    has = ~torch.isnan(pivots[..., 0])
-    d_sim = torch.where(has, d_sim, math.nan)
+    found = [(row, h, pivot) for row in range(b) for h, c in enumerate(clusters)
+             if (pivot := None if c == NOISE else state.pivot(c, row)) is not None]
+    if found:
+        pivots = torch.full((b, hq, kb), math.nan, dtype=torch.float64, device=a_hat.device)
+        for row, h, pivot in found:
+            pivots[row, h] = pivot.a_tilde
+        # NaN pivot rows give NaN distances: "no pivot", as in the reference.
+        d_sim = js_distance(a_hat, pivots)
+        has = ~torch.isnan(pivots[..., 0])
+        d_sim = torch.where(has, d_sim, math.nan)
+    else:
+        d_sim = torch.full((b, hq), math.nan, dtype=torch.float64, device=a_hat.device)
     pattern = choose_patterns(state, d_sparse, d_sim, layer=layer)
-    return LayerDecision(layer=layer, pattern=pattern.to(a_hat.device), d_sparse=d_sparse, d_sim=d_sim,
-                         cluster=torch.tensor(clusters, dtype=torch.int64, device=a_hat.device))
+    packed = to_device(torch.cat((pattern.reshape(-1).to(torch.int64),
+                                  torch.tensor(clusters, dtype=torch.int64))), a_hat.device)
+    return HostLayerDecision(layer=layer, pattern=packed[: b * hq].to(torch.int8).view(b, hq),
+                             d_sparse=d_sparse, d_sim=d_sim, cluster=packed[b * hq:], pattern_host=pattern)
 
 
 def decide_layer(
@@ -157,16 +193,18 @@ def layer_plan(
     b, hq, n, _ = q.shape
     bm, bn = state.block_m, state.block_n
     pattern = decision.pattern.to(q.device)
+    # Which heads run which pattern: decided on the host (`host_pattern`), read there.
+    on_host = host_pattern(decision)
     is_vs = pattern == SharePattern.VERTICAL_SLASH
-    if bool(is_vs.any()):
+    if bool((on_host == SharePattern.VERTICAL_SLASH).any()):
         verticals, slashes = fallback_lines(q, k, state, scale=scale)
         verticals &= is_vs.unsqueeze(-1)
         slashes &= is_vs.unsqueeze(-1)
     else:
         verticals = slashes = torch.zeros(b, hq, n, dtype=torch.bool, device=q.device)
-    plan = vertical_slash_index(padded_lines(verticals), padded_lines(slashes), seqlen=n, block_m=bm,
-                                block_n=bn)
-    others = (~is_vs if with_dense else pattern == SharePattern.SHARED).nonzero().tolist()
+    plan = vertical_slash_index(*padded_lines_many(verticals, slashes), seqlen=n, block_m=bm, block_n=bn)
+    others = ((on_host != SharePattern.VERTICAL_SLASH) if with_dense else on_host == SharePattern.SHARED
+              ).nonzero().tolist()
     if others:
         qb, kb = cdiv(n, bm), cdiv(n, bn)
         # Quadratic in tokens: a [Qb, Kb] mask per dense or shared head, its block lists
@@ -177,8 +215,8 @@ def layer_plan(
                             hint="Larger `block_m` / `block_n` or fewer heads per call fit.")
         masks = torch.ones(len(others), qb, kb, dtype=torch.bool, device=q.device)
         for i, (row, h) in enumerate(others):
-            if int(pattern[row, h]) == SharePattern.SHARED:
-                pivot = state.pivot(int(decision.cluster[h]), row)
+            if int(on_host[row, h]) == SharePattern.SHARED:
+                pivot = state.pivot(state.cluster(decision.layer, h), row)
                 assert pivot is not None, "a shared head's cluster has a pivot"
                 masks[i] = pivot.mask
         last_row = ((torch.arange(qb, device=q.device) + 1) * bm - 1).clamp(max=n - 1)
@@ -188,8 +226,7 @@ def layer_plan(
         block_index = torch.zeros(b, hq, qb, width, dtype=torch.int32, device=q.device)
         block_index[..., : plan.block_index.shape[3]] = plan.block_index
         block_count = plan.block_count.clone()
-        rows = torch.tensor([r for r, _ in others], device=q.device)
-        heads = torch.tensor([h for _, h in others], device=q.device)
+        rows, heads = to_device(torch.tensor(others, dtype=torch.int64).T.contiguous(), q.device)
         block_count[rows, heads] = count
         block_index[rows, heads, :, : index.shape[2]] = index
         plan = BlockColumnPlan(seqlen=n, block_m=bm, block_n=bn, block_count=block_count,
@@ -228,7 +265,7 @@ def build_pivots(
 ) -> dict[tuple[int, int], Pivot]:
     """Alg. 2 for the dense (batch row, head) `pairs`, whose block means are `block_means[i]`."""
     assert state.shape is not None
-    return {(int(decision.cluster[h]), row): construct_pivotal_pattern(
+    return {(state.cluster(decision.layer, h), row): construct_pivotal_pattern(
         block_means[i], gamma=state.head_value("gamma", h), seqlen=state.shape[2], block_m=state.block_m,
         block_n=state.block_n, layer=decision.layer, head=h) for i, (row, h) in enumerate(pairs)}
 
@@ -291,7 +328,7 @@ def shareprefill_layer(
     decision = decide_layer(q, k, state, layer=layer, scale=sm_scale)
     plan = layer_plan(q, k, state, decision, scale=sm_scale, with_dense=False)
     out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
-    pairs = [(r, h) for r, h in (decision.pattern == SharePattern.DENSE).nonzero().tolist()]
+    pairs = [(r, h) for r, h in (host_pattern(decision) == SharePattern.DENSE).nonzero().tolist()]
     pivots: dict[tuple[int, int], Pivot] = {}
     if pairs:
         means = dense_pivot_attention(q, k, v, state, pairs, out, scale=scale)

@@ -500,7 +500,8 @@ def choose_patterns(
     Returns:
         int8 `[B, Hq]` on the CPU, `SharePattern` values.
     """
-    d_sparse, d_sim = d_sparse.cpu(), d_sim.cpu()
+    # One device-to-host transfer for both (one synchronisation, not two).
+    d_sparse, d_sim = torch.stack((d_sparse, d_sim.to(d_sparse.device))).cpu().unbind(0)
     b, hq = d_sparse.shape
     pattern = torch.full((b, hq), int(SharePattern.VERTICAL_SLASH), dtype=torch.int8)
     for row in range(b):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -23,7 +24,8 @@ from sparseprefill.conformance.ties import (  # noqa: E402
 )
 from sparseprefill.fast.flexprefill_vs import flexprefill_vs_lines as fast_lines  # noqa: E402
 from sparseprefill.fast.flexprefill_vs import lines_index as fast_index  # noqa: E402
-from sparseprefill.fast.flexprefill_vs import padded_lines  # noqa: E402
+import sparseprefill.fast.flexprefill_vs  # noqa: E402
+from sparseprefill.fast.flexprefill_vs import padded_lines, padded_lines_many  # noqa: E402
 from sparseprefill.reference.flexprefill_vs import (  # noqa: E402
     cover_threshold,
     first_lines,
@@ -168,6 +170,20 @@ def test_padded_lines() -> None:
     kept = torch.tensor([[[False, True, False, True], [False, False, False, False]]])
     assert padded_lines(kept).tolist() == [[[1, 3], [4, 4]]]
     assert padded_lines(torch.zeros(1, 1, 3, dtype=torch.bool)).tolist() == [[[3]]]
+
+
+@pytest.mark.parametrize("compact_by", ["scatter", "sort"])
+def test_padded_lines_many_equals_one_at_a_time(compact_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both compactions give each mask's ascending kept indices at its own width."""
+    monkeypatch.setattr(sys.modules["sparseprefill.fast.flexprefill_vs"], "COMPACT_BY", compact_by)
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.rand(2, 3, 37, generator=gen) < 0.3, torch.rand(2, 3, 37, generator=gen) < 0.05
+    for got, kept in zip(padded_lines_many(a, b), (a, b)):
+        width = max(1, int(kept.sum(-1).max()))
+        want = [[sorted(torch.nonzero(r).flatten().tolist()) + [37] * (width - int(r.sum())) for r in row]
+                for row in kept]
+        assert got.tolist() == want
+    assert padded_lines_many() == ()
 
 
 def test_density_grows_with_gamma_and_empty_plan_gives_zeros() -> None:

@@ -30,7 +30,8 @@ from sparseprefill.conformance.ties import (  # noqa: E402
     sample_tolerance,
 )
 from sparseprefill.fast.kernels.sample_index import sample_attention_index  # noqa: E402
-from sparseprefill.fast.kernels.sampled_scores import row_tile_table, row_tiles  # noqa: E402
+from sparseprefill.fast.kernels import sampled_scores  # noqa: E402
+from sparseprefill.fast.kernels.sampled_scores import row_tile_table, row_tiles, tile_table  # noqa: E402
 from sparseprefill.reference.plan import BlockColumnPlan  # noqa: E402
 from sparseprefill.reference.sample_attention import (  # noqa: E402
     LengthRange,
@@ -92,6 +93,23 @@ def test_device_tile_table_is_row_tiles(n: int, chunk_n: int, block: int, block_
     want = row_tiles(spans, block, block_l)
     assert count == len(want)
     assert table.dtype == torch.int32 and table.tolist() == [list(t) for t in want]
+
+
+def test_kept_tile_table_is_built_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tile_table` keeps the table per spans and block size: row_tiles' tiles, the same
+    tensor on the next call, a new one for other spans, none kept beyond the cap."""
+    monkeypatch.setattr(sampled_scores, "_TABLES", {})
+    spans, cpu = sampled_rows(1000, 3, 128), torch.device("cpu")
+    table, count = tile_table(spans, 128, cpu)
+    assert table.dtype == torch.int32 and table.tolist() == [list(t) for t in row_tiles(spans, 128)]
+    assert count == len(row_tiles(spans, 128))
+    assert tile_table(spans, 128, cpu)[0] is table
+    other = sampled_rows(1000, 4, 128)
+    assert tile_table(other, 128, cpu)[0].tolist() == [list(t) for t in row_tiles(other, 128)]
+    monkeypatch.setattr(sampled_scores, "TILE_TABLE_CACHE", 2)
+    third = sampled_rows(777, 7, 16)
+    assert tile_table(third, 16, cpu)[0].tolist() == [list(t) for t in row_tiles(third, 16)]
+    assert len(sampled_scores._TABLES) == 2
 
 
 def test_block_reduction_by_hand() -> None:

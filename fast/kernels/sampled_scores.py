@@ -147,6 +147,42 @@ def row_tiles(spans: list[tuple[int, int]], block_size: int, block_l: int = _BLO
     return tiles
 
 
+#: Where `_sampled_block_scores` gets its tile table: "cached" (built once per spans,
+#: block size and device from `row_tiles` and kept, see `tile_table`) or "device"
+#: (rebuilt on the device every call by `row_tile_table`, the design until 2026-11-26).
+#: Same table; timings in docs/xattention.md (issue 22, fifth session).
+TILE_TABLE = "cached"
+#: At most this many tables are kept; later ones are built on the device each call.
+TILE_TABLE_CACHE = 64
+_TABLES: dict[tuple[tuple[tuple[int, int], ...], int, int, torch.device], tuple[torch.Tensor, int]] = {}
+
+
+def tile_table(
+    spans: list[tuple[int, int]], block_size: int, device: torch.device, block_l: int = _BLOCK_L
+) -> tuple[torch.Tensor, int]:
+    """`row_tile_table`, kept per (spans, block size, rows a tile, device).
+
+    The table depends on parameters only (the spans come from N, `chunk_n` and the
+    block size), so the first call outside a CUDA-graph capture builds it on the host
+    and copies it over once, and later calls reuse it: no launches at all, against
+    about `2 * len(spans) + 8` small ones. Kept tables are never evicted (a captured
+    graph may read one) and never written. During a capture, or with `TILE_TABLE =
+    "device"`, or once `TILE_TABLE_CACHE` tables are kept, the table is built on the
+    device by `row_tile_table` (capture-safe).
+    """
+    key = (tuple(spans), block_size, block_l, device)
+    hit = _TABLES.get(key)
+    if hit is not None and TILE_TABLE == "cached":
+        return hit
+    if (TILE_TABLE != "cached" or len(_TABLES) >= TILE_TABLE_CACHE
+            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+        return row_tile_table(spans, block_size, device, block_l)
+    tiles = row_tiles(spans, block_size, block_l)
+    table = torch.tensor(tiles, dtype=torch.int32).reshape(len(tiles), 2).to(device)
+    _TABLES[key] = (table, len(tiles))
+    return table, len(tiles)
+
+
 def row_tile_table(
     spans: list[tuple[int, int]], block_size: int, device: torch.device, block_l: int = _BLOCK_L
 ) -> tuple[torch.Tensor, int]:
@@ -225,7 +261,7 @@ def _sampled_block_scores(
     group = hq // k.shape[1]
     bs = block_size
     qk_scale = sm_scale * LOG2E
-    tile_t, num_tiles = row_tile_table(spans, bs, q.device)
+    tile_t, num_tiles = tile_table(spans, bs, q.device)
     block_n = math.gcd(bs, 64)
     head_dim = max(16, triton.next_power_of_2(d))
     dot_f32 = interpreter_active() and q.dtype == torch.bfloat16

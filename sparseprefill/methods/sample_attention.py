@@ -232,8 +232,9 @@ METHOD = register(Method(
     sync=SyncStatus(
         syncs=("merge index: the most kept column + slash blocks ((...).max().item())",),
         static_bound="Kb key blocks per query block (every block)",
-        note="stage 1 builds its sampled-row tile table on the device (sampled_scores.row_tile_table); "
-             "before issue 22 it was copied from the host, which capture refuses"),
+        note="stage 1's sampled-row tile table depends on parameters only: built once and kept "
+             "(sampled_scores.tile_table); during a capture without a kept one it is built on the device "
+             "(sampled_scores.row_tile_table), as a host copy is refused there"),
     distributed=DistributedEstimate(
         "native",
         "the sampled query rows (`chunk_n` chunks' last `block_size` rows; broadcast or all-reduced "

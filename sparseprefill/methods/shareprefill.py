@@ -188,16 +188,17 @@ METHOD = register(Method(
     reference_layer=reference.shareprefill_layer,
     fast_layer=fast.shareprefill_layer,
     sync=SyncStatus(
-        syncs=("decision: the per-head walk of Alg. 3/4 on the host reads the [B, Hq] distances "
-               "(reference choose_patterns, float(d_sparse[row, h]))",
-               "plan: whether any head is vertical-slash (bool(is_vs.any()))",
-               "plan: the shared and dense heads (nonzero().tolist(), int(pattern), int(cluster))",
-               "pivots: int(decision.cluster[h]) per dense head",
-               "attention: the dense (row, head) pairs (nonzero().tolist())",
-               "vertical-slash heads: line lists and counting pass, as flexprefill_vs"),
+        syncs=("decision: the per-head walk of Alg. 3/4 on the host reads the [B, Hq] distances, both "
+               "in one transfer (reference choose_patterns); its patterns stay on the host for the dispatch "
+               "(fast HostLayerDecision)",
+               "plan: both padded line widths in one transfer (padded_lines_many)",
+               "plan: the dense and shared heads' block lists (mask_to_list)",
+               "vertical-slash heads: the index width (counting pass)",
+               "plan and attention: which heads are dense or shared (nonzero().tolist(), int()) from the host "
+               "copy of the patterns: a read of a CPU tensor, no device read on a GPU"),
         capture_safe=False,
-        note="the pattern of each head is decided on the host from the data (and copied back with "
-             "torch.tensor(..., device=...)); the dense heads' passes depend on it"),
+        note="the pattern of each head is decided on the host from the data (and copied to the device "
+             "from pinned memory); the dense heads' passes depend on it"),
     bench=BenchSuite(
         about="a synthetic multi-layer prefill, per layer, split into decision / plan / sparse heads / dense "
               "pivots / pivot build, with the FlexPrefill-style fallback and cuDNN",
