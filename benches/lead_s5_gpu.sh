@@ -3,6 +3,8 @@
 # session's start carried in .carry/before:
 #   OUT=$OUT bash benches/lead_s5_gpu.sh perf     (parts 1-3)
 #   OUT=$OUT bash benches/lead_s5_gpu.sh check    (part 4)
+#   OUT=$OUT bash benches/lead_s5_gpu.sh final    (after the last merges: conformance, memcheck, the three
+#                                                  rebuilt plans before / after, Delta-KV at keep 0.6)
 #   OUT=$OUT bash benches/lead_s5_gpu.sh owed21   (issue 21's unmeasured rows: Delta-KV at keep 0.6, the column plans
 #                                                  at 128K D 64, shareprefill's kernel part at 128K with head chunks)
 # 1. Delta-KV before / after the host-read change (keep 0.5 and 0.33 at 32K, keep 0.5 at 128K),
@@ -38,6 +40,19 @@ step conformance "${CONF_S:-240}" python3 -m sparseprefill.conformance --device 
     --methods delta_kv,vertical_slash,minference,flexprefill_vs,shareprefill,delta_xattention,anchor_attention,sample_attention \
     --properties plan,end_to_end,estimate,sparse_attention,nonfinite,resumed_attention,block_means \
     --json "$W/conformance.json"
+fi
+if [ "$MODE" = final ]; then
+    step conformance 170 python3 -m sparseprefill.conformance --device cuda --max-seqlen 8192 --examples 6 --row-budget 6 \
+        --methods shareprefill,sample_attention,anchor_attention,flexprefill_vs \
+        --properties plan,end_to_end,estimate,sparse_attention,resumed_attention,nonfinite,block_means \
+        --json "$W/conformance-final.json"
+    step memcheck 130 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benches/sanitize_kernels.py
+    M="shareprefill sample_attention anchor_attention"
+    PYTHONPATH=/tmp/L/before step shares-before 100 python3 "$R/.carry/before/benches/estimator_shares.py" --seqlens 32768 131072 \
+        --methods $M --tag before --json "$W/shares-before.json"
+    step shares-after 100 python3 benches/estimator_shares.py --seqlens 32768 131072 --methods $M --tag after \
+        --json "$W/shares-after.json"
+    step delta-keep06-32768 60 python3 benches/delta_kv_profile.py --seqlen 32768 --runs 2,2,1 --json "$W/delta-keep06-32768.json"
 fi
 if [ "$MODE" = owed21 ]; then
     python3 benches/discrete_keys.py workload --seqlens 131072 --head-dims 64,128 > "$W/wl.log" 2>&1 &
