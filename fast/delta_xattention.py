@@ -32,6 +32,7 @@ from ..reference.delta_xattention import (
     PACKED,
     TilePackedKV,
     check_exact_top,
+    check_key_dtype,
     check_modes,
     check_packing,
     check_selection,
@@ -95,13 +96,16 @@ def _by_heads(weights: torch.Tensor, selected: torch.Tensor, fraction: float,
     return out.view(b, h, t, t)
 
 
-def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float) -> torch.Tensor:
+def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float, *,
+                key_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The exact tiles (see `reference.delta_xattention.exact_tiles`), a few heads at a time.
 
     Args:
         weights: float `[B, H, T, T]`, XAttention tile weights.
         selected: bool `[B, H, T, T]`, the selected tiles (`select_tiles`).
         exact_top: fraction in `[0, 1]`.
+        key_dtype: the ranking's sort keys, as the reference's; `delta_xattention_tiles`
+            passes float32 for float32 weights (the same order, half the radix passes).
 
     Returns:
         bool `[B, H, T, T]`.
@@ -111,16 +115,18 @@ def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float)
     """
     weights, selected = check_selection(weights, selected)
     return _by_heads(weights, selected, check_exact_top(exact_top),
-                     functools.partial(reference_exact_tiles, key_dtype=_key_dtype(weights)))
+                     functools.partial(reference_exact_tiles, key_dtype=check_key_dtype(key_dtype)))
 
 
-def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> torch.Tensor:
+def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float, *,
+               key_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """4.2.2's tile-skip ablation (see `reference.delta_xattention.skip_tiles`).
 
     Args:
         weights: float `[B, H, T, T]`, XAttention tile weights.
         selected: bool `[B, H, T, T]` (`select_tiles`).
         skip: fraction in `[0, 1]`.
+        key_dtype: the ranking's sort keys, as the reference's.
 
     Returns:
         bool `[B, H, T, T]`, a subset of `selected` keeping every diagonal and first tile.
@@ -130,7 +136,7 @@ def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float) -> to
     """
     weights, selected = check_selection(weights, selected)
     return _by_heads(weights, selected, check_fraction("skip", skip),
-                     functools.partial(reference_skip_tiles, key_dtype=_key_dtype(weights)))
+                     functools.partial(reference_skip_tiles, key_dtype=check_key_dtype(key_dtype)))
 
 
 def delta_xattention_tiles(
@@ -160,7 +166,7 @@ def delta_xattention_tiles(
     sm_scale = resolve_scale(scale, q.shape[-1])
     weights = _tile_weights(q, k, stride=stride, block=block, scoring=scoring, sm_scale=sm_scale)
     selected = _select_tiles(weights, threshold)
-    return tile_modes(selected, exact_tiles(weights, selected, top), unselected)
+    return tile_modes(selected, exact_tiles(weights, selected, top, key_dtype=_key_dtype(weights)), unselected)
 
 
 def _merge(parts: list[PackedKV]) -> PackedKV:

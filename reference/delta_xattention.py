@@ -281,6 +281,14 @@ def check_selection(weights: object, selected: object) -> tuple[torch.Tensor, to
     return weights, selected
 
 
+def check_key_dtype(key_dtype: object) -> torch.dtype:
+    """The ranking's sort-key dtype: torch.float64 (the spec) or torch.float32."""
+    if key_dtype not in (torch.float64, torch.float32):
+        raise TypeError(f"key_dtype must be torch.float64 or torch.float32, got {key_dtype!r}")
+    assert isinstance(key_dtype, torch.dtype)
+    return key_dtype
+
+
 def rank_off_diagonal(
     weights: torch.Tensor, selected: torch.Tensor, *, first: bool = True,
     key_dtype: torch.dtype = torch.float64,
@@ -293,7 +301,7 @@ def rank_off_diagonal(
         key_dtype: the sort keys' dtype. float64 is the spec; float32 gives the same order
             for weights of float32 or narrower (each is exact in both) that are never
             float32's lowest finite value (where NaN ranks), in half the radix passes
-            (`fast.exact_tiles`).
+            (`fast.delta_xattention_tiles` passes it for float32 weights).
 
     Returns:
         (order int64 `[B, H, T * T]`: row-major tile indices, the `n` candidates first by
@@ -333,7 +341,7 @@ def exact_tiles(weights: torch.Tensor, selected: torch.Tensor, exact_top: float,
     weights, selected = check_selection(weights, selected)
     top = check_exact_top(exact_top)
     b, h, t, _ = weights.shape
-    order, n = rank_off_diagonal(weights, selected, key_dtype=key_dtype)
+    order, n = rank_off_diagonal(weights, selected, key_dtype=check_key_dtype(key_dtype))
     # 4.2.1: "the top 10% of off-diagonal tiles by XAttention tile importance score".
     in_top = torch.arange(t * t, device=weights.device) < share_of(top, n).unsqueeze(-1)
     top_tiles = torch.zeros(b, h, t * t, dtype=torch.bool, device=weights.device).scatter_(-1, order, in_top)
@@ -366,7 +374,7 @@ def skip_tiles(weights: torch.Tensor, selected: torch.Tensor, skip: float, *,
     weights, selected = check_selection(weights, selected)
     drop = check_fraction("skip", skip)
     b, h, t, _ = weights.shape
-    order, n = rank_off_diagonal(weights, selected, first=False, key_dtype=key_dtype)
+    order, n = rank_off_diagonal(weights, selected, first=False, key_dtype=check_key_dtype(key_dtype))
     pos = torch.arange(t * t, device=weights.device)
     # Sec. 4.2.2: "skip the alpha% least important off-diagonal tiles".
     dropped = (pos >= (n - share_of(drop, n)).unsqueeze(-1)) & (pos < n.unsqueeze(-1))

@@ -92,15 +92,25 @@ def test_nan_weights_rank_last_for_exact_and_first_for_skipping() -> None:
     assert torch.equal(kept, want)
 
 
-def test_fast_ranking_on_float32_keys_is_the_float64_order() -> None:
-    """`fast.exact_tiles` / `skip_tiles` sort float32 weights on float32 keys: the same tiles
-    as the reference's float64 ranking, ties (to the lower index) and NaN included."""
+def test_ranking_on_float32_keys_is_the_float64_order() -> None:
+    """`key_dtype=torch.float32` (what `fast.delta_xattention_tiles` passes for float32
+    weights) picks the same tiles as the float64 spec, ties (to the lower index) and NaN
+    included, in both packages; any other key dtype is refused."""
     w, sel = _weights()
     w[0, 0, 3, 2] = math.nan
     w32 = w.float()
     for frac in (0.1, 0.2, 0.39, 0.67, 1.0):
-        assert torch.equal(fast.exact_tiles(w32, sel, frac), reference.exact_tiles(w32.double(), sel, frac))
-        assert torch.equal(fast.skip_tiles(w32, sel, frac), reference.skip_tiles(w32.double(), sel, frac))
+        want_exact = reference.exact_tiles(w32.double(), sel, frac)
+        want_skip = reference.skip_tiles(w32.double(), sel, frac)
+        for mod in (fast, reference):
+            assert torch.equal(mod.exact_tiles(w32, sel, frac, key_dtype=torch.float32), want_exact)
+            assert torch.equal(mod.skip_tiles(w32, sel, frac, key_dtype=torch.float32), want_skip)
+    for mod in (fast, reference):
+        for bad in (torch.float16, "float32", None):
+            with pytest.raises(TypeError, match="key_dtype"):
+                mod.exact_tiles(w32, sel, 0.1, key_dtype=bad)
+            with pytest.raises(TypeError, match="key_dtype"):
+                mod.skip_tiles(w32, sel, 0.1, key_dtype=bad)
 
 
 def test_skip_tiles_drops_the_lightest_off_diagonal_tiles_but_never_the_first() -> None:
