@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,11 +105,21 @@ def main(argv: list[str] | None = None) -> int:
                                           rows=args.rows, iterations=args.iterations, log=log,
                                           shared=args.shared, joint_runs=args.joint_runs,
                                           slash_select=args.slash_select)
+    _write_calibration(args, cal)
+    report = workload.calibration_report(data, cal, fit_stats, rows=args.rows,
+                                         rules=(args.rules or workload.RULES) if args.predict else (cal.rule,), log=log)
+    return _write_report(args, argv, start, report)
+
+
+def _write_calibration(args: argparse.Namespace, cal: workload.Calibration) -> None:
+    """`--calibration`: the fitted layers as JSON."""
     if args.calibration is not None:
         args.calibration.parent.mkdir(parents=True, exist_ok=True)
         args.calibration.write_text(json.dumps(cal.to_json(), indent=1))
-    report = workload.calibration_report(data, cal, fit_stats, rows=args.rows,
-                                         rules=(args.rules or workload.RULES) if args.predict else (cal.rule,), log=log)
+
+
+def _write_report(args: argparse.Namespace, argv: list[str] | None, start: float, report: dict[str, Any]) -> int:
+    """`--json`: the report with its command and time; the table on stdout."""
     report["command"] = " ".join(["python benches/calibrate_workload.py", *(argv or sys.argv[1:])])
     report["seconds"] = time.perf_counter() - start
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -141,20 +152,13 @@ def _fit_from_stats(args: argparse.Namespace, argv: list[str] | None, start: flo
     meta = saved.get("source", {})
     cal = workload.Calibration(source=f"{meta.get('model', 'capture')}, N={fitted[0].seqlen if fitted else 0}",
                                layers=tuple(fitted))
-    if args.calibration is not None:
-        args.calibration.parent.mkdir(parents=True, exist_ok=True)
-        args.calibration.write_text(json.dumps(cal.to_json(), indent=1))
+    _write_calibration(args, cal)
     full = None
     if args.predict_stats is not None:
         full = {int(key): workload.Stats(**d) for key, d in json.loads(args.predict_stats.read_text())["layers"].items()}
     report = workload.calibration_report(None, cal, stats, rows=args.rows, log=log, captured=full,
                                          rules=(args.rules or workload.RULES) if full is not None else (cal.rule,))
-    report["command"] = " ".join(["python benches/calibrate_workload.py", *(argv or sys.argv[1:])])
-    report["seconds"] = time.perf_counter() - start
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1))
-    print(workload.format_report(report))
-    return 0
+    return _write_report(args, argv, start, report)
 
 
 if __name__ == "__main__":
