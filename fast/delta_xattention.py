@@ -18,7 +18,6 @@ split; `conformance.delta_xattention` shows every such difference is a tie.
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Callable
 
