@@ -313,8 +313,43 @@ def _front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
+def _density_at(front: list[tuple[float, float]], target: float, higher: bool) -> float | None:
+    """Least density reaching `target` along a front, linear between its points."""
+    for i, (dens, val) in enumerate(front):
+        if (val >= target) if higher else (val <= target):
+            if i == 0:
+                return dens
+            d0, v0 = front[i - 1]
+            return d0 + (dens - d0) * (target - v0) / (val - v0) if val != v0 else dens
+    return None
+
+
+def compare_table(points: list[dict[str, Any]]) -> str:
+    """Per method and layer: density at mean recall 0.90 / 0.95 (x the oracle's) / at output error <= 0.05."""
+    sources = sorted({p["source"] for p in points}, key=lambda s: int(s.split()[-1]))
+    methods = ["oracle", *sorted({p["method"] for p in points if p["method"] != "oracle"})]
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    rows = ["| method | " + " | ".join(sources) + " |", "| --- |" + " --- |" * len(sources)]
+    for m in methods:
+        cells = []
+        for s in sources:
+            pts = [p for p in points if p["source"] == s and p["method"] == m]
+            rec = _front([(p["density"], p["recall_mean"]) for p in pts if p["recall_mean"] is not None])
+            err = sorted((p["density"], p["output_error"]) for p in pts if p.get("output_error") is not None)
+            err_front = [e for i, e in enumerate(err) if all(e[1] < f[1] for f in err[:i])]
+            d90, d95 = _density_at(rec, 0.90, True), _density_at(rec, 0.95, True)
+            oracle = _front([(p["density"], p["recall_mean"]) for p in points if p["source"] == s
+                             and p["method"] == "oracle"])
+            o95 = _density_at(oracle, 0.95, True)
+            x = f" ({d95 / o95:.1f}x)" if d95 is not None and o95 and m != "oracle" else ""
+            cells.append(f"{fmt(d90)} / {fmt(d95)}{x} / {fmt(_density_at(err_front, 0.05, False))}")
+        rows.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def compare_figure(out: Path) -> Path:
     points = _load("compare-smollm2-4k-cpu.json")["points"]
+    print(compare_table(points))
     sources = sorted({p["source"] for p in points}, key=lambda s: int(s.split()[-1]))
     names = sorted({p["method"] for p in points if p["method"] != "oracle"})
     cmap = plt.get_cmap("tab20")
