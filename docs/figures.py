@@ -26,12 +26,12 @@ import matplotlib
 
 # Agg renders without a display, as on CI machines and GPU servers.
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
 
-from sparseprefill import reference  # noqa: E402
-from sparseprefill._viz import attention_image, mask_image, plan_image, save_mask_figure  # noqa: E402
+from sparseprefill import reference
+from sparseprefill._viz import attention_image, mask_image, plan_image, save_mask_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benches" / "results"
@@ -149,8 +149,8 @@ def sample_attention_masks(out: Path) -> Path:
     for chunk_n in (1, 2):
         plan = reference.sample_attention_plan(q, k, alpha_c=0.95, alpha_s=0.95, chunk_n=chunk_n, block_size=64)
         recall = float(reference.recall(q, k, plan).mean())
-        panels.append((f"chunk_n = {chunk_n}: density {float(reference.density(plan)[0, 0]):.1%}\n"
-                       f"recall {recall:.3f}", plan_image(plan, size=256)))
+        label = f"chunk_n = {chunk_n}: density {float(reference.density(plan)[0, 0]):.1%}\nrecall {recall:.3f}"
+        panels.append((label, plan_image(plan, size=256)))
     return save_mask_figure(panels, out / "sample_attention.png",
                             title=f"N = {n}, alpha_c = alpha_s = 0.95, 64-token blocks: column blocks + block diagonals")
 
@@ -328,7 +328,7 @@ def compare_table(points: list[dict[str, Any]]) -> str:
     """Per method and layer: density at mean recall 0.90 / 0.95 (x the oracle's) / at output error <= 0.05."""
     sources = sorted({p["source"] for p in points}, key=lambda s: int(s.split()[-1]))
     methods = ["oracle", *sorted({p["method"] for p in points if p["method"] != "oracle"})]
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"
     rows = ["| method | " + " | ".join(sources) + " |", "| --- |" + " --- |" * len(sources)]
     for m in methods:
         cells = []
