@@ -615,13 +615,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     names = _methods(args) if args.methods or not args.config else []
     if args.config:
-        from .calibrate import config_method, load_config
+        from .config import read_config
 
         args.params = dict(args.params or {})
         for path in args.config:
-            name = config_method(path)
-            args.params[name] = load_config(path, method=name)
-            names = [*dict.fromkeys([*names, name])]
+            config = read_config(path)
+            args.params[config.method] = config.layers
+            names = [*dict.fromkeys([*names, config.method])]
     methods: list[str | None] = [None, *names]
     backend = _backend(args)
     if task == "passkey":
