@@ -123,7 +123,7 @@ class RowLog:
 
 def duration(seconds: float) -> str:
     """`seconds` as `42s`, `3m05s` or `1h02m`."""
-    s = max(0, int(round(seconds)))
+    s = max(0, round(seconds))
     if s < 60:
         return f"{s}s"
     if s < 3600:
