@@ -300,75 +300,108 @@ def oracle_points(q: torch.Tensor, k: torch.Tensor, *, scale: float | None, sour
             for i, s in enumerate(shares)]
 
 
-def density_knob(spec: Method, seqlen: int) -> tuple[str, float, float, dict[str, Any], bool]:
-    """The knob `match_density` searches: the one parameter the method's sweep varies.
+@dataclass(frozen=True)
+class DensityPath:
+    """How `match_density` moves a method's density: one number `t` mapped to parameters.
 
-    Returns:
-        (its name, the low and high ends of the search, the sweep's other parameters,
-        whether it is an int): an int knob from 1 to N, a float one between the sweep's
-        least and largest value.
+    Attributes:
+        knobs: the parameters that move (the ones the method's sweep varies).
+        base: the sweep's other parameters.
+        lo, hi: the range of `t`.
+        integer: the knobs are ints (rounded).
+        start: the knobs' values at `t = 1` when several int knobs scale together.
+    """
+
+    knobs: tuple[str, ...]
+    base: dict[str, Any]
+    lo: float
+    hi: float
+    integer: bool
+    start: tuple[float, ...] = ()
+
+    def params(self, t: float) -> dict[str, Any]:
+        """The parameters at `t`."""
+        if self.start:  # several int knobs, scaled together from the sweep's first point
+            return {**self.base, **{k: max(1, int(round(x * t))) for k, x in zip(self.knobs, self.start)}}
+        value: float | int = int(round(t)) if self.integer else t
+        return {**self.base, **{k: value for k in self.knobs}}
+
+
+def density_path(spec: Method, seqlen: int) -> DensityPath:
+    """The parameters `match_density` searches, from what the method's sweep varies:
+
+    * one numeric knob, or several float knobs equal at every point (SampleAttention's
+      alpha_c = alpha_s): an int from 1 to N, a float between the sweep's least and
+      largest value;
+    * several int knobs (vertical-slash's budgets): scaled together from the sweep's
+      first point, keeping their ratio, from the least scale that keeps each >= 1 up to N.
 
     Raises:
-        ValueError: a sweep that varies no parameter, or more than one, or a non-numeric one.
+        ValueError: a sweep that varies nothing numeric, or several knobs neither tied nor int.
     """
     def varying_keys(points: Sequence[Mapping[str, Any]]) -> list[str]:
         keys = list(dict.fromkeys(key for p in points for key in p))
         return [key for key in keys if len({json.dumps(_plain(p.get(key))) for p in points}) > 1]
 
     points = sweep(spec, seqlen)
-    # At short N the sweep's clamps can make every point equal: its knob is the one it varies at long N.
+    # At short N the sweep's clamps can make every point equal: its knobs are the ones it varies at long N.
     varying = varying_keys(points) or varying_keys(sweep(spec, max(seqlen, 65536)))
-    if len(varying) != 1:
+    values = {key: [p.get(key) for p in points] for key in varying}
+    numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for xs in values.values() for x in xs)
+    if not varying or not numeric:
         raise ValueError(f"--equal-density: {spec.name}'s sweep varies {varying or 'no parameter'}; matching a "
-                         "density needs one numeric knob")
-    knob = varying[0]
-    values = [p[knob] for p in points if knob in p]
-    if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in values):
-        raise ValueError(f"--equal-density: {spec.name}'s knob {knob} is not numeric ({values})")
-    base = {key: val for key, val in points[0].items() if key != knob}
-    if all(isinstance(x, int) for x in values):
-        return knob, 1.0, float(seqlen), base, True
-    return knob, float(min(values)), float(max(values)), base, False
+                         "density needs numeric knobs")
+    base = {key: val for key, val in points[0].items() if key not in varying}
+    integer = all(isinstance(x, int) for xs in values.values() for x in xs)
+    tied = all(len({p.get(key) for key in varying}) == 1 for p in points)
+    if len(varying) == 1 or tied:
+        if integer:
+            return DensityPath(tuple(varying), base, 1.0, float(seqlen), True)
+        flat = [float(x) for x in values[varying[0]]]
+        return DensityPath(tuple(varying), base, min(flat), max(flat), False)
+    if not integer:
+        raise ValueError(f"--equal-density: {spec.name}'s sweep varies {varying} apart; matching a density needs "
+                         "one knob, tied knobs, or int budgets")
+    start = tuple(float(points[0][key]) for key in varying)
+    return DensityPath(tuple(varying), base, 1.0 / min(start), seqlen / max(start), True, start)
 
 
 def match_density(spec: Method, q: torch.Tensor, k: torch.Tensor, target: float, *, backend: str,
-                  steps: int = 14) -> dict[str, Any]:
-    """The parameters of `spec` (its sweep's knob, `density_knob`) whose plan's density is
-    closest to `target` on (q, k): bisection, density growing with the knob (the knob's
-    ends checked first: a target outside their densities takes the nearer end).
+                  steps: int = 16, scale: float | None = None) -> dict[str, Any]:
+    """The parameters of `spec` (along `density_path`) whose plan's density on (q, k) is
+    closest to `target`: bisection, density growing along the path (its ends measured
+    first: a target outside their densities takes the nearer end).
 
     Raises:
-        ValueError: a method without a plan or without one numeric knob.
+        ValueError: a method without a plan, or one `density_path` refuses.
     """
     from . import fast, reference
 
     if not spec.plan_based:
         raise ValueError(f"--equal-density: {spec.name} has no plan to match a density with")
     impl: Any = fast if backend == "fast" else reference
-    n = int(q.shape[2])
-    knob, lo, hi, base, integer = density_knob(spec, n)
+    path = density_path(spec, int(q.shape[2]))
+    extra = {} if scale is None or "scale" not in spec.parameters() else {"scale": scale}
 
-    def value(x: float) -> float | int:
-        return int(round(x)) if integer else x
-
-    def dens(x: float) -> float:
-        params = spec.call_params({**base, knob: value(x)}, q)
+    def dens(t: float) -> float:
+        params = spec.call_params({**path.params(t), **extra}, q)
         return float(impl.density(spec.plan_fn(backend)(q, k, **params)).mean())
 
+    lo, hi = path.lo, path.hi
     tried = {lo: dens(lo), hi: dens(hi)}
     for _ in range(steps):
-        if integer and hi - lo <= 1:
+        if path.integer and not path.start and hi - lo <= 1:
             break
         mid = (lo + hi) / 2
-        if integer:
+        if path.integer and not path.start:
             mid = float(int(mid))
         tried[mid] = d = dens(mid)
         if d < target:
             lo = mid
         else:
             hi = mid
-    best = min(tried, key=lambda x: (abs(tried[x] - target), x))
-    return {**base, knob: value(best)}
+    best = min(tried, key=lambda t: (abs(tried[t] - target), t))
+    return path.params(best)
 
 
 def compare_capture(
@@ -422,7 +455,7 @@ def compare_capture(
         if len(methods) < 2:
             raise ValueError("--equal-density needs two or more --methods (the first one's points are matched)")
         for name in methods[1:]:
-            density_knob(METHODS[name], 1024)
+            density_path(METHODS[name], 1024)
     chosen = [(i, int(layer)) for i, layer in enumerate(data["layers"]) if layers is None or int(layer) in layers]
     done_layers = set() if rows is None else {str(r["source"]) for r in rows.of_kind("layer_done")}
 
