@@ -357,7 +357,7 @@ def density_path(spec: Method, seqlen: int) -> DensityPath:
     if len(varying) == 1 or tied:
         if integer:
             return DensityPath(tuple(varying), base, 1.0, float(seqlen), True)
-        flat = [float(x) for x in values[varying[0]]]
+        flat = [float(x) for x in values[varying[0]] if x is not None]
         return DensityPath(tuple(varying), base, min(flat), max(flat), False)
     if not integer:
         raise ValueError(f"--equal-density: {spec.name}'s sweep varies {varying} apart; matching a density needs "
@@ -726,7 +726,8 @@ class Timer:
         if self._flush is not None:
             self._flush.zero_()
         if self.cuda:
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
             out = fn()
             stop.record()

@@ -93,7 +93,7 @@ def heldout_rows(configs: list[tuple[str, Rows]], *, versus: Mapping[str, Rows] 
                      and held["ratio"] <= max_ratio)
             unit = (units or {}).get(method)
             b = (bound or {}).get(layer, {})
-            b_ratio = b[unit] / b["row"] if unit in b and b.get("row") else None
+            b_ratio = b[unit] / b["row"] if unit is not None and unit in b and b.get("row") else None
             why = ""
             if held["ratio"] > max_ratio and b_ratio is not None:
                 why = "granularity" if b_ratio > max_ratio else "estimator"

@@ -114,6 +114,7 @@ def run_layers(data: dict[str, Any], method: Any, settings: list[dict[str, Any]]
         for si, setting in enumerate(settings):
             plan, pattern, out = plans[(si, layer)]
             if plan is None:
+                assert out is not None
                 rows.append({"method": method.name, "setting": _label(setting), "layer": layer,
                              "output_error": reference.relative_error(out, exact)})
                 continue

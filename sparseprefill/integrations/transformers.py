@@ -298,7 +298,7 @@ class SparsePrefillAttention:
             if config.method != self.method:
                 raise ValueError(f"config is a calibrated config for {config.method!r}, not {self.method!r}")
             config = config.layers
-        self._config: Config = config
+        self._config: None | Mapping[str, Any] | Mapping[int, LayerSpec] | Callable[[int], LayerSpec] = config
         self._per_layer = isinstance(config, Mapping) and any(isinstance(key, int) for key in config)
         self._resolved: dict[tuple[int | None, int], list[Choice] | None] = {}
         # Per stateful method: (one state per sequence, layers done in this forward pass,
