@@ -3,9 +3,11 @@
 A method is deployed with one setting per layer and head chosen offline. From one or
 more `sparseprefill eval capture` files (q/k/v of some layers of a real prompt), for a
 method (or every plan-based method with a knob grid), this chooses for every captured
-layer and query head the cheapest point of the method's calibration grid (the
-descriptor's `calibration`, else its compare `sweep`) that reaches a target, and full
-causal attention ("dense") for a head that no grid point serves:
+layer and query head the cheapest point of the method's calibration grid that reaches
+a target, and full causal attention ("dense") for a head that no grid point serves.
+The grid is the descriptor's `calibration` (every plan-based method has one), else its
+compare `sweep`, or `--grid`; the command says which it used (`describe_grid`), and the
+config records it (`grid`). The targets:
 
 * `--target-recall R` (default 0.95): the head's attention recall, mean over its rows;
 * `--target-row-recall R`: the head's worst sampled row;
@@ -30,12 +32,20 @@ full causal by `BlockColumnPlan.with_dense_heads`) and that measurement is the r
 one; for a method whose heads interact (SharePrefill) it is the only valid one, and the
 report says so.
 
-The written JSON (one per method) is what `patch(model, method, config=path)` reads
-(`load_config`): `{layer_idx: spec}` where a spec is None (the layer runs SDPA), a dict
-of parameters whose knobs may be per-head lists (`Method.knobs`) and whose
-`dense_heads` lists the heads that run full causal attention, or, for a method whose
-varying parameters are not per-head knobs, the integration's per-head list (one dict or
-None per query head). Layers that were not captured are absent: they run SDPA.
+The written JSON (`<out-dir>/<method>.json`, one per method; format and checks in
+`sparseprefill.config`) is what `patch(model, method, config=path)` reads: `{layer_idx:
+spec}` where a spec is None (the layer runs SDPA), a dict of parameters whose knobs may
+be per-head lists (`Method.knobs`) and whose `dense_heads` lists the heads that run full
+causal attention, or, for a method whose varying parameters are not per-head knobs, a
+per-head list (one dict or None per query head). Layers that were not captured are
+absent: they run SDPA.
+
+A layer takes minutes on a CPU (DPXA: 400-450 s on two cores), so each layer's result is
+written the moment it is measured: one JSON line to the `.jsonl` beside `--table` (else
+`<out-dir>/calibrate.jsonl`), and the config rewritten with every layer so far
+(`"complete": false` until the last). Progress lines give the time spent and an estimate
+of the time left; `--resume` reads the `.jsonl` back (same settings) and measures only
+the layers it lacks.
 
 `--eval CONFIG ...` measures written configs on other captures (the held-out check:
 calibrate on one text, evaluate on another). `sparseprefill search` (MInference's
@@ -51,13 +61,15 @@ import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-FORMAT = "sparseprefill.calibrate/1"
+from .config import CalibratedConfig, dense_heads_of, read_config, split_dense_heads, write_config
+from .runlog import Progress, RowLog, rows_path
+
 DEFAULT_SHARES = (0.9, 0.95, 0.98)
 
 
@@ -312,17 +324,46 @@ def calibratable(method: Any) -> bool:
                 and (method.calibration is not None or method.sweep is not None or method_knobs(method)))
 
 
-def split_dense_heads(params: Mapping[str, Any]) -> tuple[dict[str, Any], list[int]]:
-    """(the method's parameters, the heads to run full causal) of one layer spec dict.
+GRID_CALIBRATION = "calibration"
+GRID_SWEEP = "sweep"
+GRID_GIVEN = "--grid"
 
-    Raises:
-        TypeError: `dense_heads` that is not a list of ints.
+
+def calibration_grid(method: Any, seqlen: int,
+                     given: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """The points `calibrate` searches for a method at `seqlen`, and which grid they are.
+
+    Returns:
+        (`"--grid"` for `given`, `"calibration"` for the descriptor's calibration grid,
+        `"sweep"` for its compare sweep when it has none; the points, a point that
+        repeats an earlier one dropped: at short N the grids' clamps make equal points).
     """
-    rest = dict(params)
-    heads = rest.pop("dense_heads", None) or []
-    if not isinstance(heads, (list, tuple)) or any(isinstance(h, bool) or not isinstance(h, int) for h in heads):
-        raise TypeError(f"dense_heads must be a list of query-head indices, got {heads!r}")
-    return rest, [int(h) for h in heads]
+    if given is not None:
+        label, points = GRID_GIVEN, [dict(p) for p in given]
+    elif method.calibration is not None:
+        label, points = GRID_CALIBRATION, method.calibration_params(seqlen)
+    else:
+        label, points = GRID_SWEEP, method.sweep_params(seqlen)
+    seen: set[str] = set()
+    out = []
+    for p in points:
+        key = json.dumps(p, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return label, out
+
+
+def describe_grid(label: str, points: Sequence[Mapping[str, Any]], seqlen: int) -> str:
+    """One line: which grid, its size, and the values of what it varies (the fixed rest once)."""
+    keys = list(dict.fromkeys(key for p in points for key in p))
+    varying = [key for key in keys if len({json.dumps(p.get(key), default=str) for p in points}) > 1]
+    fixed = {key: points[0][key] for key in keys if key not in varying and key in points[0]}
+    what = {GRID_CALIBRATION: "its calibration grid", GRID_GIVEN: "the --grid points",
+            GRID_SWEEP: "its compare sweep (the method has no calibration grid)"}[label]
+    values = "; ".join(f"{key} " + ", ".join(str(p.get(key)) for p in points) for key in varying)
+    return (f"{what}, {len(points)} point(s) at N={seqlen}: {values or 'one point'}"
+            + (f" (fixed: {', '.join(f'{k}={v}' for k, v in fixed.items())})" if fixed else ""))
 
 
 def layer_spec(method: Any, grid: Sequence[Mapping[str, Any]], picks: Sequence[int | None]) -> Any:
@@ -400,40 +441,6 @@ def _stack_heads(plans: Sequence[Any], stack_rows: Any) -> Any:
                    column_index=both.column_index.transpose(0, 1).contiguous(), _checked=False).validate()
 
 
-def save_config(path: Path, method: str, layers: Mapping[int, Any], *, meta: Mapping[str, Any]) -> None:
-    """Write a calibrated config (`load_config` reads it)."""
-    payload = {"format": FORMAT, "method": method, **meta,
-               "layers": {str(layer): spec for layer, spec in sorted(layers.items())}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1))
-
-
-def load_config(path: Path | str, *, method: str | None = None) -> dict[int, Any]:
-    """A calibrated config as `patch(model, method, config=...)` takes it: `{layer_idx: spec}`.
-
-    Args:
-        path: a JSON file `sparseprefill calibrate` wrote.
-        method: if given, the method the file must be for.
-
-    Raises:
-        ValueError: not a calibrate config, or one for another method.
-    """
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("layers"), dict):
-        raise ValueError(f"{path}: not a `sparseprefill calibrate` config (format {FORMAT!r})")
-    if method is not None and data.get("method") != method:
-        raise ValueError(f"{path}: a config for method {data.get('method')!r}, not {method!r}")
-    return {int(key): spec for key, spec in data["layers"].items()}
-
-
-def config_method(path: Path | str) -> str:
-    """The method a calibrated config file is for."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a `sparseprefill calibrate` config (format {FORMAT!r})")
-    return str(data["method"])
-
-
 # -- calibration --------------------------------------------------------------------------------
 
 
@@ -459,6 +466,7 @@ class LayerResult:
     default_params: dict[str, Any] = field(default_factory=dict)
     coupled: str = ""
     seconds: float = 0.0
+    grid: str = ""
 
     def summary(self) -> dict[str, Any]:
         dens = sum(self.density) / len(self.density)
@@ -473,7 +481,8 @@ class LayerResult:
                                     if self.default_density else None),
                 "default_recall_mean": (sum(self.default_recall_mean) / len(self.default_recall_mean)
                                         if self.default_recall_mean else None),
-                "default_recall_min_head": min(self.default_recall_mean) if self.default_recall_mean else None}
+                "default_recall_min_head": min(self.default_recall_mean) if self.default_recall_mean else None,
+                "grid": self.grid}
 
 
 def _truths(caps: Sequence[LayerCapture], rows: int, seed: int, shares: Sequence[float]) -> list[Truth]:
@@ -588,7 +597,8 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
             for the layer, the heads it does not serve dense).
         impl: "reference" or "fast" estimators.
         share: the oracle share the density is compared with.
-        grid: the points searched (default `method.calibration_params(N)`).
+        grid: the points searched (default `calibration_grid`: the descriptor's
+            calibration grid, else its compare sweep; the result's `grid` says which).
         refine: bisection steps per head after the grid (`refine_heads`; granularity
             "head", a grid varying one float knob of a method whose heads are
             independent); 0: the grid's points only.
@@ -604,17 +614,20 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
         raise ValueError(f"share {share} is not among the oracle shares {truths[0].shares}")
     t0 = time.perf_counter()
     n = caps[0].seqlen
-    points = [dict(p) for p in (grid if grid is not None else method.calibration_params(n))]
+    grid_label, points = calibration_grid(method, n, grid)
     if not points:
         raise ValueError(f"{method.name}: empty calibration grid")
     per_point: list[HeadStats] = []
-    for params in points:
+    for i, params in enumerate(points):
         stats = []
         for cap, truth in zip(caps, truths):
             q, k = cap.q.float(), cap.k.float()
             plan = method.plan_fn(impl)(q, k, **method.call_params(params, q))
             stats.append(plan_stats(truth, plan, cap.v))
         per_point.append(_combine(stats))
+        if log is not None:
+            print(f"    {method.name} layer {caps[0].layer}: grid point {i + 1}/{len(points)} "
+                  f"({_short(params)}) at {time.perf_counter() - t0:.0f} s", file=log, flush=True)
     hq = int(caps[0].q.shape[1])
     serve = torch.stack([target.serves(s) for s in per_point])  # [G, Hq]
     dens = torch.stack([s.density for s in per_point])  # [G, Hq]
@@ -657,13 +670,17 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
         density=d, recall_mean=rm, recall_min=rn, error=err, oracle=[float(x) for x in oracle],
         oracle_share=share, default_density=[float(x) for x in dstats.density],
         default_recall_mean=[float(x) for x in dstats.recall_mean], default_params=dict(default),
-        coupled=method.coupled_heads, seconds=time.perf_counter() - t0)
+        coupled=method.coupled_heads, seconds=time.perf_counter() - t0, grid=grid_label)
     if log is not None:
         s = result.summary()
         print(f"  {method.name} layer {result.layer}: density {s['density']:.4f} (oracle {s['oracle']:.4f}, "
               f"x{s['ratio']:.2f}), recall {s['recall_mean']:.4f} / worst head {s['recall_min_head']:.4f}, "
               f"{s['dense_heads']} dense head(s), {result.seconds:.1f} s", file=log, flush=True)
     return result
+
+
+def _short(params: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
 def _default_and_oracle(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], *,
@@ -687,14 +704,8 @@ def evaluate_layer(method: Any, spec: Any, caps: Sequence[LayerCapture], truths:
     n = caps[0].seqlen
     default, dstats, oracle = _default_and_oracle(method, caps, truths, impl=impl, share=share)
     d, rm, rn, err = _head_lists(whole)
-    hq = int(caps[0].q.shape[1])
-    if spec is None:
-        picks: list[int | None] = [None] * hq
-    elif isinstance(spec, Mapping):
-        dense = set(split_dense_heads(spec)[1])
-        picks = [None if h in dense else 0 for h in range(hq)]
-    else:
-        picks = [None if s is None else 0 for s in spec]
+    dense = set(dense_heads_of(spec, int(caps[0].q.shape[1])))
+    picks: list[int | None] = [None if h in dense else 0 for h in range(int(caps[0].q.shape[1]))]
     return LayerResult(
         method=method.name, layer=caps[0].layer, sources=[Path(c.source).name for c in caps], seqlen=n,
         spec=spec, picks=picks, chosen_params=[], density=d, recall_mean=rm, recall_min=rn, error=err,
@@ -802,14 +813,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="estimators (default reference: CPU)")
     parser.add_argument("--out-dir", type=Path, default=Path("calibrated"),
                         help="where <method>.json configs are written (default ./calibrated)")
-    parser.add_argument("--table", type=Path, default=None, help="write the table here (.md, and .json beside)")
+    parser.add_argument("--table", type=Path, default=None,
+                        help="write the table here (.md, and .json beside); each layer's result is written as "
+                             "it finishes to the .jsonl beside it (without --table: <out-dir>/calibrate.jsonl "
+                             "when calibrating)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the layers already in the .jsonl (a stopped run, same settings) and measure "
+                             "only the others")
     parser.add_argument("--plot", type=Path, default=None, help="density per head before/after (PNG)")
+
+
+def _rows_file(args: argparse.Namespace) -> Path | None:
+    """Where each layer's result is written as it finishes (see `--table`)."""
+    if args.table is not None:
+        return rows_path(args.table.with_suffix(".json"))
+    if args.eval is None:
+        return Path(args.out_dir) / "calibrate.jsonl"
+    return None
+
+
+def _header(args: argparse.Namespace, target: Target, impl: str) -> dict[str, Any]:
+    """The settings that decide a layer's result (a resumed run must have the same)."""
+    return {"command": "calibrate", "eval": [str(p) for p in args.eval or []], "target": asdict(target),
+            "margin": args.margin, "granularity": args.granularity, "grid": args.grid, "refine": args.refine,
+            "refine_top": args.refine_top, "rows": args.rows, "seed": args.seed, "share": args.share,
+            "backend": impl, "captures": [str(p) for p in args.qkv], "layers": args.layers,
+            "max_seqlen": args.max_seqlen}
+
+
+def _layer_result(row: Mapping[str, Any]) -> LayerResult:
+    names = {f.name for f in fields(LayerResult)}
+    return LayerResult(**{key: val for key, val in row.items() if key in names})
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `sparseprefill calibrate`."""
     from .methods import METHODS
 
+    impl = args.backend
     try:
         target = Target(recall=None if args.target_recall is not None and args.target_recall < 0
                         else args.target_recall,
@@ -818,9 +859,9 @@ def run(args: argparse.Namespace) -> int:
         if args.rows < 1:
             raise ValueError(f"--rows must be >= 1, got {args.rows}")
         shares = tuple(sorted({*DEFAULT_SHARES, float(args.share)}))
-        jobs: list[tuple[Any, dict[int, Any] | None]]
+        jobs: list[tuple[Any, CalibratedConfig | None]]
         if args.eval is not None:
-            jobs = [(METHODS[config_method(path)], load_config(path)) for path in args.eval]
+            jobs = [(METHODS[c.method], c) for c in (read_config(path) for path in args.eval)]
         else:
             names = args.method or [m.name for m in METHODS.values() if calibratable(m)]
             for name in names:
@@ -837,10 +878,10 @@ def run(args: argparse.Namespace) -> int:
                     raise ValueError(f"--grid must be a non-empty JSON list of parameter dicts, got {args.grid!r}")
                 for point in args.grid:
                     METHODS[names[0]].check_params(point)
+        rowlog = RowLog(_rows_file(args), _header(args, target, impl), resume=args.resume)
     except (TypeError, ValueError, OSError) as err:
         print(f"sparseprefill calibrate: {err}", file=sys.stderr)
         return 2
-    impl = args.backend
     if impl == "fast" and not torch.cuda.is_available():
         from .demo import enable_interpreter
 
@@ -849,35 +890,57 @@ def run(args: argparse.Namespace) -> int:
     by_layer: dict[int, list[LayerCapture]] = {}
     for cap in caps:
         by_layer.setdefault(cap.layer, []).append(cap)
+    seqlen = by_layer[min(by_layer)][0].seqlen
+    q_heads = int(by_layer[min(by_layer)][0].q.shape[1])
     print(f"{len(caps)} captured layer(s) from {len(args.qkv)} file(s); sampling {args.rows} rows per layer",
           file=sys.stderr, flush=True)
-    truths = {layer: _truths(group, args.rows, args.seed, shares) for layer, group in by_layer.items()}
+    done = {(r["method"], int(r["layer"])): _layer_result(r) for r in rowlog.of_kind("layer")}
+    units = [(m.name, layer) for m, config in jobs for layer in sorted(by_layer)
+             if config is None or layer in config.layers]
+    progress = Progress(len(units), what="layer")
+    progress.skip(sum(unit in done for unit in units))
+    truths: dict[int, list[Truth]] = {}
     results: list[LayerResult] = []
     for method, config in jobs:
         layers: dict[int, Any] = {}
-        for layer, group in sorted(by_layer.items()):
-            if config is not None:
-                if layer not in config:
-                    continue
-                results.append(evaluate_layer(method, config[layer], group, truths[layer], impl=impl,
-                                              share=args.share))
-                continue
-            res = calibrate_layer(method, group, truths[layer], calib_target, granularity=args.granularity,
-                                  impl=impl, share=args.share, log=sys.stderr, grid=args.grid,
-                                  refine=args.refine, refine_top=args.refine_top)
-            layers[layer] = res.spec
-            results.append(res)
+        grid_label, grid_points = calibration_grid(method, seqlen, args.grid)
         if config is None:
-            path = args.out_dir / f"{method.name}.json"
-            save_config(path, method.name, layers, meta={
-                "target": asdict(target), "margin": args.margin, "calibrated_to": asdict(calib_target),
-                "granularity": args.granularity, "rows": args.rows,
-                "seqlen": by_layer[min(by_layer)][0].seqlen, "backend": impl, "refine": args.refine,
-                "refine_top": args.refine_top,
+            print(f"{method.name}: {describe_grid(grid_label, grid_points, seqlen)}", file=sys.stderr, flush=True)
+        meta = {"target": asdict(target), "margin": args.margin, "calibrated_to": asdict(calib_target),
+                "granularity": args.granularity, "rows": args.rows, "seqlen": seqlen, "q_heads": q_heads,
+                "backend": impl, "refine": args.refine, "refine_top": args.refine_top,
+                "grid": {"source": grid_label, "seqlen": seqlen, "points": grid_points},
                 "captures": sorted({Path(c.source).name for c in caps}),
                 "coupled_heads": method.coupled_heads,
-                "note": "layers absent from `layers` run SDPA (full attention)"})
-            print(f"wrote {path}", file=sys.stderr)
+                "note": "layers absent from `layers` run SDPA (full attention)"}
+        wanted = [layer for layer in sorted(by_layer) if config is None or layer in config.layers]
+        for layer in wanted:
+            group = by_layer[layer]
+            res = done.get((method.name, layer))
+            if res is None:
+                if layer not in truths:
+                    truths[layer] = _truths(group, args.rows, args.seed, shares)
+                if config is not None:
+                    res = evaluate_layer(method, config.layers[layer], group, truths[layer], impl=impl,
+                                         share=args.share)
+                else:
+                    res = calibrate_layer(method, group, truths[layer], calib_target, granularity=args.granularity,
+                                          impl=impl, share=args.share, log=sys.stderr, grid=args.grid,
+                                          refine=args.refine, refine_top=args.refine_top)
+                rowlog.append({"kind": "layer", **asdict(res)})
+                s = res.summary()
+                progress.step(f"{method.name} layer {layer}: density {s['density']:.4f}, recall "
+                              f"{s['recall_mean']:.4f} / worst head {s['recall_min_head']:.4f}")
+            else:
+                print(f"  {method.name} layer {layer}: read back from {rowlog.path}", file=sys.stderr)
+            results.append(res)
+            if config is None:
+                layers[layer] = res.spec
+                complete = len(layers) == len(wanted)
+                path = write_config(Path(args.out_dir) / f"{method.name}.json",
+                                    CalibratedConfig(method.name, layers, {**meta, "complete": complete}))
+                if complete:
+                    print(f"wrote {path}", file=sys.stderr)
     table = format_table(results, target)
     print(table)
     if args.table is not None:

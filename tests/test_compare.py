@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparseprefill import compare
+from sparseprefill import compare, reference
 from sparseprefill.cli import main
 from sparseprefill.oracle import oracle_density, oracle_row_counts
 
@@ -211,3 +211,99 @@ def test_block_oracle_of_one_token_blocks_is_the_row_oracle() -> None:
     torch.testing.assert_close(whole, torch.ones_like(whole))
     with pytest.raises(ValueError, match="block"):
         block_oracle_density(q, k, [0.9], block=0)
+
+
+TIMED = ["compare", "--seqlen", "256", "--device", "cpu", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "16"]
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_timed_path_writes_each_row_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--seqlen` (a CPU smoke run): every point timed and written to the .jsonl as it is
+    measured; a stopped run resumed measures only what the .jsonl lacks."""
+    out = tmp_path / "t.json"
+    args = [*TIMED, "--methods", "streaming", "xattention", "delta_kv", "--json", str(out),
+            "--png", str(tmp_path / "t.png")]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    sizes = {name: len(compare.unique_points(compare.sweep(compare.METHODS[name], 256)))
+             for name in ("streaming", "xattention", "delta_kv")}
+    total = sum(sizes.values())
+    assert f"[{total}/{total} steps" in err and "left" in err and "where the time went" in err
+    rows = _rows(tmp_path / "t.jsonl")
+    assert "header" in rows[0] and rows[1]["kind"] == "baseline"
+    points = [r for r in rows if r.get("kind") == "point" and r["method"] != "oracle"]
+    assert [r["method"] for r in points] == [name for name, size in sizes.items() for _ in range(size)]
+    assert len({r["key"] for r in points}) == total and total >= 8
+    for r in points:
+        assert r["gpu"]["e2e_ms"] > 0 and r["timing"]["e2e"]["reps"] >= 2 and "recall" in r["stage_s"]
+        assert (r["recall_mean"] is None) == (r["method"] == "delta_kv")
+        assert ("kernel_ms" in r["gpu"]) == (r["method"] != "delta_kv")
+    final = json.loads(out.read_text())["points"]
+    assert len(final) == len(points) + 7  # and the oracle's shares
+    # Stopped after the 4th point, in the middle of writing the 5th.
+    cut = rows.index(points[4])
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:cut]) + '{"kind": "po')
+    assert main([*args, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "cut short" in err and f"[{total - 4}/{total - 4} steps" in err and "read back" in err
+    again = [r for r in _rows(tmp_path / "t.jsonl") if r.get("kind") == "point" and r["method"] != "oracle"]
+    assert [r["key"] for r in again] == [r["key"] for r in points]
+    assert [r["seconds"] for r in again[:4]] == [r["seconds"] for r in points[:4]]
+    assert main([*args, "--resume", "--q-heads", "4"]) == 2
+    assert "q_heads = 2" in capsys.readouterr().err
+
+
+def test_timed_equal_recall_times_only_the_picks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "e.json"
+    assert main([*TIMED, "--methods", "streaming", "xattention", "--equal-recall", "0.9", "--json", str(out),
+                 "--png", str(tmp_path / "e.png")]) == 0
+    assert "| 0.9 | streaming |" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    points = [compare.point_from_row(p) for p in result["points"] if p["method"] != "oracle"]
+    timed = [p for p in points if p.gpu]
+    assert 1 <= len(timed) <= 2 and all(p.recall_mean is not None for p in points)
+    for row in result["equal_recall"]:
+        mine = [p for p in points if p.method == row["method"] and (p.recall_mean or 0) >= 0.9]
+        if row["reached"]:
+            assert row["density"] == min(p.density for p in mine) and row["e2e_ms"] is not None
+        else:
+            assert not mine
+
+
+def test_timer_repeats_follow_the_spread_and_the_budget() -> None:
+    import time as clock
+
+    timer = compare.Timer("cpu", budget_s=0.05, min_reps=5)
+    out, steady = timer.time_call(lambda: 7)
+    assert out == 7 and steady.reps >= 5 and steady.first_ms >= 0
+    _, slow = timer.time_call(lambda: clock.sleep(0.03))
+    assert slow.reps == 2 and slow.ms >= 25
+
+
+def test_equal_density_pairs_each_point_with_a_matched_one(tiny_capture: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "d.json"
+    assert main(["compare", "--qkv", str(tiny_capture), "--methods", "vertical_slash", "a_shape", "--equal-density",
+                 "--device", "cpu", "--json", str(out), "--png", str(tmp_path / "d.png")]) == 0
+    assert "matched method" in capsys.readouterr().out
+    pairs = json.loads(out.read_text())["equal_density"]
+    sweep = compare.unique_points(compare.sweep(compare.METHODS["vertical_slash"], 192))
+    assert len(pairs) == len(sweep)
+    data = torch.load(tiny_capture)
+    q, k = data["q"][0].float(), data["k"][0].float()
+    a_shape = compare.METHODS["a_shape"]
+    for pair in pairs:
+        first, matched = pair["first"], pair["matched"]
+        assert first["method"] == "vertical_slash" and matched["method"] == "a_shape"
+        assert matched["label"] == "equal density" and matched["recall_mean"] is not None
+        # The closest density A-shape's window reaches: the windows beside it are no closer.
+        gap = abs(matched["density"] - first["density"])
+        for w in (matched["params"]["window"] - 1, matched["params"]["window"] + 1):
+            if 1 <= w <= 192:
+                plan = a_shape.plan_fn("reference")(q, k, **{**matched["params"], "window": w})
+                assert abs(float(reference.density(plan).mean()) - first["density"]) >= gap - 1e-12
+    assert main(["compare", "--qkv", str(tiny_capture), "--methods", "a_shape", "--equal-density",
+                 "--device", "cpu", "--png", str(tmp_path / "x.png")]) == 2

@@ -259,38 +259,24 @@ def test_method_curves_recall_is_reference_recall() -> None:
         assert p.density == pytest.approx(float(reference.density(plan).mean()))
 
 
-def _equal_recall_module() -> Any:
-    """`benches/equal_recall.py` imported as a module (benches/ is not a package)."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "benches" / "equal_recall.py"
-    spec = importlib.util.spec_from_file_location("equal_recall", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["equal_recall"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_equal_recall_picks_the_fastest_point_reaching_the_target() -> None:
-    mod = _equal_recall_module()
+    from sparseprefill import compare
 
-    def pt(method: str, density: float, recall: float, e2e: float | None) -> dict[str, object]:
+    def pt(method: str, density: float, recall: float, e2e: float | None) -> compare.Point:
         gpu = {} if e2e is None else {"e2e_ms": e2e, "cudnn_ms": 10.0, "speedup_vs_cudnn": 10.0 / e2e,
                                       "floor_ms": density * 10.0}
-        return {"source": "s", "method": method, "params": {"x": density}, "density": density,
-                "recall_mean": recall, "gpu": gpu}
+        return compare.Point(method, {"x": density}, "s", 100, density, recall, recall, None, 0.0, gpu=gpu)
 
     points = [pt("oracle", 0.02, 0.9, None), pt("oracle", 0.04, 0.95, None),
               pt("a", 0.1, 0.96, 3.0), pt("a", 0.05, 0.95, 4.0), pt("a", 0.03, 0.91, 1.0),
-              pt("b", 0.5, 0.80, 2.0)]
-    rows = {(r["method"], r["target"]): r for r in mod.equal_recall(points, [0.95, 0.9])}
+              pt("b", 0.5, 0.80, 2.0), pt("c", 0.2, 0.97, None), pt("c", 0.3, 0.99, None)]
+    rows = {(r["method"], r["target"]): r for r in compare.equal_recall(points, [0.95, 0.9])}
     assert rows[("a", 0.95)]["params"] == {"x": 0.1} and rows[("a", 0.95)]["vs_floor"] == pytest.approx(3.0)
     assert rows[("a", 0.9)]["params"] == {"x": 0.03}
     assert rows[("a", 0.95)]["oracle_density"] == pytest.approx(0.04)
     assert rows[("b", 0.95)]["reached"] is False and rows[("b", 0.95)]["best_recall"] == 0.8
-    assert "not reached" in mod.format_rows(list(rows.values()))
+    assert rows[("c", 0.95)]["params"] == {"x": 0.2} and rows[("c", 0.95)]["e2e_ms"] is None  # untimed: least dense
+    assert "not reached" in compare.format_equal_recall(list(rows.values()))
 
 
 def test_runs_from_correlation_round_trip() -> None:
@@ -369,45 +355,32 @@ def test_clean_sink_key_fixes_the_sink_logit_across_draws() -> None:
     assert not torch.allclose(sink_logits(plain, 0), sink_logits(plain, 1))
 
 
-def test_equal_recall_rows_as_points_and_settings() -> None:
-    mod = _equal_recall_module()
-    row = {"source": "s", "method": "a", "target": 0.95, "oracle_density": 0.04, "reached": True,
-           "params": {"x": 1}, "density": 0.1, "recall": 0.96, "speedup_vs_cudnn": 2.0}
-    points = mod.rows_as_points([row, {**row, "target": 0.9, "oracle_density": 0.02}])
-    assert [(p["method"], p["recall_mean"]) for p in points] == [("oracle", 0.95), ("a", 0.96), ("oracle", 0.9)]
-    config = {"config": "{'pattern': 'vertical_slash', 'params': {'slash_size': 1024, 'vertical_size': 512}}"}
-    assert mod._setting(config) == "config (first head: vertical 512, slash 1024)"
-
-
 @pytest.mark.slow
-def test_fit_from_saved_stats_equals_fit_from_capture(tmp_path: Path) -> None:
-    # `calibrate_workload.py --stats` (fit to a --stats-only JSON, no capture) fits exactly what
-    # `--qkv` fits on the same capture: the statistics round-trip through JSON unchanged.
-    import importlib.util
-    import sys
+def test_fit_from_saved_stats_equals_fit_from_capture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `workload fit --stats` (fit to a --stats-only JSON, no capture) fits exactly what `--qkv`
+    # fits on the same capture: the statistics round-trip through JSON unchanged.
+    from sparseprefill.cli import main as cli
 
-    path = Path(__file__).resolve().parent.parent / "benches" / "calibrate_workload.py"
-    spec = importlib.util.spec_from_file_location("calibrate_workload_t", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    def fit(*argv: str) -> int:
+        return cli(["workload", "fit", *argv])
+
     q, k, v = synthetic_qkv(Shape(1, 2, 1, 400, 32, torch.float32), device=torch.device("cpu"), seed=3)
     cap = tmp_path / "cap.pt"
     torch.save({"layers": [5], "q": [q], "k": [k], "v": [v], "scale": [32 ** -0.5], "meta": {"model": "t"}}, cap)
     common = ["--shared", "--iterations", "1", "--rows", "16"]
-    assert mod.main(["--qkv", str(cap), *common, "--calibration", str(tmp_path / "a.json"),
-                     "--json", str(tmp_path / "ra.json")]) == 0
-    assert mod.main(["--qkv", str(cap), "--stats-only", *common, "--json", str(tmp_path / "s.json")]) == 0
-    assert mod.main(["--stats", str(tmp_path / "s.json"), *common, "--calibration", str(tmp_path / "b.json"),
-                     "--json", str(tmp_path / "rb.json")]) == 0
+    assert fit("--qkv", str(cap), *common, "--calibration", str(tmp_path / "a.json"),
+               "--json", str(tmp_path / "ra.json")) == 0
+    assert fit("--qkv", str(cap), "--stats-only", *common, "--json", str(tmp_path / "s.json")) == 0
+    assert fit("--stats", str(tmp_path / "s.json"), *common, "--calibration", str(tmp_path / "b.json"),
+               "--json", str(tmp_path / "rb.json")) == 0
     a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
     assert a["layers"] == b["layers"] and a["layers"][0]["layer"] == 5
     ra, rb = (json.loads((tmp_path / n).read_text()) for n in ("ra.json", "rb.json"))
     assert ra["rules"] == rb["rules"]
-    with pytest.raises(SystemExit):  # statistics made for another fit are refused
-        mod.main(["--stats", str(tmp_path / "s.json"), "--iterations", "1", "--rows", "16",
-                  "--json", str(tmp_path / "rc.json")])
+    # Statistics made for another fit are refused.
+    assert fit("--stats", str(tmp_path / "s.json"), "--iterations", "1", "--rows", "16",
+               "--json", str(tmp_path / "rc.json")) == 2
+    assert "statistics made with" in capsys.readouterr().err
 
 
 def test_median_slash_statistic_ignores_a_heavy_column() -> None:

@@ -100,6 +100,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from .. import fast, reference
+from ..config import CalibratedConfig, read_config, split_dense_heads
 from ..methods import DENSE, METHODS
 from ..reference._checks import HALF_DTYPES, check_positive_int
 from ..reference.plan import BlockColumnPlan
@@ -108,7 +109,8 @@ from ..reference.plan import stack_plans as stack_sequences
 Backend = Literal["auto", "fast", "reference", "masked"]
 HeadSpec = None | str | Mapping[str, Any]
 LayerSpec = HeadSpec | Sequence[HeadSpec]
-Config = None | Mapping[str, Any] | Mapping[int, LayerSpec] | Callable[[int], LayerSpec] | str | os.PathLike[str]
+Config = (None | Mapping[str, Any] | Mapping[int, LayerSpec] | Callable[[int], LayerSpec] | str | os.PathLike[str]
+          | CalibratedConfig)
 
 _BACKENDS = ("auto", "fast", "reference", "masked")
 # `masked` builds a plan's dense mask this many query rows x keys at a time (bool entries
@@ -154,12 +156,10 @@ def _head_choice(spec: HeadSpec, default_method: str, where: str) -> Choice:
     if isinstance(spec, str):
         return Choice(_check_method(spec), None)
     if isinstance(spec, Mapping):
-        from ..calibrate import split_dense_heads
-
         try:
             params, dense_heads = split_dense_heads(spec)
-        except TypeError as exc:
-            raise TypeError(f"{where}: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}: {exc}") from None
         method = _check_method(params.pop("method", default_method))
         for key in params:
             if not isinstance(key, str):
@@ -293,10 +293,12 @@ class SparsePrefillAttention:
         self.name = name if name is not None else f"sparseprefill-{next(_NAMES)}"
         self.calls: Counter[str] = Counter()
         if isinstance(config, (str, os.PathLike)):
-            from ..calibrate import load_config
-
-            config = load_config(os.fspath(config), method=self.method)
-        self._config = config
+            config = read_config(config, method=self.method)
+        if isinstance(config, CalibratedConfig):
+            if config.method != self.method:
+                raise ValueError(f"config is a calibrated config for {config.method!r}, not {self.method!r}")
+            config = config.layers
+        self._config: None | Mapping[str, Any] | Mapping[int, LayerSpec] | Callable[[int], LayerSpec] = config
         self._per_layer = isinstance(config, Mapping) and any(isinstance(key, int) for key in config)
         self._resolved: dict[tuple[int | None, int], list[Choice] | None] = {}
         # Per stateful method: (one state per sequence, layers done in this forward pass,
@@ -916,8 +918,9 @@ def register_attention(
             * a dict of parameters (optionally with a "method" key): every layer;
             * a dict `{layer_idx: spec}`: listed layers only, the others run SDPA;
             * a callable `layer_idx -> spec`.
-            * the path of a `sparseprefill calibrate` config for `method` (`{layer_idx:
-              spec}`, layers it lacks run SDPA).
+            * the path of a `sparseprefill calibrate` config for `method`, or that config
+              read (`sparseprefill.config.read_config`): `{layer_idx: spec}`, layers it
+              lacks run SDPA; the file is read and checked once, here.
             A layer spec is None (SDPA, unchanged), a method name (its demo
             parameters), a parameter dict, or a list with one of those per query head,
             where None means full causal attention for that head. A parameter dict

@@ -23,6 +23,8 @@ METHOD = register(Method(
     fast_run=fast.a_shape,
     defaults=defaults,
     sweep=lambda n: [{**sink_window(n), "window": max(128, n // f)} for f in (32, 16, 8, 4)],
+    calibration=lambda n: [{**sink_window(n), "window": max(128, n // f)}
+                           for f in (64, 32, 24, 16, 12, 8, 6, 4, 3, 2)],
     chunked="nothing: as streaming, at block granularity",
     sync=SyncStatus(note="as streaming"),
     distributed=DistributedEstimate("shape", "nothing: sink and window depend on N alone",

@@ -75,6 +75,7 @@ METHOD = register(Method(
     fast_run=fast.block_sparse,
     defaults=lambda n: {"top_k": block_sparse_top_k(n)},
     sweep=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (32, 16, 8, 4, 2)],
+    calibration=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (64, 32, 24, 16, 12, 8, 6, 4, 3, 2)],
     chunked="each query block's pooled queries against the pooled keys: the chunk's own blocks",
     sync=SyncStatus(note="top-k width min(top_k, Qb) from the parameters"),
     distributed=DistributedEstimate(

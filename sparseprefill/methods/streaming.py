@@ -18,6 +18,8 @@ METHOD = register(Method(
     fast_run=fast.streaming,
     defaults=sink_window,
     sweep=lambda n: [{**sink_window(n), "window": max(128, n // f)} for f in (32, 16, 8, 4, 2)],
+    calibration=lambda n: [{**sink_window(n), "window": max(128, n // f)}
+                           for f in (64, 32, 24, 16, 12, 8, 6, 4, 3, 2)],
     chunked="nothing: the sink and window are positions (the window ends at each row's own position)",
     sync=SyncStatus(note="width from host arithmetic on the sizes"),
     distributed=DistributedEstimate("shape", "nothing: sink and window depend on N alone",

@@ -77,6 +77,8 @@ METHOD = register(Method(
     defaults=vertical_slash_defaults,
     sweep=lambda n: [{"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f)}
                      for f in (256, 128, 64, 32, 16, 8)],
+    calibration=lambda n: [{"vertical_size": max(30, n // f), "slash_size": max(64, 2 * n // f)}
+                           for f in (512, 256, 181, 128, 90, 64, 45, 32, 16, 8)],
     ablations=(Ablation("x4", lambda n: [{"vertical_size": x, "slash_size": 4 * x, "block_m": 64, "block_n": 64}
                                          for x in YARDSTICK],
                         about="the yardstick: budgets (x, 4x) on a geometric grid"),),
