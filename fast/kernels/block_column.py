@@ -57,7 +57,7 @@ from ._common import (
     tma_ok,
 )
 from ._common import dot as _dot
-from . import own_columns
+from . import block_column_hopper, own_columns
 from .own_columns import resolve_covered_columns
 
 
@@ -1135,6 +1135,13 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         copies, selector = [(False, split), (True, split)], v_bad
     else:
         copies = [(_NONFINITE, split)]
+    first_copy = 0
+    if call.row_max is None and block_column_hopper.supports(call, plan, use_tma):
+        # The Hopper path computes unless V holds a NaN / inf; the portable kernel's copy
+        # (COPY 1 of the selector) computes exactly then (block_column_hopper's docstring).
+        flag = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
+        block_column_hopper.launch(q, k, v, out, lse, flag, plan, call.sm_scale)
+        copies, selector, first_copy = [(True, False)], flag, 1
 
     def launch_copy(nonfinite: bool, col_split: bool, copy: int, launched: bool) -> bool:
         """Launch one compiled copy (`NONFINITE=nonfinite`, `COL_SPLIT=col_split`, `COPY=copy`),
@@ -1221,7 +1228,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
             return True
 
     launched = False
-    for copy, (nonfinite, col_split) in enumerate(copies):
+    for copy, (nonfinite, col_split) in enumerate(copies, first_copy):
         launched = launch_copy(nonfinite, col_split, copy, launched)
     if state is not None and work is not state:
         assert work is not None
