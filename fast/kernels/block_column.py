@@ -994,10 +994,37 @@ def _column_split(plan: BlockColumnPlan, col_n: int, masked: bool = False) -> bo
     return (total >= need * plan.column_count.numel()).to(torch.int32).reshape(1)
 
 
+@triton.jit
+def _any_nonfinite(X, FLAG, numel, BLOCK: tl.constexpr):
+    """Set `FLAG[0]` to 1 if any of the `numel` values at X is a NaN or an infinity."""
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+        o_x = start + tl.arange(0, BLOCK)
+        # Compared in fp32: Triton's CPU interpreter holds bf16 as raw bits.
+        b_x = tl.load(X + o_x, mask=o_x < numel, other=0.0).to(tl.float32)
+        bad = bad | ((b_x != b_x) | (tl.abs(b_x) == float("inf"))).to(tl.int32)
+    if tl.max(bad, 0) > 0:
+        tl.atomic_max(FLAG, 1)
+
+
 def _nonfinite_flag(v: torch.Tensor) -> torch.Tensor:
-    """int32 `[1]` on v's device: 1 if v holds a NaN or an infinity, else 0 (no host sync)."""
-    low, high = torch.aminmax(v)
-    return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.int32).reshape(1)
+    """int32 `[1]` on v's device: 1 if v holds a NaN or an infinity, else 0 (no host sync).
+
+    One pass over a contiguous v (a zeroed flag and one reduction kernel: two launches,
+    where `aminmax` and its finiteness tests took six); other layouts through `aminmax`.
+    """
+    if not v.is_contiguous() or v.numel() == 0:
+        low, high = torch.aminmax(v)
+        return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.int32).reshape(1)
+    flag = torch.zeros(1, dtype=torch.int32, device=v.device)
+    block = 4096
+    programs = triton.cdiv(v.numel(), block)
+    if v.is_cuda:
+        programs = min(programs, 4 * torch.cuda.get_device_properties(v.device).multi_processor_count)
+    else:
+        programs = min(programs, 4)
+    _any_nonfinite[(programs,)](v.reshape(-1), flag, v.numel(), BLOCK=block, num_warps=8)
+    return flag
 
 
 def _zero_strides(n: int) -> tuple[int, ...]:
