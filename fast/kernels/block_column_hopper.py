@@ -65,7 +65,7 @@ ENABLED = os.environ.get("SPARSEPREFILL_HOPPER", "1") == "1"
 # Tuning switches (docs/hopper-path.md): ring depth and the intra-warpgroup overlap.
 # 0: by head dim (3 slots of 128-key K and V tiles fill an H200's shared memory at D 128).
 STAGES = int(os.environ.get("SPARSEPREFILL_HOPPER_STAGES", "0"))
-PIPE = os.environ.get("SPARSEPREFILL_HOPPER_PIPE", "1") == "1"
+PIPE = os.environ.get("SPARSEPREFILL_HOPPER_PIPE", "0") == "1"
 # The consumers release the query buffer after their last Q Kᵀ and store the output from
 # registers, so the next tile's query loads under the current tile's last P V.
 EARLY_Q = os.environ.get("SPARSEPREFILL_HOPPER_EARLY_Q", "1") == "1"
@@ -116,7 +116,10 @@ if _GLUON:
             i_hkv = i_h // group
             row0 = i_m * (2 * WG_ROWS)
             wg_row0 = row0 + WG * WG_ROWS
-            i_qb = wg_row0 // plan_block_m
+            # The plan row this stream reads: the warpgroup's own (SPLIT), else the tile's,
+            # which both consumers must walk to the end (they release every slot together).
+            list_row0 = wg_row0 if SPLIT else row0
+            i_qb = list_row0 // plan_block_m
             # The consumers must be done with the previous tile's query buffers.
             mbarrier.wait(q_empty.index(WG), (n_iter & 1) ^ 1)
             if SPLIT:
@@ -127,7 +130,7 @@ if _GLUON:
                 _tma_load(q_desc, [i_b, i_h, row0, 0], q_ready.index(0), q_smem.index(0))
                 _tma_load(q_desc, [i_b, i_h, row0 + WG_ROWS, 0], q_ready.index(0), q_smem.index(1))
             count = 0
-            if wg_row0 < seqlen:  # a SPLIT tile's second half may lie past the sequence
+            if list_row0 < seqlen:  # a SPLIT tile's second half may lie past the sequence
                 count = gl.load(BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm)
                 count = gl.minimum(gl.maximum(count, 0), block_width)
             p_bindex = BLOCK_INDEX + i_b.to(gl.int64) * stride_bib + i_h.to(gl.int64) * stride_bih \
@@ -207,10 +210,13 @@ if _GLUON:
             i_h = i_bh % num_heads
             row0 = i_m * (2 * WG_ROWS)
             wg_row0 = row0 + WG * WG_ROWS
-            i_qb = wg_row0 // plan_block_m
+            # As the producer: with a shared stream both warpgroups walk the tile's list, also
+            # the second one where its rows lie past the sequence (nothing of it is stored).
+            list_row0 = wg_row0 if SPLIT else row0
+            i_qb = list_row0 // plan_block_m
             o_m = q_offset + wg_row0 + o_r
             count = 0
-            if wg_row0 < seqlen:  # as the producer
+            if list_row0 < seqlen:
                 count = gl.load(BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm)
                 count = gl.minimum(gl.maximum(count, 0), block_width)
             p_bindex = BLOCK_INDEX + i_b.to(gl.int64) * stride_bib + i_h.to(gl.int64) * stride_bih \
@@ -462,11 +468,13 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         sm_scale: the softmax scale.
     """
     b, hq, n, d = q.shape
-    block_n = 128 if plan.block_n % 128 == 0 else 64
     split = plan.block_m % BLOCK_M != 0
+    # Two rings of 128-key slots would leave one slot each at D 128: SPLIT walks 64-key tiles.
+    block_n = 128 if plan.block_n % 128 == 0 and not split else 64
     # Shared memory (227 KiB): the query halves and STAGES slots of a K and a V tile per ring.
     slot = 2 * block_n * d * q.element_size()
     stages = STAGES or min(4, (_SMEM_BYTES - 2 * WG_M * d * q.element_size()) // (slot * (2 if split else 1)))
+    stages = max(2, stages)  # the overlap (PIPE) waits on the next slot while it holds one
     q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, out, block_n)
     num_m = triton.cdiv(n, BLOCK_M)
     tiles = num_m * b * hq
