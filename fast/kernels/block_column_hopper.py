@@ -434,26 +434,41 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def supports(call: Any, plan: Any, use_tma: bool) -> bool:
-    """Whether this path runs a checked launch (`block_column._KernelCall`) of `plan`.
+_CAPABILITY: dict[int, tuple[int, int]] = {}
 
-    Decided on the host from the call's features and the plan's shapes alone (never from
-    the method, never with a device read): an sm90 GPU, Gluon as in Triton 3.6, K/V
-    tiles TMA can read (`use_tma`), fp16/bf16 with D 64 or 128, key blocks only,
-    `block_m` a multiple of 128 and `block_n` of 64, and none of mask, state, block
+
+def _is_sm90(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] == (9, 0)
+
+
+def eligible(call: Any, plan: Any) -> bool:
+    """The dispatch rule's host-only part: the call's features and the plan's shapes.
+
+    Never the method and never a device read: head dim 64 or 128, key blocks only (no
+    column list), `block_m` a multiple of 64 (128: both consumer warpgroups share one key
+    stream; 64: SPLIT, a stream each) and `block_n` of 64, and none of mask, state, block
     means, key bias, ragged or varlen K/V, row max or a head chunk's destination.
     """
-    q = call.q
-    if not (_GLUON and ENABLED and use_tma and q.is_cuda):
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
-    if q.shape[3] not in (64, 128) or plan.column_index.shape[3] != 0:
+    if call.q.shape[3] not in (64, 128) or plan.column_index.shape[3] != 0:
         return False
     if plan.block_m % WG_M != 0 or plan.block_n % 64 != 0:
         return False
     return (call.mask is None and call.state is None and call.block_mean_out is None and call.key_bias is None
             and call.kv_offsets is None and call.varlen is None and call.row_max is None and call.dest is None)
+
+
+def supports(call: Any, plan: Any, use_tma: bool) -> bool:
+    """Whether this path runs a checked launch (`block_column._KernelCall`) of `plan`.
+
+    `eligible`, on an sm90 GPU with Gluon, `ENABLED`, and K/V tiles TMA can read
+    (`use_tma`, the portable launcher's own test).
+    """
+    if not (_GLUON and ENABLED and use_tma and call.q.is_cuda):
+        return False
+    return _is_sm90(call.q.device) and eligible(call, plan)
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
