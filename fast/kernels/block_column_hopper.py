@@ -78,6 +78,22 @@ PRODUCER_REGS = 24
 WG_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 BLOCK_M = 2 * WG_M
 
+
+def apply_switches(sets: dict[str, str]) -> None:
+    """Set this path's switches from a kernel-variant spec (`benches/kernel_variants.py` style).
+
+    Keys (absent: the default): `HOPPER` 1 / 0 (the path on or off: the same call timed on
+    the portable kernel), `HOPPER_PIPE` 1 / 0 (the intra-warpgroup overlap), `HOPPER_EARLY_Q`
+    1 / 0, `HOPPER_STAGES` (slots per ring, 0: by shared memory). Each setting is a constexpr
+    of the kernel or a host decision, so variants compile their own kernels.
+    """
+    global ENABLED, PIPE, EARLY_Q, STAGES
+    ENABLED = sets.get("HOPPER", "1") == "1"
+    PIPE = sets.get("HOPPER_PIPE", "0") == "1"
+    EARLY_Q = sets.get("HOPPER_EARLY_Q", "1") == "1"
+    STAGES = int(sets.get("HOPPER_STAGES", "0"))
+
+
 if _GLUON:
 
     @gluon.jit
