@@ -999,7 +999,7 @@ def _any_nonfinite(X, FLAG, numel, BLOCK: tl.constexpr):
     """Set `FLAG[0]` to 1 if any of the `numel` values at X is a NaN or an infinity."""
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
-        o_x = start + tl.arange(0, BLOCK)
+        o_x = tl.arange(0, BLOCK).to(tl.int64) + start  # numel may pass 2**31 (V at 1M tokens)
         # Compared in fp32: Triton's CPU interpreter holds bf16 as raw bits.
         b_x = tl.load(X + o_x, mask=o_x < numel, other=0.0).to(tl.float32)
         bad = bad | ((b_x != b_x) | (tl.abs(b_x) == float("inf"))).to(tl.int32)
