@@ -19,6 +19,12 @@ copies of the kernel, with and without that step: the programs of the copy that 
 not match the flag return at once. Grouped-query attention maps query head `h` to KV head `h // G`; K
 and V are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
 
+On sm90 GPUs the launcher hands the calls its rule takes (key blocks only, 64-multiple
+blocks, D 64 / 128, none of the extras) to the warp-specialised Gluon sibling,
+`block_column_hopper` (docs/hopper-path.md); this kernel runs everything else, every
+call on other GPUs and in the CPU interpreter, and is the reference that path is
+checked against.
+
 Layout: kernel -> launcher (`block_column_attention`), which checks everything
 the kernel assumes.
 """

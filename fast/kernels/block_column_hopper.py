@@ -1,29 +1,31 @@
 """Hopper (sm90) path of the block/column kernel: warp-specialised, persistent, in Gluon.
 
-A sibling of the portable kernel (`block_column.py`), for the calls it supports: a
-`BlockColumnPlan` with key blocks only (no columns), plan blocks that are whole 128-row
-query tiles (`block_m % 128 == 0`) and 64- or 128-key tiles, head dim 64 or 128, no
-dense mask, state, block means, key bias, ragged or varlen K/V, and K/V tiles that TMA
-can read. Anything else runs the portable kernel, which stays the reference this path
-is checked against (tests, the CPU interpreter, other GPUs).
+A sibling of the portable kernel (`block_column.py`), for the calls it supports
+(`eligible`): a `BlockColumnPlan` with key blocks only (no columns), `block_m` and
+`block_n` multiples of 64, head dim 64 or 128, no dense mask, state, block means, key
+bias, ragged or varlen K/V, and K/V tiles that TMA can read. Anything else runs the
+portable kernel, which stays the reference this path is checked against (tests, the
+CPU interpreter, other GPUs). docs/hopper-path.md has the picture and the figures.
 
-One program per SM (persistent) walks the query tiles in a fixed longest-first order
-(every head's last query tile first: causal and sorted plans list the most key tiles
-there) and splits into three partitions (`gl.warp_specialize`):
+One program per SM (persistent) walks the 128-row query tiles in a fixed longest-first
+order (every head's last query tile first: causal and sorted plans list the most key
+tiles there) and splits into partitions (`gl.warp_specialize`):
 
-* a producer warp that issues TMA copies: the two 64-row halves of the query tile, then
-  the listed key tiles' K and V into a ring of `STAGES` shared-memory slots, each with a
+* producer warps that issue TMA copies: the query tile's two 64-row halves, then the
+  listed key tiles' K and V into a ring of `STAGES` shared-memory slots, each with a
   "ready" mbarrier per operand and one "empty" mbarrier;
-* two consumer warpgroups, each owning 64 query rows of the tile (the default partition
-  and one worker), that run S = Q Kᵀ and O += P V on the tensor cores (`wgmma`) with the
-  online softmax in registers, and release a slot once their P V product is done. The
-  two warpgroups are independent, so one's softmax overlaps the other's products; with
-  `PIPE` each warpgroup also issues the next tile's Q Kᵀ before its softmax (FA3's
-  intra-warpgroup overlap).
+* two consumer warpgroups, each owning 64 query rows (the default partition and one
+  worker), that run S = Q Kᵀ and O += P V on the tensor cores (`wgmma`, P from registers)
+  with the online softmax in registers, and release a slot once their P V is done. The
+  two warpgroups run independently, so one's softmax overlaps the other's products.
+  Where a plan block holds the whole 128-row tile both walk one key stream (one producer,
+  slots released by both); with 64-row plan blocks (`SPLIT`) each reads its own plan row
+  through its own producer and ring. `PIPE` (off) also issues the next tile's Q Kᵀ
+  before the softmax; `EARLY_Q` (on) releases the query buffer after the last Q Kᵀ and
+  stores the output from registers, so the next tile's query loads under the last P V.
 
 Only the last listed key tiles of a sorted causal list can cross the diagonal: a tile is
-masked (key <= row) only where its last key is after the warpgroup's first row. Output
-goes back through the query's shared memory and a TMA store; lse by plain stores.
+masked (key <= row) only where its last key is after the warpgroup's first row.
 
 Non-finite V: a row that skips a key whose value is NaN / inf must not read it, which on
 this path would need the tile's V in registers; the launcher therefore passes the
