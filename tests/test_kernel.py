@@ -247,3 +247,22 @@ def test_row_max_switch_is_the_state_max_bit_for_bit() -> None:
     block_column_attention(q, k, v, plan, scale=0.2, state=state)
     got = block_column_row_max(q, k, plan, scale=0.2)
     assert torch.equal(got, state.m) and bool(torch.isinf(got).any()) and bool(torch.isfinite(got).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nonfinite_flag(dtype: torch.dtype) -> None:
+    """The one-pass "V holds a NaN / inf" flag: 0 on finite values, 1 on each kind of bad value
+    wherever it sits (first and last element, a chunk past the first program's), also on a
+    non-contiguous view (the `aminmax` fallback)."""
+    from sparseprefill.fast.kernels.block_column import _nonfinite_flag
+
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(2, 3, 1500, 64, generator=gen).to(dtype)
+    assert _nonfinite_flag(v).tolist() == [0]
+    assert _nonfinite_flag(v.transpose(1, 2)).tolist() == [0]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in ((0, 0, 0, 0), (1, 2, 1499, 63), (1, 0, 700, 5)):
+            w = v.clone()
+            w[where] = bad
+            assert _nonfinite_flag(w).tolist() == [1], (bad, where)
+            assert _nonfinite_flag(w.transpose(1, 2)).tolist() == [1], (bad, where)

@@ -19,6 +19,12 @@ copies of the kernel, with and without that step: the programs of the copy that 
 not match the flag return at once. Grouped-query attention maps query head `h` to KV head `h // G`; K
 and V are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
 
+On sm90 GPUs the launcher hands the calls its rule takes (key blocks only, 64-multiple
+blocks, D 64 / 128, none of the extras) to the warp-specialised Gluon sibling,
+`block_column_hopper` (docs/hopper-path.md); this kernel runs everything else, every
+call on other GPUs and in the CPU interpreter, and is the reference that path is
+checked against.
+
 Layout: kernel -> launcher (`block_column_attention`), which checks everything
 the kernel assumes.
 """
@@ -57,7 +63,7 @@ from ._common import (
     tma_ok,
 )
 from ._common import dot as _dot
-from . import own_columns
+from . import block_column_hopper, own_columns
 from .own_columns import resolve_covered_columns
 
 
@@ -994,10 +1000,37 @@ def _column_split(plan: BlockColumnPlan, col_n: int, masked: bool = False) -> bo
     return (total >= need * plan.column_count.numel()).to(torch.int32).reshape(1)
 
 
+@triton.jit
+def _any_nonfinite(X, FLAG, numel, BLOCK: tl.constexpr):
+    """Set `FLAG[0]` to 1 if any of the `numel` values at X is a NaN or an infinity."""
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+        o_x = tl.arange(0, BLOCK).to(tl.int64) + start  # numel may pass 2**31 (V at 1M tokens)
+        # Compared in fp32: Triton's CPU interpreter holds bf16 as raw bits.
+        b_x = tl.load(X + o_x, mask=o_x < numel, other=0.0).to(tl.float32)
+        bad = bad | ((b_x != b_x) | (tl.abs(b_x) == float("inf"))).to(tl.int32)
+    if tl.max(bad, 0) > 0:
+        tl.atomic_max(FLAG, 1)
+
+
 def _nonfinite_flag(v: torch.Tensor) -> torch.Tensor:
-    """int32 `[1]` on v's device: 1 if v holds a NaN or an infinity, else 0 (no host sync)."""
-    low, high = torch.aminmax(v)
-    return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.int32).reshape(1)
+    """int32 `[1]` on v's device: 1 if v holds a NaN or an infinity, else 0 (no host sync).
+
+    One pass over a contiguous v (a zeroed flag and one reduction kernel: two launches,
+    where `aminmax` and its finiteness tests took six); other layouts through `aminmax`.
+    """
+    if not v.is_contiguous() or v.numel() == 0:
+        low, high = torch.aminmax(v)
+        return (~(torch.isfinite(low) & torch.isfinite(high))).to(torch.int32).reshape(1)
+    flag = torch.zeros(1, dtype=torch.int32, device=v.device)
+    block = 4096
+    programs = triton.cdiv(v.numel(), block)
+    if v.is_cuda:
+        programs = min(programs, 4 * torch.cuda.get_device_properties(v.device).multi_processor_count)
+    else:
+        programs = min(programs, 4)
+    _any_nonfinite[(programs,)](v.reshape(-1), flag, v.numel(), BLOCK=block, num_warps=8)
+    return flag
 
 
 def _zero_strides(n: int) -> tuple[int, ...]:
@@ -1135,6 +1168,13 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         copies, selector = [(False, split), (True, split)], v_bad
     else:
         copies = [(_NONFINITE, split)]
+    first_copy = 0
+    if call.row_max is None and block_column_hopper.supports(call, plan, use_tma):
+        # The Hopper path computes unless V holds a NaN / inf; the portable kernel's copy
+        # (COPY 1 of the selector) computes exactly then (block_column_hopper's docstring).
+        flag = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
+        block_column_hopper.launch(q, k, v, out, lse, flag, plan, call.sm_scale)
+        copies, selector, first_copy = [(True, False)], flag, 1
 
     def launch_copy(nonfinite: bool, col_split: bool, copy: int, launched: bool) -> bool:
         """Launch one compiled copy (`NONFINITE=nonfinite`, `COL_SPLIT=col_split`, `COPY=copy`),
@@ -1221,7 +1261,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
             return True
 
     launched = False
-    for copy, (nonfinite, col_split) in enumerate(copies):
+    for copy, (nonfinite, col_split) in enumerate(copies, first_copy):
         launched = launch_copy(nonfinite, col_split, copy, launched)
     if state is not None and work is not state:
         assert work is not None

@@ -1,0 +1,531 @@
+"""Hopper (sm90) path of the block/column kernel: warp-specialised, persistent, in Gluon.
+
+A sibling of the portable kernel (`block_column.py`), for the calls it supports
+(`eligible`): a `BlockColumnPlan` with key blocks only (no columns), `block_m` and
+`block_n` multiples of 64, head dim 64 or 128, no dense mask, state, block means, key
+bias, ragged or varlen K/V, and K/V tiles that TMA can read. Anything else runs the
+portable kernel, which stays the reference this path is checked against (tests, the
+CPU interpreter, other GPUs). docs/hopper-path.md has the picture and the figures.
+
+One program per SM (persistent) walks the 128-row query tiles in a fixed longest-first
+order (every head's last query tile first: causal and sorted plans list the most key
+tiles there) and splits into partitions (`gl.warp_specialize`):
+
+* producer warps that issue TMA copies: the query tile's two 64-row halves, then the
+  listed key tiles' K and V into a ring of `STAGES` shared-memory slots, each with a
+  "ready" mbarrier per operand and one "empty" mbarrier;
+* two consumer warpgroups, each owning 64 query rows (the default partition and one
+  worker), that run S = Q Kᵀ and O += P V on the tensor cores (`wgmma`, P from registers)
+  with the online softmax in registers, and release a slot once their P V is done. The
+  two warpgroups run independently, so one's softmax overlaps the other's products.
+  Where a plan block holds the whole 128-row tile both walk one key stream (one producer,
+  slots released by both); with 64-row plan blocks (`SPLIT`) each reads its own plan row
+  through its own producer and ring. `PIPE` (off) also issues the next tile's Q Kᵀ
+  before the softmax; `EARLY_Q` (on) releases the query buffer after the last Q Kᵀ and
+  stores the output from registers, so the next tile's query loads under the last P V.
+
+Only the last listed key tiles of a sorted causal list can cross the diagonal: a tile is
+masked (key <= row) only where its last key is after the warpgroup's first row.
+
+Non-finite V: a row that skips a key whose value is NaN / inf must not read it, which on
+this path would need the tile's V in registers; the launcher therefore passes the
+one-element "V holds a non-finite value" flag, every program of this kernel leaves when
+it is set, and the portable kernel (launched after it, the same flag as its selector)
+computes instead. No host synchronisation either way.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+try:  # Gluon's Hopper API as shipped in Triton 3.6 (its names moved in later versions).
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Triton 3.6 names the TMA copies `async_copy_*`; later versions `async_load` / `async_store`.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _GLUON = hasattr(gl, "warp_specialize")
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _GLUON = False
+
+# `SPARSEPREFILL_HOPPER=0` runs the portable kernel everywhere (timing, bisecting).
+ENABLED = os.environ.get("SPARSEPREFILL_HOPPER", "1") == "1"
+# Tuning switches (docs/hopper-path.md): ring depth and the intra-warpgroup overlap.
+# 0: by head dim (3 slots of 128-key K and V tiles fill an H200's shared memory at D 128).
+STAGES = int(os.environ.get("SPARSEPREFILL_HOPPER_STAGES", "0"))
+PIPE = os.environ.get("SPARSEPREFILL_HOPPER_PIPE", "0") == "1"
+# The consumers release the query buffer after their last Q Kᵀ and store the output from
+# registers, so the next tile's query loads under the current tile's last P V.
+EARLY_Q = os.environ.get("SPARSEPREFILL_HOPPER_EARLY_Q", "1") == "1"
+# Registers per thread: every thread's cap at entry (3 warpgroups share 64K), then the
+# consumer worker's and the producer's after reallocation (`setmaxnreg`).
+MAXNREG = 168
+CONSUMER_REGS = int(os.environ.get("SPARSEPREFILL_HOPPER_CONSUMER_REGS", "240"))
+PRODUCER_REGS = 24
+
+WG_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
+BLOCK_M = 2 * WG_M
+
+
+def apply_switches(sets: dict[str, str]) -> None:
+    """Set this path's switches from a kernel-variant spec (`benches/kernel_variants.py` style).
+
+    Keys (absent: the default): `HOPPER` 1 / 0 (the path on or off: the same call timed on
+    the portable kernel), `HOPPER_PIPE` 1 / 0 (the intra-warpgroup overlap), `HOPPER_EARLY_Q`
+    1 / 0, `HOPPER_STAGES` (slots per ring, 0: by shared memory). Each setting is a constexpr
+    of the kernel or a host decision, so variants compile their own kernels.
+    """
+    global ENABLED, PIPE, EARLY_Q, STAGES
+    ENABLED = sets.get("HOPPER", "1") == "1"
+    PIPE = sets.get("HOPPER_PIPE", "0") == "1"
+    EARLY_Q = sets.get("HOPPER_EARLY_Q", "1") == "1"
+    STAGES = int(sets.get("HOPPER_STAGES", "0"))
+
+
+if _GLUON:
+
+    @gluon.jit
+    def _tile_of(it, num_bh, num_m):
+        """Query tile `it` of the longest-first order: every head's last tile, then the one before."""
+        i_m = num_m - 1 - it // num_bh
+        i_bh = it % num_bh
+        return i_m, i_bh
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                  BLOCK_COUNT, BLOCK_INDEX, V_BAD, stride_bcb, stride_bch, stride_bcm,
+                  stride_bib, stride_bih, stride_bim, stride_bik,
+                  seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
+                  BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                  WG: gl.constexpr):
+        """Issue the TMA copies: the query halves, then the listed key tiles into the ring.
+
+        Shared stream (not SPLIT): both query halves and one key list (both warpgroups' rows
+        lie in one plan block). SPLIT: warpgroup WG's half and its own plan row's list, into
+        its own ring.
+        """
+        if gl.load(V_BAD) != 0:
+            return
+        WG_ROWS: gl.constexpr = q_smem.shape[3]
+        RING: gl.constexpr = WG * STAGES if SPLIT else 0
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        num_tiles = num_m * num_bh
+        c = 0
+        n_iter = 0
+        for it in range(pid, num_tiles, nprog):
+            i_m, i_bh = _tile_of(it, num_bh, num_m)
+            i_b = i_bh // num_heads
+            i_h = i_bh % num_heads
+            i_hkv = i_h // group
+            row0 = i_m * (2 * WG_ROWS)
+            wg_row0 = row0 + WG * WG_ROWS
+            # The plan row this stream reads: the warpgroup's own (SPLIT), else the tile's,
+            # which both consumers must walk to the end (they release every slot together).
+            list_row0 = wg_row0 if SPLIT else row0
+            i_qb = list_row0 // plan_block_m
+            # The consumers must be done with the previous tile's query buffers.
+            mbarrier.wait(q_empty.index(WG), (n_iter & 1) ^ 1)
+            if SPLIT:
+                mbarrier.expect(q_ready.index(WG), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [i_b, i_h, wg_row0, 0], q_ready.index(WG), q_smem.index(WG))
+            else:
+                mbarrier.expect(q_ready.index(0), 2 * q_desc.block_type.nbytes)
+                _tma_load(q_desc, [i_b, i_h, row0, 0], q_ready.index(0), q_smem.index(0))
+                _tma_load(q_desc, [i_b, i_h, row0 + WG_ROWS, 0], q_ready.index(0), q_smem.index(1))
+            count = 0
+            if list_row0 < seqlen:  # a SPLIT tile's second half may lie past the sequence
+                count = gl.load(BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm)
+                count = gl.minimum(gl.maximum(count, 0), block_width)
+            p_bindex = BLOCK_INDEX + i_b.to(gl.int64) * stride_bib + i_h.to(gl.int64) * stride_bih \
+                + i_qb.to(gl.int64) * stride_bim
+            for t in range(count * SUB_N):
+                kb = gl.load(p_bindex + (t // SUB_N) * stride_bik)
+                start_n = kb * plan_block_n + (t % SUB_N) * BLOCK_N
+                s = RING + c % STAGES
+                ph = (c // STAGES) & 1
+                mbarrier.wait(kv_empty.index(s), ph ^ 1)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [i_b, i_hkv, start_n, 0], k_ready.index(s), k_smem.index(s))
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [i_b, i_hkv, start_n, 0], v_ready.index(s), v_smem.index(s))
+                c += 1
+            n_iter += 1
+
+    @gluon.jit
+    def _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n, qk_scale, BLOCK_N: gl.constexpr,
+                 p_layout: gl.constexpr, dtype: gl.constexpr):
+        """One online-softmax step on a key tile's scores `b_s`, masked (key <= row) only where
+        the tile's last key is after the warpgroup's first row.
+
+        Returns P as the P V product's register operand, the rescale `alpha` of the rows'
+        output, and the new `(m_i, l_i)`.
+        """
+        if start_n + BLOCK_N - 1 > first_row:
+            b_s = gl.where((start_n + o_n)[None, :] <= o_m[:, None], b_s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(b_s, 1) * qk_scale)
+        # A row whose kept logits are all -inf so far keeps m = -inf: shift by 0 so exp2 gives 0.
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = gl.exp2(b_s * qk_scale - m_shift[:, None])
+        alpha = gl.exp2(m_i - m_shift)
+        l_new = l_i * alpha + gl.sum(b_p, 1)
+        return gl.convert_layout(b_p.to(dtype), p_layout), alpha, m_new, l_new
+
+    @gluon.jit
+    def _key_start(p_bindex, stride_bik, t, plan_block_n, BLOCK_N: gl.constexpr, SUB_N: gl.constexpr):
+        kb = gl.load(p_bindex + (t // SUB_N) * stride_bik)
+        return kb * plan_block_n + (t % SUB_N) * BLOCK_N
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
+                  O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+                  stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
+                  stride_lb, stride_lh,
+                  qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n, block_width,
+                  WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB_N: gl.constexpr,
+                  STAGES: gl.constexpr, PIPE: gl.constexpr, EARLY_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
+                  SPLIT: gl.constexpr):
+        if gl.load(V_BAD) != 0:
+            return
+        WG_ROWS: gl.constexpr = q_smem.shape[3]
+        # SPLIT: this warpgroup's own query barrier pair and ring; else the shared ones.
+        RING: gl.constexpr = WG * STAGES if SPLIT else 0
+        QB: gl.constexpr = WG if SPLIT else 0
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        num_tiles = num_m * num_bh
+        o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        o_r = gl.arange(0, WG_ROWS, layout=row_layout)
+        o_ro = gl.arange(0, WG_ROWS, layout=o_row_layout)
+        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        c = 0
+        n_iter = 0
+        for it in range(pid, num_tiles, nprog):
+            i_m, i_bh = _tile_of(it, num_bh, num_m)
+            i_b = i_bh // num_heads
+            i_h = i_bh % num_heads
+            row0 = i_m * (2 * WG_ROWS)
+            wg_row0 = row0 + WG * WG_ROWS
+            # As the producer: with a shared stream both warpgroups walk the tile's list, also
+            # the second one where its rows lie past the sequence (nothing of it is stored).
+            list_row0 = wg_row0 if SPLIT else row0
+            i_qb = list_row0 // plan_block_m
+            o_m = q_offset + wg_row0 + o_r
+            count = 0
+            if list_row0 < seqlen:
+                count = gl.load(BLOCK_COUNT + i_b * stride_bcb + i_h * stride_bch + i_qb * stride_bcm)
+                count = gl.minimum(gl.maximum(count, 0), block_width)
+            p_bindex = BLOCK_INDEX + i_b.to(gl.int64) * stride_bib + i_h.to(gl.int64) * stride_bih \
+                + i_qb.to(gl.int64) * stride_bim
+            n_tiles = count * SUB_N
+            first_row = q_offset + wg_row0
+            m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_layout)
+            l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_layout)
+            acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+            q_buf = q_smem.index(WG).reshape([WG_ROWS, HEAD_DIM])
+            mbarrier.wait(q_ready.index(QB), n_iter & 1)
+            if PIPE:
+                # FA3's intra-warpgroup overlap: Q Kᵀ of tile t + 1 and P V of tile t are in
+                # flight together; the softmax of tile t + 1 runs while P V of tile t is still
+                # on the tensor cores, and only the rescale of the output waits for it.
+                if n_tiles > 0:
+                    mbarrier.wait(k_ready.index(RING + c % STAGES), (c // STAGES) & 1)
+                    k_buf = k_smem.index(RING + c % STAGES).reshape([BLOCK_N, HEAD_DIM])
+                    b_s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    b_s = warpgroup_mma_wait(0, deps=(b_s,))
+                    start_n = _key_start(p_bindex, stride_bik, 0, plan_block_n, BLOCK_N, SUB_N)
+                    p_op, alpha, m_i, l_i = _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n, qk_scale,
+                                                     BLOCK_N, p_layout, dtype)
+                    for t in range(1, n_tiles):
+                        s = RING + c % STAGES
+                        s1 = RING + (c + 1) % STAGES
+                        mbarrier.wait(k_ready.index(s1), ((c + 1) // STAGES) & 1)
+                        k_nx = k_smem.index(s1).reshape([BLOCK_N, HEAD_DIM])
+                        s_tok = warpgroup_mma(q_buf, k_nx.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                        mbarrier.wait(v_ready.index(s), (c // STAGES) & 1)
+                        v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+                        a_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                        b_s = warpgroup_mma_wait(1, deps=(s_tok,))
+                        start_n = _key_start(p_bindex, stride_bik, t, plan_block_n, BLOCK_N, SUB_N)
+                        p_op, alpha_nx, m_i, l_i = _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n,
+                                                            qk_scale, BLOCK_N, p_layout, dtype)
+                        acc = warpgroup_mma_wait(0, deps=(a_tok,))
+                        mbarrier.arrive(kv_empty.index(s), count=1)
+                        acc = acc * gl.convert_layout(alpha_nx, o_row_layout)[:, None]
+                        c += 1
+                    if EARLY_Q:
+                        # Every Q Kᵀ of this tile is done: the next tile's query may load.
+                        mbarrier.arrive(q_empty.index(QB), count=1)
+                    s = RING + c % STAGES
+                    mbarrier.wait(v_ready.index(s), (c // STAGES) & 1)
+                    v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+                    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    c += 1
+                elif EARLY_Q:
+                    mbarrier.arrive(q_empty.index(QB), count=1)
+            else:
+                for t in range(n_tiles):
+                    s = RING + c % STAGES
+                    ph = (c // STAGES) & 1
+                    mbarrier.wait(k_ready.index(s), ph)
+                    k_buf = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+                    b_s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    b_s = warpgroup_mma_wait(0, deps=(b_s,))
+                    start_n = _key_start(p_bindex, stride_bik, t, plan_block_n, BLOCK_N, SUB_N)
+                    p_op, alpha, m_i, l_i = _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n, qk_scale,
+                                                     BLOCK_N, p_layout, dtype)
+                    acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+                    mbarrier.wait(v_ready.index(s), ph)
+                    v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+                    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    c += 1
+                if EARLY_Q:
+                    mbarrier.arrive(q_empty.index(QB), count=1)
+            # Rows with no kept key: output 0 and lse -inf (as the portable kernel).
+            l_zero = l_i == 0.0
+            l_safe = gl.where(l_zero, 1.0, l_i)
+            inv = gl.convert_layout(gl.where(l_zero, 0.0, 1.0 / l_safe), o_row_layout)
+            b_o = acc * inv[:, None]
+            # A finite input never gives an infinite output (a convex combination of values).
+            b_o = gl.where(gl.abs(b_o) == float("inf"), float("nan"), b_o)
+            if EARLY_Q:
+                # The query buffer may already hold the next tile: store from registers.
+                o_l = wg_row0 + o_ro
+                p_o = O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh \
+                    + o_l.to(gl.int64)[:, None] * stride_on + o_d[None, :]
+                gl.store(p_o, b_o.to(dtype), mask=(o_l < seqlen)[:, None])
+            else:
+                q_buf.store(b_o.to(dtype))
+                fence_async_shared()
+                _tma_store(o_desc, [i_b, i_h, wg_row0, 0], q_smem.index(WG))
+            if RETURN_LSE:
+                lse = gl.where(l_zero, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+                o_l2 = wg_row0 + o_r
+                p_lse = LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_l2
+                gl.store(p_lse, lse, mask=o_l2 < seqlen)
+            if not EARLY_Q:
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty.index(QB), count=1)
+            n_iter += 1
+
+    # Integer arguments equal to 1 would be specialised into constants, which cannot be
+    # handed to the worker partitions: none is specialised.
+    @gluon.jit(do_not_specialize=[
+        "stride_bcb", "stride_bch", "stride_bcm", "stride_bib", "stride_bih", "stride_bim", "stride_bik",
+        "stride_ob", "stride_oh", "stride_on", "stride_lb", "stride_lh", "seqlen", "q_offset", "num_m", "num_bh", "num_heads", "group",
+        "plan_block_m", "plan_block_n", "block_width"])
+    def _block_hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX,
+                          stride_bcb, stride_bch, stride_bcm, stride_bib, stride_bih, stride_bim, stride_bik,
+                          stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
+                          qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, group,
+                          plan_block_m, plan_block_n, block_width,
+                          BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB_N: gl.constexpr,
+                          STAGES: gl.constexpr, PIPE: gl.constexpr, EARLY_Q: gl.constexpr,
+                          RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        # SPLIT (plan blocks of 64 query rows): each consumer warpgroup reads its own plan
+        # row, so each has its own producer warp, ring and query barriers.
+        RINGS: gl.constexpr = 2 if SPLIT else 1
+        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [RINGS * STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [RINGS * STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=3 - RINGS)  # a shared buffer waits for both warpgroups
+        for i in gl.static_range(RINGS * STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=3 - RINGS)
+        if SPLIT:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
+                             O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+                             stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
+                             stride_lb, stride_lh,
+                             qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n,
+                             block_width, 0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, PIPE, EARLY_Q, RETURN_LSE, SPLIT)),
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
+                             O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+                             stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
+                             stride_lb, stride_lh,
+                             qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n,
+                             block_width, 1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, PIPE, EARLY_Q, RETURN_LSE, SPLIT)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             kv_empty, BLOCK_COUNT, BLOCK_INDEX, V_BAD, stride_bcb, stride_bch, stride_bcm,
+                             stride_bib, stride_bih, stride_bim, stride_bik,
+                             seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
+                             BLOCK_N, SUB_N, STAGES, SPLIT, 0)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             kv_empty, BLOCK_COUNT, BLOCK_INDEX, V_BAD, stride_bcb, stride_bch, stride_bcm,
+                             stride_bib, stride_bih, stride_bim, stride_bik,
+                             seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
+                             BLOCK_N, SUB_N, STAGES, SPLIT, 1)),
+            ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
+                             O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+                             stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
+                             stride_lb, stride_lh,
+                             qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n,
+                             block_width, 0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, PIPE, EARLY_Q, RETURN_LSE, SPLIT)),
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
+                             O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+                             stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
+                             stride_lb, stride_lh,
+                             qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n,
+                             block_width, 1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, PIPE, EARLY_Q, RETURN_LSE, SPLIT)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             kv_empty, BLOCK_COUNT, BLOCK_INDEX, V_BAD, stride_bcb, stride_bch, stride_bcm,
+                             stride_bib, stride_bih, stride_bim, stride_bik,
+                             seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
+                             BLOCK_N, SUB_N, STAGES, SPLIT, 0)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+_LAYOUTS: dict[tuple[tuple[int, ...], torch.dtype], Any] = {}
+
+
+def _smem_layout(block: list[int], dtype: torch.dtype) -> Any:
+    key = (tuple(block), dtype)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16
+                                                             else gl.float16)
+    return _LAYOUTS[key]
+
+
+def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, block_n: int) -> tuple[Any, ...]:
+    """TMA descriptors of q, k, v and out (`[B, H, N, D]` each, rows past N read as zeros)."""
+    d = q.shape[3]
+    q_block = [1, 1, WG_M, d]
+    kv_block = [1, 1, block_n, d]
+    q_desc = TensorDescriptor.from_tensor(q, q_block, _smem_layout(q_block, q.dtype))
+    k_desc = TensorDescriptor.from_tensor(k, kv_block, _smem_layout(kv_block, k.dtype))
+    v_desc = TensorDescriptor.from_tensor(v, kv_block, _smem_layout(kv_block, v.dtype))
+    o_desc = TensorDescriptor.from_tensor(out, q_block, _smem_layout(q_block, out.dtype))
+    return q_desc, k_desc, v_desc, o_desc
+
+
+_SM_COUNT: dict[int, int] = {}
+# An H200's / H100's shared memory per block (227 KiB), less room for the barriers and the
+# compiler's scratch; a launch that still does not fit retries with one slot fewer.
+_SMEM_BYTES = 227 * 1024 - 2048
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _is_sm90(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] == (9, 0)
+
+
+def eligible(call: Any, plan: Any) -> bool:
+    """The dispatch rule's host-only part: the call's features and the plan's shapes.
+
+    Never the method and never a device read: head dim 64 or 128, key blocks only (no
+    column list), `block_m` a multiple of 64 (128: both consumer warpgroups share one key
+    stream; 64: SPLIT, a stream each) and `block_n` of 64, and none of mask, state, block
+    means, key bias, ragged or varlen K/V, row max or a head chunk's destination.
+    """
+    if call.q.shape[3] not in (64, 128) or plan.column_index.shape[3] != 0:
+        return False
+    if plan.block_m % WG_M != 0 or plan.block_n % 64 != 0:
+        return False
+    return (call.mask is None and call.state is None and call.block_mean_out is None and call.key_bias is None
+            and call.kv_offsets is None and call.varlen is None and call.row_max is None and call.dest is None)
+
+
+def supports(call: Any, plan: Any, use_tma: bool) -> bool:
+    """Whether this path runs a checked launch (`block_column._KernelCall`) of `plan`.
+
+    `eligible`, on an sm90 GPU with Gluon, `ENABLED`, and K/V tiles TMA can read
+    (`use_tma`, the portable launcher's own test).
+    """
+    if not (_GLUON and ENABLED and use_tma and call.q.is_cuda):
+        return False
+    return _is_sm90(call.q.device) and eligible(call, plan)
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+           v_bad: torch.Tensor, plan: Any, sm_scale: float) -> None:
+    """Launch the Hopper kernel on inputs `supports` accepted; it writes `out` (and `lse`).
+
+    Args:
+        q: `[B, Hq, N, D]`; k, v: `[B, Hkv, key_len, D]`; out: `[B, Hq, N, D]` contiguous.
+        lse: float32 `[B, Hq, N]` or None.
+        v_bad: int32 `[1]`, 1 where V holds a NaN / inf (then every program leaves at once).
+        plan: the checked `BlockColumnPlan` (no columns).
+        sm_scale: the softmax scale.
+    """
+    b, hq, n, d = q.shape
+    split = plan.block_m % BLOCK_M != 0
+    # Two rings of 128-key slots would leave one slot each at D 128: SPLIT walks 64-key tiles.
+    block_n = 128 if plan.block_n % 128 == 0 and not split else 64
+    # Shared memory (227 KiB): the query halves and STAGES slots of a K and a V tile per ring.
+    slot = 2 * block_n * d * q.element_size()
+    stages = STAGES or min(4, (_SMEM_BYTES - 2 * WG_M * d * q.element_size()) // (slot * (2 if split else 1)))
+    stages = max(2, stages)  # the overlap (PIPE) waits on the next slot while it holds one
+    q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, out, block_n)
+    num_m = triton.cdiv(n, BLOCK_M)
+    tiles = num_m * b * hq
+    lse_arg = lse if lse is not None else out
+    lse_strides = tuple(lse.stride()[:2]) if lse is not None else (0, 0)
+    while True:
+        try:
+            _block_hopper_fwd[(min(tiles, _sm_count(q.device)),)](
+                q_desc, k_desc, v_desc, o_desc, out, lse_arg, v_bad, plan.block_count, plan.block_index,
+                *plan.block_count.stride(), *plan.block_index.stride(), *out.stride()[:3], *lse_strides,
+                sm_scale * 1.4426950408889634, n, plan.query_offset, num_m, b * hq, hq, hq // k.shape[1],
+                plan.block_m, plan.block_n, plan.block_index.shape[3],
+                BLOCK_N=block_n, HEAD_DIM=d, SUB_N=plan.block_n // block_n, STAGES=stages, PIPE=PIPE,
+                EARLY_Q=EARLY_Q, RETURN_LSE=lse is not None, SPLIT=split, CONSUMER_REGS=CONSUMER_REGS,
+                PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+            )
+            return
+        except OutOfResources:
+            if stages <= 2:
+                raise
+            stages -= 1
