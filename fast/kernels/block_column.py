@@ -57,8 +57,7 @@ from ._common import (
     tma_ok,
 )
 from ._common import dot as _dot
-from . import own_columns
-from .own_columns import resolve_covered_columns
+from .own_columns import covered_column_settings, resolve_covered_columns
 
 
 @triton.jit
@@ -1016,15 +1015,16 @@ def _head_chunk(plan: BlockColumnPlan, call: _KernelCall) -> int:
     resolved or not shared, a call with a mask, state, block means, key bias, ragged or
     varlen K / V, or one head's lists alone past the budget).
     """
+    resolve_covered, budget = covered_column_settings()
     if (plan.column_index.shape[3] == 0 or plan.columns_disjoint or plan.column_group != 1
-            or not own_columns.RESOLVE_COVERED or call.mask is not None or call.state is not None
+            or not resolve_covered or call.mask is not None or call.state is not None
             or call.block_mean_out is not None or call.key_bias is not None or call.kv_offsets is not None
             or call.varlen is not None or call.dest is not None or call.row_max is not None):
         return 0
     b, hq = call.q.shape[:2]
     group = hq // call.k.shape[1]
     per_head = b * plan.num_query_blocks * plan.column_index.shape[3] * 4
-    fit = own_columns.DISJOINT_COLUMN_BYTES // max(1, per_head)
+    fit = budget // max(1, per_head)
     return 0 if fit < 1 or fit >= hq else head_group(hq, group, int(fit))
 
 
