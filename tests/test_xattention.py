@@ -509,36 +509,6 @@ def test_registry_demo_params_run() -> None:
     assert REF_X.SCORINGS == ("antidiagonal", "naive")
 
 
-def test_tile_bench_suite_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`sparseprefill bench --method xattention|dpxa` on the CPU, untimed: every row well formed."""
-    from sparseprefill import bench
-
-    def once(fn: Any) -> float:
-        fn()
-        return 1.0
-
-    monkeypatch.setattr(bench, "bench_ms", once)
-    cases = (("xattention s8 0.9", "xattention", {"stride": 8, "threshold": 0.9}),
-             ("dpxa cos0.75 0.9", "dpxa", {"cos_threshold": 0.75, "threshold": 0.9}))
-    from sparseprefill.methods.xattention import run_tile_suite
-
-    rows = run_tile_suite([96], batch=1, q_heads=2, kv_heads=1, head_dim=32, dtype=torch.float16,
-                                block=32, cases=cases, device="cpu", log=lambda s: None)
-    assert [r.method for r in rows] == ["dense", "xattention s8 0.9", "dpxa cos0.75 0.9"]
-    for row in rows[1:]:
-        assert 0 < row.density <= 1 and row.recall_mean is not None and 0 < row.recall_min <= 1
-        for key in ("scoring_ms", "selection_ms", "kernel_ms", "scoring_vs_cudnn", "floor_ms",
-                    "kernel_over_floor", "tiles_computed", "scoring_ratio"):
-            assert key in row.extra, key
-        assert 0 < row.extra["tiles_computed"] <= 1
-    assert rows[1].extra["scoring_ratio"] == 1 / 8
-    assert "anchors_ms" in rows[2].extra and 0 < rows[2].extra["scoring_ratio"] <= 1
-    assert "xattention s8 0.9" in bench.format_table(rows)
-    parser = __import__("argparse").ArgumentParser()
-    bench.add_arguments(parser)
-    assert parser.parse_args(["--method", "dpxa"]).method == "dpxa"
-
-
 def test_score_config_fits_shared_memory_at_every_head_dim() -> None:
     """The GPU scoring tiles fit a Hopper SM's shared memory at every head dim the kernels take
     (D = 256 with the 128 x 128 tiles asked for 384 KiB on an H100: found by the GPU

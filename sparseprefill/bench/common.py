@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..methods import DENSE
 from ..reference.plan import BlockColumnPlan, causal_pairs, cdiv, mask_to_list
 
 CUDNN = "cuDNN SDPA"
@@ -276,7 +277,7 @@ class Context:
             self.free()
             pairs = self.causal_pairs(seqlen, int(q.shape[1]), int(q.shape[0]))
             self._baselines[seqlen] = Row(
-                "dense", self.baseline_name, seqlen, density=1.0, recall_mean=1.0, recall_min=1.0, ms=ms,
+                DENSE, self.baseline_name, seqlen, density=1.0, recall_mean=1.0, recall_min=1.0, ms=ms,
                 kernel_ms=ms, baseline_ms=ms, baseline=self.baseline_name, speedup_vs_cudnn=1.0, floor_ms=ms,
                 vs_floor=1.0, tflops=ratio(4 * int(q.shape[3]) * pairs, ms * 1e9), suite=self.suite,
                 timer=self.timer_name)
@@ -284,7 +285,7 @@ class Context:
 
     def remember(self, row: Row) -> None:
         """Keep a baseline row read back from an earlier run (`--resume`) as this run's."""
-        if row.impl in (CUDNN, CPU_BASELINE) and row.method == "dense" and row.seqlen not in self._baselines:
+        if row.impl in (CUDNN, CPU_BASELINE) and row.method == DENSE and row.seqlen not in self._baselines:
             self._baselines[row.seqlen] = row
 
     def row(self, method: str, impl: str, seqlen: int, *, ms: float, density: float | None = None,
@@ -555,7 +556,8 @@ def named_plan(name: str, q: torch.Tensor, k: torch.Tensor, *, block: int = 128)
     `columns20` (about 20% of the kept area in columns, 64-blocks); `minference-lines`
     (ANCHORS.md's MInference lines); a registered method's name (its `fast` plan at its
     defaults for N); `METHOD:key=value,...` (those parameters over the defaults);
-    `blocks-like:NAME` (a block-only plan with NAME's block sizes and density).
+    `blocks-like:NAME` (a block-only plan with NAME's block sizes and density). `dense` is
+    the registered dense method's plan.
 
     Raises:
         ValueError: an unknown name, or a method without a plan.
@@ -567,8 +569,6 @@ def named_plan(name: str, q: torch.Tensor, k: torch.Tensor, *, block: int = 128)
     if name.startswith("blocks-like:"):
         inner = named_plan(name.split(":", 1)[1], q, k, block=block)
         return block_plan_like(inner, float(fast.density(inner).mean()))
-    if name == "dense":
-        return fast.dense_plan(q, k)
     if name.startswith("random") and name[6:].isdigit():
         return random_block_plan(int(q.shape[0]), int(q.shape[1]), n, density=int(name[6:]) / 100,
                                  block_m=block, block_n=block, device=q.device, seed=int(name[6:]))

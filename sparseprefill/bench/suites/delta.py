@@ -4,8 +4,9 @@ Keys come in runs of near-duplicates (`runs_keys`: cosine about 0.999 within a r
 0 across), so the keep ratio of the keep mask at cosine 0.95 is about 1 / run: each
 `--runs` entry is one run length (`2`: keep ~0.5) or a pattern repeated along the keys
 (`2/2/1`: 3 anchors per 5 keys, keep ~0.6). q and v are random normal. Per N and entry:
-the baseline on these q, k, v, then `fast.delta_kv` (cosine 0.95) and
-`fast.delta_xattention` (its defaults, cosine 0.95 packing) end to end, with the keep
+the baseline on these q, k, v, then every method that reads packed keys (its suite module
+has `keep_params`: Delta-KV, DeltaXAttention) packing at the cosine `--threshold`, end to
+end, with the keep
 ratio, the density both phases compute (so `density x cuDNN` is the floor), the output's
 error against the baseline, and on a GPU the CUDA time per kernel of one call
 (torch.profiler: keep mask, packing, plans, the two phases).
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, guarded, profiled_kernels
+from ..common import BLOCK, Context, Option, Row, Suite, Unit, guarded, method_hook, profiled_kernels
 
 RUNS = "2;3;2/2/1"
 
@@ -43,6 +44,17 @@ def _parse_runs(text: str) -> list[tuple[int, ...]]:
     return out
 
 
+def keep_settings(ctx: Context, n: int, threshold: float, block: int | None) -> list[tuple[str, dict[str, Any]]]:
+    """(method, parameters) of every method whose suite module says how to pack its keys at a
+    cosine threshold (`keep_params(n, threshold, block)`): the methods that read packed keys."""
+    out = []
+    for name in ctx.method_names():
+        keep_params = method_hook(name, "keep_params")
+        if keep_params is not None:
+            out.append((name, keep_params(n, threshold, block)))
+    return out
+
+
 def run_rows(ctx: Context, n: int, run: tuple[int, ...], threshold: float, block: int | None) -> list[Row]:
     from ... import fast
     from ...methods import get
@@ -58,11 +70,7 @@ def run_rows(ctx: Context, n: int, run: tuple[int, ...], threshold: float, block
     keep = float(fast.delta_keep_mask(k, threshold=threshold, metric="cosine").float().mean())
     rows = [ctx.row(f"runs {label}", ctx.baseline_name, n, ms=base, kernel_ms=base, density=1.0, baseline_ms=base,
                     extra={"keep_ratio": keep})]
-    blocks: dict[str, Any] = {} if block is None else {"block_m": block, "block_n": block}
-    for name, params in (("delta_kv", {"threshold": threshold, "metric": "cosine", **blocks}),
-                         ("delta_xattention", {**get("delta_xattention").demo_params(n),
-                                               "delta_threshold": threshold, "metric": "cosine",
-                                               **({} if block is None else {"block": block})})):
+    for name, params in keep_settings(ctx, n, threshold, block):
         spec = get(name)
         call = spec.call_params(params, q)
         run_fn = spec.run_fn("fast")

@@ -19,6 +19,12 @@ from ..common import BLOCK, Context, Option, Row, Suite, Unit, baseline_unit, gu
 THRESHOLDS = "0.9,0.83,0.78"
 
 
+def keep_params(n: int, threshold: float, block: int | None) -> dict[str, Any]:
+    """Delta-KV's parameters packing keys at the cosine `threshold` (the `delta` suite)."""
+    return {"threshold": threshold, "metric": "cosine",
+            **({} if block is None else {"block_m": block, "block_n": block})}
+
+
 def threshold_rows(ctx: Context, n: int, threshold: float, *, chunk: int, block: int) -> list[Row]:
     from ... import fast
     from ...fast.kernels import block_column_attention

@@ -31,6 +31,15 @@ CASES: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
+def keep_params(n: int, threshold: float, block: int | None) -> dict[str, Any]:
+    """DeltaXAttention's parameters (its defaults) packing tiles at the cosine `threshold`
+    (the `delta` suite)."""
+    from ...methods import get
+
+    return {**get("delta_xattention").demo_params(n), "delta_threshold": threshold, "metric": "cosine",
+            **({} if block is None else {"block": block})}
+
+
 def _rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float((out.float() - exact.float()).norm() / exact.float().norm())
 

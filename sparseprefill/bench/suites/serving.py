@@ -1,12 +1,12 @@
 """`serving`: serving-shaped prefill: a packed mixed-length batch, chunked prefill, served shapes.
 
 * `mixed`: sequences of `--lengths` tokens (default 4K + 16K + 60K) packed end to end,
-  one `fast.varlen_attention` launch on per-sequence plans (`fast.varlen_plans`, dense and
-  vertical-slash at its defaults for the longest), against the baseline run on each
+  one `fast.varlen_attention` launch on per-sequence plans (`fast.varlen_plans`; the
+  `--plan-methods`, default dense and vertical-slash, at their defaults for the longest), against the baseline run on each
   sequence in turn and our kernel per sequence; the output must equal the per-sequence
   outputs bit for bit (`extra["equal_to_per_sequence"]`).
 * `chunked`: a prompt of each N cut into `--chunk`-token chunks (`plan.rows`: each chunk's
-  queries against every key so far), dense and vertical-slash, against the same plan in
+  queries against every key so far), the same methods' plans, against the same plan in
   one launch; the outputs must agree bit for bit (the same tiles in the same order).
 * `shapes`: the kernel on the shapes users serve (`--shapes`: `serve64` B=2, 14/2 heads,
   D=64; `llama3_8b` 32/8/128; `qwen25_7b` 28/4/128) at each N: the baseline, our dense
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, guarded, random_block_plan
+from ..common import BLOCK, Context, Option, Row, Suite, Unit, guarded, named_plan, random_block_plan
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {"serve64": (2, 14, 2, 64), "llama3_8b": (1, 32, 8, 128),
                                                "qwen25_7b": (1, 28, 4, 128)}
@@ -33,13 +33,21 @@ def _randn(shape: tuple[int, ...], ctx: Context, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(device=ctx.device, dtype=ctx.dtype)
 
 
-def _vs_params(n: int, block: int) -> dict[str, Any]:
+def _plans(names: list[str], n: int, block: int) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(name, `fast` plan function, parameters at N with `block`-sized blocks) per method."""
     from ...methods import get
 
-    return {**get("vertical_slash").demo_params(n), "block_m": block, "block_n": block}
+    out = []
+    for name in names:
+        spec = get(name)
+        params = spec.demo_params(n)
+        if {"block_m", "block_n"} <= set(spec.parameters()):
+            params.update(block_m=block, block_n=block)
+        out.append((spec.name, spec.plan_fn("fast"), params))
+    return out
 
 
-def mixed_rows(ctx: Context, lengths: list[int], block: int) -> list[Row]:
+def mixed_rows(ctx: Context, lengths: list[int], names: list[str], block: int) -> list[Row]:
     from ... import fast
 
     hq, hkv, d = ctx.q_heads, ctx.kv_heads, ctx.head_dim
@@ -53,10 +61,7 @@ def mixed_rows(ctx: Context, lengths: list[int], block: int) -> list[Row]:
     pairs = sum(n * (n + 1) / 2 for n in lengths) * hq
     rows = [ctx.row("mixed batch", ctx.baseline_name + " per sequence", max(lengths), ms=base, density=1.0,
                     baseline_ms=base, pairs=pairs, extra={"lengths": lengths})]
-    cases: list[tuple[str, Any, dict[str, Any]]] = [("dense", fast.dense_plan, {}),
-                                                    ("vertical_slash", fast.vertical_slash_plan,
-                                                     _vs_params(max(lengths), block))]
-    for name, fn, params in cases:
+    for name, fn, params in _plans(names, max(lengths), block):
         plan = fast.varlen_plans(fn, q, k, cu, **params)
         plan_ms = ctx.time(lambda: fast.varlen_plans(fn, q, k, cu, **params))
         one_ms = ctx.time(lambda: fast.varlen_attention(q, k, v, cu, max(lengths), plan))
@@ -74,15 +79,15 @@ def mixed_rows(ctx: Context, lengths: list[int], block: int) -> list[Row]:
     return rows
 
 
-def chunked_rows(ctx: Context, n: int, chunk: int, block: int) -> list[Row]:
+def chunked_rows(ctx: Context, n: int, chunk: int, names: list[str], block: int) -> list[Row]:
     from ... import fast
 
     q, k, v = (_randn((1, h, n, ctx.head_dim), ctx, seed + 10) for seed, h in
                enumerate((ctx.q_heads, ctx.kv_heads, ctx.kv_heads)))
     base = ctx.time(ctx.dense_attention(q, k, v))
     rows = []
-    for name, plan in (("dense", fast.dense_plan(q, k)), ("vertical_slash", fast.vertical_slash_plan(
-            q, k, **_vs_params(n, block)))):
+    for name, fn, params in _plans(names, n, block):
+        plan = fn(q, k, **params)
         step = -(-chunk // plan.block_m) * plan.block_m  # chunks start on query blocks
         parts = [(s, min(n, s + step), plan.rows(s, min(n, s + step))) for s in range(0, n, step)]
         one_ms = ctx.time(lambda: fast.sparse_attention(q, k, v, plan))
@@ -103,6 +108,7 @@ def chunked_rows(ctx: Context, n: int, chunk: int, block: int) -> list[Row]:
 
 def shape_rows(ctx: Context, n: int, shape_name: str) -> list[Row]:
     from ... import fast
+    from ...methods import DENSE
 
     if shape_name not in SHAPES:
         raise ValueError(f"--shapes: unknown shape {shape_name!r}; shapes: {', '.join(SHAPES)}")
@@ -114,7 +120,7 @@ def shape_rows(ctx: Context, n: int, shape_name: str) -> list[Row]:
     rows = [ctx.row(label, ctx.baseline_name, n, ms=base, kernel_ms=base, density=1.0, baseline_ms=base, pairs=pairs,
                     head_dim=d)]
     big, small = (128, 64) if ctx.on_gpu else (32, 16)
-    plans = [("dense", fast.dense_plan(q, k)),
+    plans = [(DENSE, named_plan(DENSE, q, k)),
              (f"random 5% {big}x{big}", random_block_plan(b, hq, n, density=0.05, block_m=big, block_n=big,
                                                             device=q.device)),
              (f"random 5% {small}x{small}", random_block_plan(b, hq, n, density=0.05, block_m=small,
@@ -127,8 +133,10 @@ def shape_rows(ctx: Context, n: int, shape_name: str) -> list[Row]:
 
 
 def units(ctx: Context, seqlens: list[int], *, lengths: str | None = None, chunk: int | None = None,
-          shapes: str = ",".join(SHAPES), parts: str = "mixed,chunked,shapes", block: int | None = None) -> list[Unit]:
+          shapes: str = ",".join(SHAPES), parts: str = "mixed,chunked,shapes", plan_methods: str = "dense,vertical_slash",
+          block: int | None = None) -> list[Unit]:
     size = block or (64 if ctx.on_gpu else 16)
+    names = [m for m in plan_methods.split(",") if m]
     mix = [int(x) for x in (lengths or ("4096,16384,61440" if ctx.on_gpu else "48,80,112")).split(",") if x]
     step = chunk or (8192 if ctx.on_gpu else 32)
     chosen = [p for p in parts.split(",") if p]
@@ -138,11 +146,11 @@ def units(ctx: Context, seqlens: list[int], *, lengths: str | None = None, chunk
     out: list[Unit] = []
     if "mixed" in chosen:
         out.append(Unit(f"{max(mix)}/mixed {'+'.join(map(str, mix))}", max(mix), lambda: guarded(
-            ctx, "mixed batch", max(mix), lambda: mixed_rows(ctx, mix, size))))
+            ctx, "mixed batch", max(mix), lambda: mixed_rows(ctx, mix, names, size))))
     for n in seqlens:
         if "chunked" in chosen:
             out.append(Unit(f"{n}/chunked x{step}", n, lambda n=n: guarded(
-                ctx, "chunked", n, lambda: chunked_rows(ctx, n, step, size))))
+                ctx, "chunked", n, lambda: chunked_rows(ctx, n, step, names, size))))
         if "shapes" in chosen:
             for name in filter(None, shapes.split(",")):
                 out.append(Unit(f"{n}/shape {name}", n, lambda n=n, name=name: guarded(
@@ -161,5 +169,7 @@ SUITE = Suite(
              Option("--chunk", "chunk", int, None, "serving: chunked prefill's chunk (default 8192)"),
              Option("--shapes", "shapes", str, ",".join(SHAPES), f"serving: served shapes ({', '.join(SHAPES)})"),
              Option("--parts", "parts", str, "mixed,chunked,shapes", "serving: which parts run"),
+             Option("--plan-methods", "plan_methods", str, "dense,vertical_slash",
+                    "serving: the methods whose plans the mixed batch and chunked prefill run"),
              BLOCK),
 )
