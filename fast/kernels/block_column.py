@@ -557,12 +557,12 @@ def _tile_config(plan_block_m: int, plan_block_n: int, head_dim: int) -> tuple[i
     """Return (BLOCK_M, BLOCK_N, num_warps, num_stages) for a plan's block sizes.
 
     Kernel tiles must divide the plan's blocks. Measured on an H200 (triton 3.6, bf16,
-    d=128, 128K tokens, `benches/tune_kernel.py`): 128x128 tiles, 8 warps, 3 stages
+    d=128, 128K tokens, `sparseprefill bench variants --tiles`): 128x128 tiles, 8 warps, 3 stages
     reach 532 TFLOP/s on a dense plan, 128x64 465, 64x64 with 4 warps 473; 4 warps on
     128-row tiles fall to ~300. Head dims above 128 take smaller tiles to fit registers.
     """
     if head_dim <= 64:
-        # D <= 64 (H200, bf16, 32K, B=2, 14/2 heads, benches/serving_shapes.py --sweep):
+        # D <= 64 (H200, bf16, 32K, B=2, 14/2 heads, `bench serving` / `bench variants --tiles`):
         # 64x128 tiles with 4 warps 9.95 ms (0.84x cuDNN), 128x128 with 8 warps 10.69.
         block_m = math.gcd(plan_block_m, 64)
         block_n = math.gcd(plan_block_n, 128)
@@ -620,7 +620,7 @@ SPLIT_MIN_COLUMN_TILES = 2
 # Grid order (a tuning switch): query tiles on the slow axis, so programs start longest
 # first over all heads, not head after head (docs/plan-and-kernels.md, short prompts).
 _TILE_MAJOR = os.environ.get("SPARSEPREFILL_TILE_MAJOR", "0") == "1"
-# Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
+# Benchmarking switches only (`sparseprefill bench variants`): `SPARSEPREFILL_GUARD=0` drops the
 # clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
 # keeps NaN values out of rows that do not keep their key. Never turn them off in use.
 _GUARD = os.environ.get("SPARSEPREFILL_GUARD", "1") == "1"

@@ -58,7 +58,7 @@ from ...reference.plan import BlockColumnPlan, cdiv
 from ..capture import static_widths_active
 
 # Lines handled per vector step, and warps per program (H200, 128K, 32 heads: 256 x 4
-# warps 3.49 ms, 128 x 4 3.81 ms, 8 warps no faster at any chunk; benches/tune_index_chunk.py).
+# warps 3.49 ms, 128 x 4 3.81 ms, 8 warps no faster at any chunk; measured by a one-off sweep).
 _CHUNK = 256
 _NUM_WARPS = 4
 # Start each query block's walk at its first reaching slash (a bisection of the sorted
