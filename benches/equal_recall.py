@@ -321,8 +321,7 @@ def _peer_points(q: Any, k: Any, v: Any, source: str, targets: list[float], base
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from peers import peer_points
+    from sparseprefill.bench.suites.peers import peer_points
 
     g = q.shape[1] // k.shape[1]
     dense = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
@@ -436,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep", type=int, default=40, help="do_bench rep (ms) of each timed point")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="start no new method after this")
     parser.add_argument("--peer", default=None,
-                        help="with --measure: also run the peers (benches/peers.py), this folder first on sys.path")
+                        help="with --measure: also run the peers (`sparseprefill bench peers`), this folder first on sys.path")
     parser.add_argument("--qkv-methods", nargs="+", default=None,
                         help="with --measure: the capture's methods (default: --methods)")
     parser.add_argument("--qkv-last", action="store_true", help="with --measure: the capture after the N sources")

@@ -615,7 +615,7 @@ _COL_TILE = int(os.environ.get("SPARSEPREFILL_COL_TILE", "0"))
 # forces it: `SPARSEPREFILL_COL_SPLIT=1` always, `0` never (None: the rule).
 _COL_SPLIT: bool | None = {"1": True, "0": False}.get(os.environ.get("SPARSEPREFILL_COL_SPLIT", "auto"))
 # The rule's threshold: the split's copy of the kernel runs where the query blocks list on
-# average at least this many column tiles (docs/plan-and-kernels.md, session 5).
+# average at least this many column tiles (measured: docs/plan-and-kernels.md).
 SPLIT_MIN_COLUMN_TILES = 2
 # Grid order (a tuning switch): query tiles on the slow axis, so programs start longest
 # first over all heads, not head after head (docs/plan-and-kernels.md, short prompts).

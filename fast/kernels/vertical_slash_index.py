@@ -63,7 +63,7 @@ _CHUNK = 256
 _NUM_WARPS = 4
 # Start each query block's walk at its first reaching slash (a bisection of the sorted
 # offsets) rather than at the largest offset: the same plan, fewer chunks for the early
-# query blocks (fifth session; False is the fourth session's walk, kept for the timing).
+# query blocks (False: the walk from the largest offset, kept to time the two).
 SKIP_UNREACHED = True
 # How the slash part's block lists are built: "walk" (Alg. 4, O(k_s) a query block), "blocks"
 # (the band kernel's key-block walk with bands of one offset, O(Kb) a query block: a block is

@@ -193,7 +193,9 @@ def _chosen_suites(args: argparse.Namespace) -> list[str]:
 
 def _context(args: argparse.Namespace) -> Context:
     cpu = args.device == "cpu"
-    shape = {**GPU_SHAPE, **({key: val for key, val in CPU_SHAPE.items() if key != "seqlens"} if cpu else {})}
+    shape: dict[str, Any] = dict(GPU_SHAPE)
+    if cpu:
+        shape.update((key, val) for key, val in CPU_SHAPE.items() if key != "seqlens")
     for key in shape:
         given = getattr(args, key)
         if given is not None:

@@ -15,6 +15,7 @@ pairs alone would take). TFLOP/s counts `4 D` flops per kept causal pair.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -89,7 +90,8 @@ class Row:
     def from_json(cls, data: dict[str, Any]) -> Row:
         """A row written by `as_json` (unknown keys are ignored, missing ones take defaults)."""
         names = {f.name for f in fields(cls)}
-        kept = {key: (math.nan if key == "ms" and val is None else val) for key, val in data.items() if key in names}
+        kept: dict[str, Any] = {key: (math.nan if key == "ms" and val is None else val)
+                                for key, val in data.items() if key in names}
         return cls(**kept)
 
 
@@ -230,8 +232,9 @@ class Context:
             self.free()
             from ..workload import workload_qkv
 
-            self._inputs[key] = workload_qkv(self.shape(seqlen), device=self.device, workload=self.workload,
-                                             qkv=self.qkv, seed=seed)
+            q, k, v = workload_qkv(self.shape(seqlen), device=self.device, workload=self.workload, qkv=self.qkv,
+                                   seed=seed)
+            self._inputs[key] = (q, k, v)
         q, k, v = self._inputs[key]
         return q, k, v
 
@@ -396,6 +399,12 @@ class Suite:
     options: tuple[Option, ...] = ()
     summary: Callable[[list[Row]], str] | None = None
     prepare: Callable[[Context, dict[str, Any]], None] | None = None
+
+
+def piece(ctx: Context, label: str, seqlen: int, fn: Callable[..., list[Row]], *args: Any, **kwargs: Any) -> Unit:
+    """The unit `N/label` whose rows are `fn(*args, **kwargs)` (a failure is one row naming it: `guarded`)."""
+    return Unit(f"{seqlen}/{label}", seqlen, functools.partial(guarded, ctx, label, seqlen,
+                                                              functools.partial(fn, *args, **kwargs)))
 
 
 # The block or tile size option several suites share.
@@ -791,7 +800,8 @@ class StageTree:
             path = tuple(self.stack)
             start = end = None
             if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 start.record()
             t0 = time.perf_counter()
             try:
@@ -903,7 +913,8 @@ def profiled_kernels(fn: Callable[[], Any], *, calls: int = 3, match: str = "") 
         torch.cuda.synchronize()
     kernels = []
     for e in prof.key_averages():
-        t = float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) / 1e3 / calls
+        total: Any = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        t = float(total) / 1e3 / calls
         if t > 0:
             kernels.append((e.key, e.count / calls, t))
     kernels.sort(key=lambda item: -item[2])

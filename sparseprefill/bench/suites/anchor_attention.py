@@ -21,7 +21,16 @@ from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, baseline_unit, guarded
+from ..common import (
+    BLOCK,
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    baseline_unit,
+    piece,
+)
 
 # AnchorAttention's headline claim (Zhang et al., 2025, Sections 1 and 4: A100, 128K,
 # Llama-3.1-8B on RULER), quoted beside the measured ratios.
@@ -77,7 +86,7 @@ def anchor_rows(ctx: Context, n: int, *, theta: float, step: int, block: int) ->
 
     staged, _ = block_column_attention(q, k, v, stripe_plan, state=state.clone(), validate_plan=False)
     anchor_ms, ident_ms, stripe_ms = ctx.time(anchor), ctx.time(identify), ctx.time(stripes)
-    params = {"theta": theta, **sizes}
+    params: dict[str, Any] = {"theta": theta, **sizes}
     out = fast.anchor_attention(q, k, v, **params)
     ms = ctx.time(lambda: fast.anchor_attention(q, k, v, **params))
     plan = _plans(b, hq, n, **sizes, counts=counts, index=index, device=q.device, with_blocks=True)
@@ -111,8 +120,8 @@ def units(ctx: Context, seqlens: list[int], *, theta: float = 12.0, step: int | 
     for n in seqlens:
         groups = max(1, min(16, -(-n // size) // 8))
         out.append(baseline_unit(ctx, n))
-        out.append(Unit(f"{n}/anchor_attention", n, lambda n=n, s=step or groups: guarded(
-            ctx, "anchor_attention", n, lambda: anchor_rows(ctx, n, theta=theta, step=s, block=size))))
+        out.append(piece(ctx, "anchor_attention", n, anchor_rows, ctx, n, theta=theta, step=step or groups,
+                         block=size))
     return out
 
 

@@ -18,7 +18,17 @@ from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, guarded, method_hook, profiled_kernels
+from ..common import (
+    BLOCK,
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    method_hook,
+    piece,
+    profiled_kernels,
+)
 
 RUNS = "2;3;2/2/1"
 
@@ -97,8 +107,7 @@ def units(ctx: Context, seqlens: list[int], *, runs: str = RUNS, threshold: floa
     for n in seqlens:
         for run in _parse_runs(runs):
             label = "/".join(map(str, run))
-            out.append(Unit(f"{n}/runs {label}", n, lambda n=n, run=run, label=label: guarded(
-                ctx, f"runs {label}", n, lambda: run_rows(ctx, n, run, threshold, size))))
+            out.append(piece(ctx, f"runs {label}", n, run_rows, ctx, n, run, threshold, size))
     return out
 
 

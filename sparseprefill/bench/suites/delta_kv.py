@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, baseline_unit, guarded
+from ..common import (
+    BLOCK,
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    baseline_unit,
+    piece,
+)
 
 THRESHOLDS = "0.9,0.83,0.78"
 
@@ -56,14 +65,16 @@ def threshold_rows(ctx: Context, n: int, threshold: float, *, chunk: int, block:
              "phase2_ms": ctx.time(lambda: block_column_attention(q, k, v, plan2, state=state.clone(),
                                                                   validate_plan=False)),
              "keep_ratio": float(packed.keep_ratio().mean()), "threshold": threshold}
-    params = {"threshold": threshold, "metric": "cosine", "chunk": chunk, "block_m": block, "block_n": block}
+    params: dict[str, Any] = {"threshold": threshold, "metric": "cosine", "chunk": chunk, "block_m": block,
+                              "block_n": block}
     ms = ctx.time(lambda: fast.delta_kv(q, k, v, **params))
     out = fast.delta_kv(q, k, v, **params)
     exact = block_column_attention(q, k, v, fast.dense_plan(q, k), validate_plan=False)[0]
     split["rel_err_vs_dense"] = float((out.float() - exact.float()).norm() / exact.float().norm())
     before = split["keep_mask_ms"] + split["pack_ms"] + split["plans_ms"]
     name = f"delta_kv cos {threshold}"
-    row = ctx.row(name, "sparseprefill", n, ms=ms, density=float(fast.delta_kv_density(q, packed, block_m=block).mean()),
+    dens = float(fast.delta_kv_density(q, packed, block_m=block).mean())
+    row = ctx.row(name, "sparseprefill", n, ms=ms, density=dens,
                   estimate_ms=split["keep_mask_ms"], plan_ms=before,
                   kernel_ms=split["phase1_ms"] + split["phase2_ms"], extra=split)
     ctx.log(f"N={n}: {name} {ms:.2f} ms keep {split['keep_ratio']:.3f}")
@@ -77,8 +88,7 @@ def units(ctx: Context, seqlens: list[int], *, thresholds: str = THRESHOLDS, blo
     for n in seqlens:
         out.append(baseline_unit(ctx, n))
         for t in (float(x) for x in thresholds.split(",") if x):
-            out.append(Unit(f"{n}/delta_kv cos {t}", n, lambda n=n, t=t: guarded(
-                ctx, f"delta_kv cos {t}", n, lambda: threshold_rows(ctx, n, t, chunk=chunk, block=size))))
+            out.append(piece(ctx, f"delta_kv cos {t}", n, threshold_rows, ctx, n, t, chunk=chunk, block=size))
     return out
 
 

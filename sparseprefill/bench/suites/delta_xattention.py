@@ -15,11 +15,21 @@ error against the dense kernel. No recall: a packed tile changes the keys.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, baseline_unit, guarded
+from ..common import (
+    BLOCK,
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    baseline_unit,
+    piece,
+)
 
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("delta_xattention cos0.9 tw10", {"delta_threshold": 0.9, "metric": "cosine", "threshold": 0.9,
@@ -141,6 +151,15 @@ def case_rows(ctx: Context, n: int, name: str, params: dict[str, Any], packed_bl
     return [row]
 
 
+def _same_tiles(ctx: Context, n: int, threshold: float, block: int, shared: Callable[[], _Shared]) -> list[Row]:
+    return same_tiles_rows(ctx, n, threshold, block, shared())
+
+
+def _case(ctx: Context, n: int, name: str, params: dict[str, Any], packed_block: int, block: int,
+          shared: Callable[[], _Shared]) -> list[Row]:
+    return case_rows(ctx, n, name, params, packed_block, block, shared())
+
+
 def units(ctx: Context, seqlens: list[int], *, packed_blocks: str = "32,64", block: int | None = None) -> list[Unit]:
     size = block or (128 if ctx.on_gpu else 32)
     packed = [int(x) for x in packed_blocks.split(",") if x]
@@ -156,14 +175,11 @@ def units(ctx: Context, seqlens: list[int], *, packed_blocks: str = "32,64", blo
         out.append(baseline_unit(ctx, n))
         for t in sorted({float(p["threshold"]) for _, p in CASES}):
             label = f"xattention s8 {t} (same tiles)"
-            out.append(Unit(f"{n}/{label}", n, lambda n=n, t=t, label=label, get=get: guarded(
-                ctx, label, n, lambda: same_tiles_rows(ctx, n, t, size, get()))))
+            out.append(piece(ctx, label, n, _same_tiles, ctx, n, t, size, get))
         for name, params in CASES:
             for pb in packed:
                 label = f"{name} pb{pb}"
-                out.append(Unit(f"{n}/{label}", n, lambda n=n, name=name, params=params, pb=pb, label=label,
-                                get=get: guarded(ctx, label, n,
-                                                 lambda: case_rows(ctx, n, name, params, pb, size, get()))))
+                out.append(piece(ctx, label, n, _case, ctx, n, name, params, pb, size, get))
     return out
 
 

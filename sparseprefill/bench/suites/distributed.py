@@ -38,7 +38,17 @@ import torch
 import torch.distributed as dist
 
 from ... import distributed as D
-from ..common import Context, Option, Row, Suite, Unit, guarded, params_text, ratio, structured_qkv
+from ..common import (
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    params_text,
+    piece,
+    ratio,
+    structured_qkv,
+)
 
 DEFAULT_SEQLENS = (262144, 524288, 1048576)
 
@@ -270,8 +280,7 @@ def units(ctx: Context, seqlens: list[int], *, dist_modes: str = "auto", impl: s
         sizes = [int(w) for w in worlds.split(",") if w]
         for n in seqlens:
             for method in chosen:
-                out.append(Unit(f"{n}/{method} bytes", n, lambda n=n, m=method: guarded(
-                    ctx, m, n, lambda: bytes_rows(ctx, n, m, sizes, align))))
+                out.append(piece(ctx, f"{method} bytes", n, bytes_rows, ctx, n, method, sizes, align))
         return out
     impl_name = impl or ("fast" if ctx.device.type == "cuda" else "reference")
     measure = rank_timer(ctx.device, reps)

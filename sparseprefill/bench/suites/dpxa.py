@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Suite, Unit, baseline_unit, guarded
+from ..common import BLOCK, Context, Suite, Unit, baseline_unit, piece
 from .xattention import tile_rows
 
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -52,10 +52,8 @@ def units(ctx: Context, seqlens: list[int], *, block: int | None = None) -> list
     for n in seqlens:
         out.append(baseline_unit(ctx, n))
         for label, params in CASES:
-            out.append(Unit(f"{n}/{label}", n, lambda n=n, label=label, params=params: guarded(
-                ctx, label, n, lambda: tile_rows(ctx, n, label, params, block=size,
-                                                 weights_fn=fast.dpxa_tile_weights, run_fn=fast.dpxa,
-                                                 extra_stages=_dpxa_extra))))
+            out.append(piece(ctx, label, n, tile_rows, ctx, n, label, params, block=size,
+                             weights_fn=fast.dpxa_tile_weights, run_fn=fast.dpxa, extra_stages=_dpxa_extra))
     return out
 
 

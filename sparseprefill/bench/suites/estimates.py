@@ -20,7 +20,18 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from ..common import Context, Option, Row, Suite, Unit, baseline_unit, guarded, method_hook, params_text, stage_tree
+from ..common import (
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    baseline_unit,
+    method_hook,
+    params_text,
+    piece,
+    stage_tree,
+)
 
 
 def plan_hash(plan: Any) -> str:
@@ -84,8 +95,7 @@ def units(ctx: Context, seqlens: list[int], *, stage_depth: int = 3) -> list[Uni
     for n in seqlens:
         out.append(baseline_unit(ctx, n))
         for name in names:
-            out.append(Unit(f"{n}/{name}", n, lambda n=n, name=name: guarded(
-                ctx, name, n, lambda: estimate_rows(ctx, n, name, stage_depth))))
+            out.append(piece(ctx, name, n, estimate_rows, ctx, n, name, stage_depth))
     return out
 
 

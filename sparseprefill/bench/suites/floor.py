@@ -16,6 +16,7 @@ a random plan with a fifth of its area in columns and its block-only twin.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..common import (
@@ -26,9 +27,9 @@ from ..common import (
     Suite,
     Unit,
     baseline_unit,
-    guarded,
     named_plan,
     params_text,
+    piece,
     plan_stats,
     profiled_kernels,
 )
@@ -98,22 +99,22 @@ def method_rows(ctx: Context, n: int, name: str, own: _OwnDense) -> list[Row]:
     return [ctx.row(name, "sparseprefill", n, ms=kern, kernel_ms=kern, density=dens, extra=extra)]
 
 
+def named_plan_rows(ctx: Context, n: int, label: str, block: int, own: _OwnDense) -> list[Row]:
+    q, k, _ = ctx.inputs(n)
+    return plan_rows(ctx, n, label, named_plan(label, q, k, block=block), own, {"kind": "named plan"})
+
+
 def units(ctx: Context, seqlens: list[int], *, plans: str = EXTRA_PLANS, block: int | None = None) -> list[Unit]:
     own = _OwnDense(ctx)
     size = block or (128 if ctx.on_gpu else 16)
     out: list[Unit] = []
     for n in seqlens:
         out.append(baseline_unit(ctx, n))
-        out.append(Unit(f"{n}/dense (own kernel)", n, lambda n=n: own.rows(n)))
+        out.append(Unit(f"{n}/dense (own kernel)", n, functools.partial(own.rows, n)))
         for name in ctx.method_names():
-            out.append(Unit(f"{n}/{name}", n, lambda n=n, name=name: guarded(
-                ctx, name, n, lambda: method_rows(ctx, n, name, own))))
+            out.append(piece(ctx, name, n, method_rows, ctx, n, name, own))
         for label in split_plans(plans):
-            def extra_plan(n: int = n, label: str = label) -> list[Row]:
-                q, k, _ = ctx.inputs(n)
-                return plan_rows(ctx, n, label, named_plan(label, q, k, block=size), own, {"kind": "named plan"})
-
-            out.append(Unit(f"{n}/{label}", n, lambda n=n, label=label, f=extra_plan: guarded(ctx, label, n, f)))
+            out.append(piece(ctx, label, n, named_plan_rows, ctx, n, label, size, own))
     return out
 
 

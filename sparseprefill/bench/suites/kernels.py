@@ -9,9 +9,21 @@ difference of its output from ours. The dense plan's output is compared with cuD
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, baseline_unit, flex_row, guarded, named_plan
+from ..common import (
+    BLOCK,
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    baseline_unit,
+    flex_row,
+    named_plan,
+    piece,
+)
 
 PLANS = "dense,streaming:sink=1024,window=8192,random5,random20"
 
@@ -70,10 +82,9 @@ def units(ctx: Context, seqlens: list[int], *, plans: str = PLANS, block: int | 
     out: list[Unit] = []
     for n in seqlens:
         out.append(baseline_unit(ctx, n))
-        out.append(Unit(f"{n}/flash SDPA", n, lambda n=n: _flash_rows(ctx, n)))
+        out.append(Unit(f"{n}/flash SDPA", n, functools.partial(_flash_rows, ctx, n)))
         for name in split_plans(plans):
-            out.append(Unit(f"{n}/{name}", n, lambda n=n, name=name: guarded(
-                ctx, name, n, lambda: _plan_rows(ctx, n, name, size))))
+            out.append(piece(ctx, name, n, _plan_rows, ctx, n, name, size))
     return out
 
 

@@ -17,7 +17,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..common import Context, Option, Row, Suite, Unit, baseline_unit, guarded, params_text
+from ..common import (
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    baseline_unit,
+    params_text,
+    piece,
+)
 
 
 def method_row(ctx: Context, n: int, name: str, params: dict[str, Any] | None = None,
@@ -71,8 +80,7 @@ def units(ctx: Context, seqlens: list[int], *, params: str | None = None) -> lis
     for n in seqlens:
         out.append(baseline_unit(ctx, n))
         for name in names:
-            out.append(Unit(f"{n}/{name}", n, lambda n=n, name=name: guarded(
-                ctx, name, n, lambda: method_row(ctx, n, name, given))))
+            out.append(piece(ctx, name, n, method_row, ctx, n, name, given))
     return out
 
 

@@ -26,8 +26,8 @@ from ..common import (
     Unit,
     baseline_unit,
     flex_row,
-    guarded,
     minference_anchor_lines,
+    piece,
 )
 
 
@@ -127,12 +127,9 @@ def units(ctx: Context, seqlens: list[int], *, vs_blocks: str = "64x64", flex_ma
         out.append(baseline_unit(ctx, n))
         for bm, bn in blocks:
             label = f"vertical_slash {bm}x{bn}"
-            out.append(Unit(f"{n}/{label}", n, lambda n=n, bm=bm, bn=bn, label=label: guarded(
-                ctx, label, n, lambda: vertical_slash_rows(ctx, n, bm, bn, flex_max))))
-        out.append(Unit(f"{n}/MInference plan", n, lambda n=n: guarded(
-            ctx, "MInference plan", n, lambda: anchors_plan_rows(ctx, n, flex_max))))
-        out.append(Unit(f"{n}/block_sparse", n, lambda n=n: guarded(
-            ctx, "block_sparse", n, lambda: block_sparse_rows(ctx, n, flex_max))))
+            out.append(piece(ctx, label, n, vertical_slash_rows, ctx, n, bm, bn, flex_max))
+        out.append(piece(ctx, "MInference plan", n, anchors_plan_rows, ctx, n, flex_max))
+        out.append(piece(ctx, "block_sparse", n, block_sparse_rows, ctx, n, flex_max))
     return out
 
 

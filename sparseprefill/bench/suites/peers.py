@@ -24,6 +24,7 @@ that does not import gives one row saying why, and is not run.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -241,7 +242,7 @@ def peer_points(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, source: str, 
         return float(triton.testing.do_bench(fn, warmup=max(5, rep // 5), rep=rep, return_mode="median"))
 
     n = int(q.shape[2])
-    idx = torch.linspace(0, n - 1, min(rows, n), device=q.device).round().long().unique()
+    idx = torch.unique(torch.linspace(0, n - 1, min(rows, n), device=q.device).round().long())
     probs = sampled_probs(q, k, idx)
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     points: list[dict[str, Any]] = []
@@ -259,7 +260,7 @@ def peer_points(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, source: str, 
                            "status": "imports; its plan is not read here", "density": None, "recall_mean": None,
                            "gpu": {}})
             continue
-        mine = []
+        mine: list[dict[str, Any]] = []
         for value in peer.values:
             try:
                 if peer.measure is not None:
@@ -313,7 +314,7 @@ def peer_rows(ctx: Context, n: int, targets: list[float], recall_rows: int) -> l
     rows = []
     for p in points:
         gpu = p.get("gpu") or {}
-        extra = {key: p[key] for key in ("params", "status", "recall_rows", "output_error") if key in p}
+        extra: dict[str, Any] = {key: p[key] for key in ("params", "status", "recall_rows", "output_error") if key in p}
         if "e2e_ms" in gpu:
             rows.append(ctx.row(p["method"], "peer", n, ms=gpu["e2e_ms"], density=p["density"],
                                 recall_mean=p["recall_mean"], plan_ms=gpu.get("estimate_plan_ms"), extra=extra))
@@ -331,7 +332,7 @@ def units(ctx: Context, seqlens: list[int], *, peer: str | None = None, targets:
     out: list[Unit] = []
     for n in seqlens:
         out.append(baseline_unit(ctx, n))
-        out.append(Unit(f"{n}/peers", n, lambda n=n: peer_rows(ctx, n, wanted, recall_rows)))
+        out.append(Unit(f"{n}/peers", n, functools.partial(peer_rows, ctx, n, wanted, recall_rows)))
     return out
 
 

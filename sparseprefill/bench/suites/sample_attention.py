@@ -15,7 +15,16 @@ from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, baseline_unit, guarded
+from ..common import (
+    BLOCK,
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    baseline_unit,
+    piece,
+)
 
 SETTINGS = "0.95/0.95/1;0.95/0.95/2;0.9/0.9/1;0.98/0.98/4"
 
@@ -93,8 +102,7 @@ def units(ctx: Context, seqlens: list[int], *, settings: str = SETTINGS, block: 
         out.append(baseline_unit(ctx, n))
         for a_c, a_s, chunks in parse_settings(settings):
             label = f"sample_attention {a_c:g}/{a_s:g}/{chunks}"
-            out.append(Unit(f"{n}/{label}", n, lambda n=n, a_c=a_c, a_s=a_s, c=chunks, label=label: guarded(
-                ctx, label, n, lambda: setting_rows(ctx, n, a_c, a_s, c, size))))
+            out.append(piece(ctx, label, n, setting_rows, ctx, n, a_c, a_s, chunks, size))
     return out
 
 

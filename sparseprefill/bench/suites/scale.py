@@ -20,6 +20,7 @@ has passed (what ran is kept).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -27,7 +28,16 @@ from typing import Any
 
 import torch
 
-from ..common import Context, Option, Row, Suite, Unit, params_text, structured_qkv, wall_ms
+from ..common import (
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    params_text,
+    structured_qkv,
+    wall_ms,
+)
 
 GIB = 2.0**30
 
@@ -106,7 +116,8 @@ def method_rows(ctx: Context, n: int, name: str, warmup_seqlen: int) -> list[Row
     if "run" in stages and "plan" in stages and stages["run"]["status"] == "ok":
         status = "ok (end to end; the whole plan refused)"
     ctx.log(f"N={n} {name}: {status}, {total:.2f} s " + ", ".join(
-        f"{key} {s['s']:.2f} s" + (f" {s['peak_gib']:.1f} GiB" if "peak_gib" in s else "") for key, s in stages.items()))
+        f"{key} {s['s']:.2f} s" + (f" {s['peak_gib']:.1f} GiB" if "peak_gib" in s else "")
+        for key, s in stages.items()))
     base = ctx._baselines[n].ms if n in ctx._baselines else math.nan
     return [ctx.row(name, "sparseprefill", n, ms=total * 1e3, density=dens, baseline_ms=base,
                     plan_ms=None if plan_s is None else plan_s * 1e3,
@@ -118,12 +129,12 @@ def units(ctx: Context, seqlens: list[int], *, warmup_seqlen: int | None = None,
     warm = (16384 if ctx.on_gpu else 0) if warmup_seqlen is None else warmup_seqlen
     start = time.perf_counter()
 
-    def within(label: str, n: int, fn: Callable[[], list[Row]]) -> list[Row]:
+    def within(label: str, n: int, fn: Callable[..., list[Row]], *args: Any) -> list[Row]:
         if time.perf_counter() - start > budget_s:
             ctx.log(f"N={n} {label}: not started (--budget-s {budget_s:g} s spent)")
             return [Row(label, "sparseprefill", n, suite=ctx.suite, extra={"status": "not run: budget spent"})]
         try:
-            return fn()
+            return fn(*args)
         except (RuntimeError, ValueError, TypeError) as exc:
             message = f"{type(exc).__name__}: {str(exc)[:300]}"
             ctx.log(f"N={n} {label}: {message}")
@@ -140,10 +151,9 @@ def units(ctx: Context, seqlens: list[int], *, warmup_seqlen: int | None = None,
 
     out: list[Unit] = []
     for n in seqlens:
-        out.append(Unit(f"{n}/{ctx.baseline_name}", n, lambda n=n: within("dense", n, lambda: baseline(n))))
+        out.append(Unit(f"{n}/{ctx.baseline_name}", n, functools.partial(within, "dense", n, baseline, n)))
         for name in ctx.method_names():
-            out.append(Unit(f"{n}/{name}", n, lambda n=n, name=name: within(
-                name, n, lambda: method_rows(ctx, n, name, warm))))
+            out.append(Unit(f"{n}/{name}", n, functools.partial(within, name, n, method_rows, ctx, n, name, warm)))
     return out
 
 

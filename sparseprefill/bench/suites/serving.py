@@ -1,10 +1,10 @@
 """`serving`: serving-shaped prefill: a packed mixed-length batch, chunked prefill, served shapes.
 
 * `mixed`: sequences of `--lengths` tokens (default 4K + 16K + 60K) packed end to end,
-  one `fast.varlen_attention` launch on per-sequence plans (`fast.varlen_plans`; the
-  `--plan-methods`, default dense and vertical-slash, at their defaults for the longest), against the baseline run on each
-  sequence in turn and our kernel per sequence; the output must equal the per-sequence
-  outputs bit for bit (`extra["equal_to_per_sequence"]`).
+  one `fast.varlen_attention` launch on per-sequence plans (`fast.varlen_plans` of the
+  `--plan-methods`, default dense and vertical-slash, at their defaults for the longest),
+  against the baseline run on each sequence in turn and our kernel per sequence; the
+  output must equal the per-sequence outputs bit for bit (`extra["equal_to_per_sequence"]`).
 * `chunked`: a prompt of each N cut into `--chunk`-token chunks (`plan.rows`: each chunk's
   queries against every key so far), the same methods' plans, against the same plan in
   one launch; the outputs must agree bit for bit (the same tiles in the same order).
@@ -22,7 +22,17 @@ from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, guarded, named_plan, random_block_plan
+from ..common import (
+    BLOCK,
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    named_plan,
+    piece,
+    random_block_plan,
+)
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {"serve64": (2, 14, 2, 64), "llama3_8b": (1, 32, 8, 128),
                                                "qwen25_7b": (1, 28, 4, 128)}
@@ -55,7 +65,10 @@ def mixed_rows(ctx: Context, lengths: list[int], names: list[str], block: int) -
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
     q, k, v = (_randn((total, h, d), ctx, seed) for seed, h in enumerate((hq, hkv, hkv)))
     bounds = cu.tolist()
-    seqs = [tuple(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)) for a, b in zip(bounds, bounds[1:])]
+    def one(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return t[a:b].transpose(0, 1).unsqueeze(0)
+
+    seqs = [(one(q, a, b), one(k, a, b), one(v, a, b)) for a, b in zip(bounds, bounds[1:])]
     dense_calls = [ctx.dense_attention(*s) for s in seqs]
     base = ctx.time(lambda: [f() for f in dense_calls])
     pairs = sum(n * (n + 1) / 2 for n in lengths) * hq
@@ -67,8 +80,10 @@ def mixed_rows(ctx: Context, lengths: list[int], names: list[str], block: int) -
         one_ms = ctx.time(lambda: fast.varlen_attention(q, k, v, cu, max(lengths), plan))
         per = [fn(s[0], s[1], **params) for s in seqs]
         per_ms = ctx.time(lambda: [fast.sparse_attention(s[0], s[1], s[2], p) for s, p in zip(seqs, per)])
-        out = fast.varlen_attention(q, k, v, cu, max(lengths), plan)
-        same = all(torch.equal(out[bounds[i]:bounds[i + 1]], fast.sparse_attention(*s, p)[0].transpose(0, 1))
+        got = fast.varlen_attention(q, k, v, cu, max(lengths), plan)
+        out = got if isinstance(got, torch.Tensor) else got[0]
+        same = all(torch.equal(out[bounds[i]:bounds[i + 1]],
+                               fast.sparse_attention(s[0], s[1], s[2], p)[0].transpose(0, 1))
                    for i, (s, p) in enumerate(zip(seqs, per)))
         dens = sum(float(fast.density(p).mean()) * n * (n + 1) / 2 for p, n in zip(per, lengths)) / (pairs / hq)
         rows.append(ctx.row(f"mixed batch {name}", "sparseprefill varlen", max(lengths), ms=one_ms + plan_ms,
@@ -133,7 +148,8 @@ def shape_rows(ctx: Context, n: int, shape_name: str) -> list[Row]:
 
 
 def units(ctx: Context, seqlens: list[int], *, lengths: str | None = None, chunk: int | None = None,
-          shapes: str = ",".join(SHAPES), parts: str = "mixed,chunked,shapes", plan_methods: str = "dense,vertical_slash",
+          shapes: str = ",".join(SHAPES), parts: str = "mixed,chunked,shapes",
+          plan_methods: str = "dense,vertical_slash",
           block: int | None = None) -> list[Unit]:
     size = block or (64 if ctx.on_gpu else 16)
     names = [m for m in plan_methods.split(",") if m]
@@ -145,16 +161,13 @@ def units(ctx: Context, seqlens: list[int], *, lengths: str | None = None, chunk
         raise ValueError(f"--parts: unknown parts {sorted(bad)} (mixed, chunked, shapes)")
     out: list[Unit] = []
     if "mixed" in chosen:
-        out.append(Unit(f"{max(mix)}/mixed {'+'.join(map(str, mix))}", max(mix), lambda: guarded(
-            ctx, "mixed batch", max(mix), lambda: mixed_rows(ctx, mix, names, size))))
+        out.append(piece(ctx, f"mixed {'+'.join(map(str, mix))}", max(mix), mixed_rows, ctx, mix, names, size))
     for n in seqlens:
         if "chunked" in chosen:
-            out.append(Unit(f"{n}/chunked x{step}", n, lambda n=n: guarded(
-                ctx, "chunked", n, lambda: chunked_rows(ctx, n, step, names, size))))
+            out.append(piece(ctx, f"chunked x{step}", n, chunked_rows, ctx, n, step, names, size))
         if "shapes" in chosen:
             for name in filter(None, shapes.split(",")):
-                out.append(Unit(f"{n}/shape {name}", n, lambda n=n, name=name: guarded(
-                    ctx, name, n, lambda: shape_rows(ctx, n, name))))
+                out.append(piece(ctx, f"shape {name}", n, shape_rows, ctx, n, name))
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, guarded
+from ..common import BLOCK, Context, Option, Row, Suite, Unit, piece
 
 
 def share_layers(base: tuple[torch.Tensor, torch.Tensor, torch.Tensor], layers: int, *, flat_every: int = 8,
@@ -54,7 +54,12 @@ def stack_rows(ctx: Context, n: int, layers: int, block: int) -> list[Row]:
     """Every layer's rows and the total (see the module doc)."""
     from ... import fast
     from ...fast.kernels import block_column_attention
-    from ...fast.shareprefill import build_pivots, decide_layer, dense_pivot_attention, layer_plan
+    from ...fast.shareprefill import (
+        build_pivots,
+        decide_layer,
+        dense_pivot_attention,
+        layer_plan,
+    )
     from ...reference.shareprefill import SharePattern, SharePrefillState
 
     stack = share_layers(ctx.inputs(n), layers)
@@ -113,8 +118,7 @@ def stack_rows(ctx: Context, n: int, layers: int, block: int) -> list[Row]:
 
 def units(ctx: Context, seqlens: list[int], *, layers: int = 8, block: int | None = None) -> list[Unit]:
     size = block or (64 if ctx.on_gpu else 16)
-    return [Unit(f"{n}/shareprefill x{layers}", n, lambda n=n: guarded(
-        ctx, "shareprefill", n, lambda: stack_rows(ctx, n, layers, size))) for n in seqlens]
+    return [piece(ctx, f"shareprefill x{layers}", n, stack_rows, ctx, n, layers, size) for n in seqlens]
 
 
 SUITE = Suite(

@@ -21,13 +21,23 @@ column-split rule.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from ..common import BLOCK, Context, Option, Row, Suite, Unit, baseline_unit, guarded, named_plan
+from ..common import (
+    BLOCK,
+    Context,
+    Option,
+    Row,
+    Suite,
+    Unit,
+    baseline_unit,
+    named_plan,
+    piece,
+)
 from .kernels import split_plans
 
 PLANS = "dense,random5,columns20,minference-lines"
@@ -155,8 +165,7 @@ def units(ctx: Context, seqlens: list[int], *, plans: str = PLANS, variants: str
     for n in seqlens:
         out.append(baseline_unit(ctx, n))
         for name in split_plans(plans):
-            out.append(Unit(f"{n}/{name}", n, lambda n=n, name=name: guarded(
-                ctx, name, n, lambda: variant_rows(ctx, n, name, chosen, size))))
+            out.append(piece(ctx, name, n, variant_rows, ctx, n, name, chosen, size))
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...reference.plan import cdiv
-from ..common import BLOCK, Context, Row, Suite, Unit, baseline_unit, guarded
+from ..common import BLOCK, Context, Row, Suite, Unit, baseline_unit, piece
 
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("xattention s8 0.9", {"stride": 8, "threshold": 0.9}),
@@ -104,10 +104,9 @@ def units(ctx: Context, seqlens: list[int], *, block: int | None = None) -> list
     for n in seqlens:
         out.append(baseline_unit(ctx, n))
         for label, params in CASES:
-            out.append(Unit(f"{n}/{label}", n, lambda n=n, label=label, params=params: guarded(
-                ctx, label, n, lambda: tile_rows(ctx, n, label, params, block=size,
-                                                 weights_fn=fast.xattention_tile_weights, run_fn=fast.xattention,
-                                                 extra_stages=_xattention_extra))))
+            out.append(piece(ctx, label, n, tile_rows, ctx, n, label, params, block=size,
+                             weights_fn=fast.xattention_tile_weights, run_fn=fast.xattention,
+                             extra_stages=_xattention_extra))
     return out
 
 
