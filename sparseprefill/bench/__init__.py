@@ -370,6 +370,11 @@ def run(args: argparse.Namespace) -> int:
         rows += got
         if suite.summary is not None:
             summaries.append(suite.summary(got))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # a suite under torchrun joined a process group
+        dist.barrier()
+        dist.destroy_process_group()
     if ctx.rank != 0:
         return 0
     print(format_table(rows))

@@ -71,9 +71,10 @@ def _params(text: str | None) -> dict[str, Any] | None:
     return loaded
 
 
-def units(ctx: Context, seqlens: list[int], *, params: str | None = None) -> list[Unit]:
+def units(ctx: Context, seqlens: list[int], *, params: str | None = None,
+          names: list[str] | None = None) -> list[Unit]:
     given = _params(params)
-    names = ctx.method_names()
+    names = ctx.method_names() if names is None else names
     if given is not None and len(names) != 1:
         raise ValueError("--params sets one method's parameters: give --methods NAME (or the suite NAME)")
     out: list[Unit] = []
@@ -104,8 +105,7 @@ def for_method(name: str) -> Suite:
     get(name)
 
     def only(ctx: Context, seqlens: list[int], *, params: str | None = None) -> list[Unit]:
-        ctx.methods = (name,)
-        return units(ctx, seqlens, params=params)
+        return units(ctx, seqlens, params=params, names=[name])
 
     return Suite(name=name, about=f"{name} at its defaults end to end, plan and kernel, beside cuDNN",
                  seqlens=SUITE.seqlens, units=only, options=OPTIONS)
