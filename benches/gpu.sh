@@ -7,10 +7,11 @@
 #   bash benches/gpu.sh --list               # the steps, their limits and commands
 #
 # Steps of the workflow (WORKFLOW below; tests/test_workflows.py keeps gpu.yml calling exactly these):
-#   conformance       GPU conformance: every method and property, N up to 8K, 10 examples a row
+#   conformance       GPU conformance: every method and property, N up to 4K, 3 examples a row (a row's
+#                     examples cost ~1-4 s each on an H100, mostly compiling: about 60 rows)
 #   gputests          TRITON_INTERPRET=0 pytest tests -k gpu (long-N GPU tests)
 #   pytest-benchmark  pytest benches/ (pytest-benchmark kernel suite) at 8K and 32K
-#   bench             sparseprefill bench kernels methods at 32K, quick timing (--rep 50), with a plot
+#   bench             sparseprefill bench kernels methods at 32K, quick timing (--rep 50, no FlexAttention), a plot
 #   demo              sparseprefill demo on the GPU (32K)
 # Further steps:
 #   sanitize          compute-sanitizer memcheck over every kernel (benches/sanitize_kernels.py, and --packed)
@@ -36,14 +37,14 @@ WORKFLOW=(conformance gputests pytest-benchmark bench demo)
 EXTRA=(sanitize compile suites method-suites scale distributed)
 
 declare -A LIMIT=(
-  [conformance]=240 [gputests]=90 [pytest-benchmark]=90 [bench]=150 [demo]=60
+  [conformance]=270 [gputests]=90 [pytest-benchmark]=90 [bench]=150 [demo]=120
   [sanitize]=570 [compile]=300 [suites]=570 [method-suites]=570 [scale]=570 [distributed]=300 [bench:]=570
 )
 declare -A CMD=(
-  [conformance]="\$PY -m sparseprefill.conformance --device cuda --max-seqlen 8192 --examples 10 --row-budget 2 --json \$OUT/conformance.json"
+  [conformance]="\$PY -m sparseprefill.conformance --device cuda --max-seqlen 4096 --examples 3 --json \$OUT/conformance.json"
   [gputests]="TRITON_INTERPRET=0 \$PY -m pytest tests -k gpu -rs -q -p no:cacheprovider"
   [pytest-benchmark]="BENCH_SEQLENS=8192,32768 \$PY -m pytest benches/ -q -p no:cacheprovider --benchmark-json \$OUT/pytest-benchmark.json"
-  [bench]="\$PY -m sparseprefill.cli bench kernels methods --seqlens 32K --rep 50 --json \$OUT/bench.json --plot \$OUT/bench.png"
+  [bench]="\$PY -m sparseprefill.cli bench kernels methods --seqlens 32K --rep 50 --no-flex --json \$OUT/bench.json --plot \$OUT/bench.png"
   [demo]="\$PY -m sparseprefill.cli demo --device cuda --out \$OUT/demo.png --json \$OUT/demo.json"
   [sanitize]="compute-sanitizer --tool memcheck --error-exitcode 9 \$PY benches/sanitize_kernels.py && compute-sanitizer --tool memcheck --error-exitcode 9 \$PY benches/sanitize_kernels.py --packed"
   [compile]="\$PY benches/compile_check.py --json \$OUT/compile_check.json"
