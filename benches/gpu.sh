@@ -7,7 +7,7 @@
 #   bash benches/gpu.sh --list               # the steps, their limits and commands
 #
 # Steps of the workflow (WORKFLOW below; tests/test_workflows.py keeps gpu.yml calling exactly these):
-#   conformance       GPU conformance: every method and property, N up to 4K, 3 examples a row (a row's
+#   conformance       GPU conformance: every method and property, N up to 4K, 2 examples a row (a row's
 #                     examples cost ~1-4 s each on an H100, mostly compiling: about 60 rows)
 #   gputests          TRITON_INTERPRET=0 pytest tests -k gpu (long-N GPU tests)
 #   pytest-benchmark  pytest benches/ (pytest-benchmark kernel suite) at 8K and 32K
@@ -41,7 +41,7 @@ declare -A LIMIT=(
   [sanitize]=570 [compile]=300 [suites]=570 [method-suites]=570 [scale]=570 [distributed]=300 [bench:]=570
 )
 declare -A CMD=(
-  [conformance]="\$PY -m sparseprefill.conformance --device cuda --max-seqlen 4096 --examples 3 --json \$OUT/conformance.json"
+  [conformance]="\$PY -m sparseprefill.conformance --device cuda --max-seqlen 4096 --examples 2 --json \$OUT/conformance.json"
   [gputests]="TRITON_INTERPRET=0 \$PY -m pytest tests -k gpu -rs -q -p no:cacheprovider"
   [pytest-benchmark]="BENCH_SEQLENS=8192,32768 \$PY -m pytest benches/ -q -p no:cacheprovider --benchmark-json \$OUT/pytest-benchmark.json"
   [bench]="\$PY -m sparseprefill.cli bench kernels methods --seqlens 32K --rep 50 --no-flex --json \$OUT/bench.json --plot \$OUT/bench.png"
