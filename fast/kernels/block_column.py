@@ -63,7 +63,7 @@ from ._common import (
     tma_ok,
 )
 from ._common import dot as _dot
-from . import block_column_hopper
+from .block_column_hopper import launch as hopper_launch, supports as hopper_supports
 from .own_columns import covered_column_settings, resolve_covered_columns
 
 
@@ -1170,11 +1170,11 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     else:
         copies = [(_NONFINITE, split)]
     first_copy = 0
-    if call.row_max is None and block_column_hopper.supports(call, plan, use_tma):
+    if call.row_max is None and hopper_supports(call, plan, use_tma):
         # The Hopper path computes unless V holds a NaN / inf; the portable kernel's copy
         # (COPY 1 of the selector) computes exactly then (block_column_hopper's docstring).
         flag = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
-        block_column_hopper.launch(q, k, v, out, lse, flag, plan, call.sm_scale)
+        hopper_launch(q, k, v, out, lse, flag, plan, call.sm_scale)
         copies, selector, first_copy = [(True, False)], flag, 1
 
     def launch_copy(nonfinite: bool, col_split: bool, copy: int, launched: bool) -> bool:
