@@ -497,6 +497,20 @@ def delta_xattention_figure(out: Path) -> Path:
     return _save(fig, out / "delta_xattention_smollm2.png")
 
 
+def _layers_result(data: dict[str, Any]) -> dict[str, Any]:
+    """An `eval layers` JSON (or the older layout of the same run: `distribution` per delta,
+    `params` per row) as {"distribution": {label: {"per_layer": [...]}}, "frontier", "rows"
+    with a `setting` label}."""
+    if "settings" in data:  # written by `sparseprefill eval layers`
+        dist = {s["label"]: {"per_layer": [{"layer": e["layer"], **e.get("counts", {})} for e in s["per_layer"]]}
+                for s in data["settings"]}
+        return {"distribution": dist, "frontier": data["frontier"], "rows": data["rows"]}
+    keys = ("delta", "gamma", "vertical_size")
+    rows = [{**r, "setting": ", ".join(f"{k}={v}" for k, v in r["params"].items() if k in keys)} for r in data["rows"]]
+    dist = {f"delta={d}": v for d, v in data["distribution"].items()}
+    return {"distribution": dist, "frontier": data["frontier"], "rows": rows}
+
+
 def shareprefill_figures(out: Path) -> Path:
     clusters = _load("clusters-smollm2-8k-cpu.json")
     table = np.array(clusters["clusters"], dtype=float)
@@ -519,7 +533,7 @@ def shareprefill_figures(out: Path) -> Path:
     fig.tight_layout()
     _save(fig, out / "shareprefill-clusters.png")
 
-    data = _load("shareprefill-smollm2-8k-cpu.json")
+    data = _layers_result(_load("shareprefill-smollm2-8k-cpu.json"))
     deltas = list(data["distribution"])
     layers = list(data["frontier"])
     fig, axes = plt.subplots(1, len(deltas) + len(layers), figsize=(4.6 * (len(deltas) + len(layers)), 3.6))
@@ -527,17 +541,17 @@ def shareprefill_figures(out: Path) -> Path:
         per = data["distribution"][delta]["per_layer"]
         bottom = np.zeros(len(per))
         for kind, color in (("dense", "tab:red"), ("shared", "tab:green"), ("vertical_slash", "tab:blue")):
-            vals = np.array([p[kind] for p in per])
+            vals = np.array([p.get(kind, 0) for p in per])
             ax.bar([p["layer"] for p in per], vals, bottom=bottom, color=color, label=kind.replace("_", "-"))
             bottom += vals
-        ax.set_title(f"SmolLM2 8K, delta={delta}: heads per pattern", fontsize=8)
+        ax.set_title(f"SmolLM2 8K, {delta}: heads per pattern", fontsize=8)
         ax.set_xlabel("layer")
         ax.set_ylabel("query heads")
         ax.legend(fontsize=6)
     for ax, layer in zip(axes[len(deltas):], layers):
         _oracle(ax, {s: d for s, d in data["frontier"][layer].items()}, style="k--")
         for i, r in enumerate(r for r in data["rows"] if str(r["layer"]) == layer):
-            params = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k in ("delta", "gamma", "vertical_size"))
+            params = r["setting"]
             ax.scatter([r["density"]], [r["recall_mean"]], marker="osD^v"[i % 5], s=30,
                        label=f"{r['method']} {params}")
         ax.set_xlabel("density (share of causal pairs)")
