@@ -672,6 +672,29 @@ def integration_figure(out: Path) -> Path:
     return path
 
 
+def _bytes_vs_ring(res: dict[str, Any], world: int) -> tuple[list[str], list[float], list[float]]:
+    """Per method at `world` ranks: its name (`*`: the estimate gathers q and k), K/V bytes
+    fetched and estimate bytes, each over ring attention's. From `sparseprefill bench
+    distributed --json` (its one-process bytes rows: no estimate traffic, which only the
+    torchrun modes move) or the older layout of the same run (`methods`, with the estimate
+    bytes of its gloo runs)."""
+    names, kv, est = [], [], []
+    if "rows" in res:
+        for row in res["rows"]:
+            extra = row.get("extra") or {}
+            if row.get("suite") == "distributed" and extra.get("world") == world and "kv_vs_ring" in extra:
+                names.append(row["method"] + ("*" if extra.get("estimate") == "gather" else ""))
+                kv.append(extra["kv_vs_ring"])
+                est.append(0.0)
+        return names, kv, est
+    for name, entry in res["methods"].items():
+        row = entry["summary_all_layers"][str(world)]
+        names.append(name + ("*" if entry["estimate"] == "gather" else ""))
+        kv.append(row["kv_vs_ring"])
+        est.append(row.get("estimate_vs_ring", 0.0))
+    return names, kv, est
+
+
 def distributed_figure(out: Path) -> Path:
     from sparseprefill import distributed as dist
     from sparseprefill.methods import METHODS
@@ -711,13 +734,7 @@ def distributed_figure(out: Path) -> Path:
         ax.set_xticks([])
         ax.set_yticks([])
 
-    res = _load("distributed-bytes-smollm2-8k-cpu.json")
-    names, kv, est = [], [], []
-    for name, entry in res["methods"].items():
-        row = entry["summary_all_layers"][str(world)]
-        names.append(name + ("*" if entry["estimate"] == "gather" else ""))
-        kv.append(row["kv_vs_ring"])
-        est.append(row.get("estimate_vs_ring", 0.0))
+    names, kv, est = _bytes_vs_ring(_load("distributed-bytes-smollm2-8k-cpu.json"), world)
     y = np.arange(len(names))
     axes[2].barh(y, kv, color="tab:red", label="K/V rows fetched")
     axes[2].barh(y, est, left=kv, color="tab:gray", alpha=0.6, label="estimate")
