@@ -355,3 +355,41 @@ def test_distributed_figure_reads_what_bench_distributed_writes(tmp_path: Path) 
     committed = figures._bytes_vs_ring(json.loads((ROOT / "benches/results/distributed-bytes-smollm2-8k-cpu.json")
                                                   .read_text()), 4)
     assert len(committed[0]) == len(committed[1]) == len(committed[2]) > 0
+
+
+# Options of other tools that the pages quote (pip, pytest, torchrun, compute-sanitizer, ncu,
+# mypy, a peer's own script): not ours to check.
+OTHER_TOOLS_FLAGS = {"--no-deps", "--index-url", "--benchmark-json", "--durations", "--standalone",
+                     "--nproc-per-node", "--tool", "--error-exitcode", "--clock-control", "--strict", "--pattern"}
+
+
+def _all_our_flags() -> set[str]:
+    """Every option of every `sparseprefill` subcommand and task (bench with every suite's
+    options), of docs/figures.py, the conformance runner, benches/*.py and tools/*.py."""
+    from sparseprefill.cli import COMMANDS, build_parser
+
+    flags: set[str] = set()
+    for command in COMMANDS:
+        top, _ = build_parser([command.name])
+        parser = _subparsers(top)[command.name]
+        for p in [parser, *_subparsers(parser).values()]:
+            flags |= _flags(p)
+    sources = [ROOT / "docs" / "figures.py", ROOT / "conformance" / "__main__.py",
+               *(ROOT / "benches").glob("*.py"), *(ROOT / "tools").glob("*.py")]
+    for source in sources:
+        if source.exists():
+            flags |= set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", source.read_text()))
+    return flags
+
+
+@pytest.mark.skipif(not (ROOT / "docs").is_dir(), reason="not a source checkout")
+def test_every_option_named_in_the_pages_exists() -> None:
+    """An option quoted anywhere in a page (prose included, where a command line test cannot
+    see it) is one of ours, or another tool's from OTHER_TOOLS_FLAGS."""
+    ours = _all_our_flags() | OTHER_TOOLS_FLAGS
+    unknown = {}
+    for page in PAGES:
+        found = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", page.read_text())) - ours
+        if found:
+            unknown[page.name] = sorted(found)
+    assert not unknown, f"options no parser has: {unknown}"
