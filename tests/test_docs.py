@@ -257,8 +257,8 @@ def test_command_problems_are_reported() -> None:
     assert command_problems("eval passkey --config A --config B") == []
     assert command_problems("no_such_command --x") == ["no subcommand 'no_such_command'"]
     assert command_problems("compare --plot x.png") == ["compare: no option --plot"]
-    assert command_problems("eval summary --pair x") == ["no task eval 'summary' (tasks: capture, table, passkey, "
-                                                         "ppl, granularity, heldout, layers)"]
+    tasks = "capture, table, passkey, ppl, granularity, heldout, layers"
+    assert command_problems("eval summary --pair x") == [f"no task eval 'summary' (tasks: {tasks})"]
     assert command_problems("bench no_such_suite") == ["bench: no suite 'no_such_suite'"]
     assert command_problems("bench floor --theta 1") == ["bench floor: no suite named takes --theta"]
     assert command_problems("bench floor --methods xattention") == []
@@ -280,9 +280,9 @@ def test_shareprefill_figure_reads_what_eval_layers_writes(tmp_path: Path) -> No
     import importlib.util
 
     import torch
+    from sparseprefill.reference import ClusterLayout
 
     from sparseprefill.cli import main
-    from sparseprefill.reference import ClusterLayout
 
     spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "docs" / "figures.py")
     assert spec is not None and spec.loader is not None
@@ -298,7 +298,7 @@ def test_shareprefill_figure_reads_what_eval_layers_writes(tmp_path: Path) -> No
     assert main(["eval", "layers", "--qkv", str(tmp_path / "cap.pt"), "--method", "shareprefill", "--setting",
                  setting, "--report-layers", "1", "--json", str(tmp_path / "l.json")]) == 0
     new = figures._layers_result(json.loads((tmp_path / "l.json").read_text()))
-    (label, dist), = new["distribution"].items()
+    (_label, dist), = new["distribution"].items()
     assert [p["layer"] for p in dist["per_layer"]] == [0, 1]
     assert sum(dist["per_layer"][0].get(k, 0) for k in ("dense", "shared", "vertical_slash")) == hq
     assert list(new["frontier"]) == ["1"] and all("setting" in r for r in new["rows"])
