@@ -645,8 +645,15 @@ def workload_figure(out: Path) -> Path:
     return _save(fig, out / "equal-recall-h200.png", dpi=100)
 
 
+def _passkey_cells(data: Any) -> list[dict[str, Any]]:
+    """The cells of `sparseprefill eval passkey --json` (`{"cells": [...], ...}`), or of the
+    older layout of the same run (the list of cells alone)."""
+    cells: list[dict[str, Any]] = data["cells"] if isinstance(data, dict) else data
+    return cells
+
+
 def integration_figure(out: Path) -> Path:
-    cells = _load("passkey-smollm2-h200.json")
+    cells = _passkey_cells(_load("passkey-smollm2-h200.json"))
     methods = list(dict.fromkeys(c["method"] for c in cells))
     lengths = sorted({c["seqlen"] for c in cells})
     depths = sorted({c["depth"] for c in cells})

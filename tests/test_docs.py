@@ -393,3 +393,22 @@ def test_every_option_named_in_the_pages_exists() -> None:
         if found:
             unknown[page.name] = sorted(found)
     assert not unknown, f"options no parser has: {unknown}"
+
+
+@pytest.mark.skipif(not (ROOT / "docs" / "figures.py").exists(), reason="not a source checkout")
+def test_passkey_figure_reads_what_eval_passkey_writes() -> None:
+    """docs/integration.md's heatmap takes the cells of `sparseprefill eval passkey --json`."""
+    import importlib.util
+    from dataclasses import asdict
+
+    from sparseprefill.evaluate import PasskeyCell
+
+    spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "docs" / "figures.py")
+    assert spec is not None and spec.loader is not None
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    cells = [asdict(PasskeyCell("sdpa", 1024, 0.5, 2, 3, [0.1, -0.2, 0.3], [1, 2, 3]))]
+    written = json.loads(json.dumps({"cells": cells, "check": []}))
+    assert figures._passkey_cells(written) == cells
+    committed = figures._passkey_cells(json.loads((ROOT / "benches/results/passkey-smollm2-h200.json").read_text()))
+    assert {"method", "seqlen", "depth", "correct", "trials"} <= set(committed[0])
