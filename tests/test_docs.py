@@ -412,3 +412,33 @@ def test_passkey_figure_reads_what_eval_passkey_writes() -> None:
     assert figures._passkey_cells(written) == cells
     committed = figures._passkey_cells(json.loads((ROOT / "benches/results/passkey-smollm2-h200.json").read_text()))
     assert {"method", "seqlen", "depth", "correct", "trials"} <= set(committed[0])
+
+
+@pytest.mark.skipif(not (ROOT / "docs" / "figures.py").exists(), reason="not a source checkout")
+def test_compare_and_calibrate_figures_read_what_their_commands_write(tmp_path: Path) -> None:
+    """docs/compare.md's table and picture take `compare --json`'s points; the calibrate pictures
+    a `calibrate --table` JSON (keyed by a label)."""
+    import importlib.util
+
+    import torch
+
+    from sparseprefill.cli import main
+
+    spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "docs" / "figures.py")
+    assert spec is not None and spec.loader is not None
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    gen = torch.Generator().manual_seed(0)
+    torch.save({"layers": [2, 14], "q": [torch.randn(1, 4, 192, 16, generator=gen) * 2 for _ in range(2)],
+                "k": [torch.randn(1, 2, 192, 16, generator=gen) for _ in range(2)],
+                "v": [torch.randn(1, 2, 192, 16, generator=gen) for _ in range(2)], "scale": [0.25, 0.25]},
+               tmp_path / "cap.pt")
+    assert main(["compare", "--qkv", str(tmp_path / "cap.pt"), "--methods", "streaming", "--device", "cpu",
+                 "--backend", "reference", "--json", str(tmp_path / "c.json"), "--png", str(tmp_path / "c.png")]) == 0
+    table = figures.compare_table(json.loads((tmp_path / "c.json").read_text())["points"])
+    assert table.splitlines()[0] == "| method | layer 2 | layer 14 |" and "| streaming |" in table
+    assert main(["calibrate", "--qkv", str(tmp_path / "cap.pt"), "--method", "streaming", "--rows", "16",
+                 "--out-dir", str(tmp_path / "cfg"), "--table", str(tmp_path / "t")]) == 0
+    drawn = figures._density_per_head({"streaming": json.loads((tmp_path / "t.json").read_text())},
+                                      tmp_path / "d.png", "title")
+    assert drawn.exists()
