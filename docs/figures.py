@@ -497,6 +497,20 @@ def delta_xattention_figure(out: Path) -> Path:
     return _save(fig, out / "delta_xattention_smollm2.png")
 
 
+def _layers_result(data: dict[str, Any]) -> dict[str, Any]:
+    """An `eval layers` JSON (or the older layout of the same run: `distribution` per delta,
+    `params` per row) as {"distribution": {label: {"per_layer": [...]}}, "frontier", "rows"
+    with a `setting` label}."""
+    if "settings" in data:  # written by `sparseprefill eval layers`
+        dist = {s["label"]: {"per_layer": [{"layer": e["layer"], **e.get("counts", {})} for e in s["per_layer"]]}
+                for s in data["settings"]}
+        return {"distribution": dist, "frontier": data["frontier"], "rows": data["rows"]}
+    keys = ("delta", "gamma", "vertical_size")
+    rows = [{**r, "setting": ", ".join(f"{k}={v}" for k, v in r["params"].items() if k in keys)} for r in data["rows"]]
+    dist = {f"delta={d}": v for d, v in data["distribution"].items()}
+    return {"distribution": dist, "frontier": data["frontier"], "rows": rows}
+
+
 def shareprefill_figures(out: Path) -> Path:
     clusters = _load("clusters-smollm2-8k-cpu.json")
     table = np.array(clusters["clusters"], dtype=float)
@@ -519,7 +533,7 @@ def shareprefill_figures(out: Path) -> Path:
     fig.tight_layout()
     _save(fig, out / "shareprefill-clusters.png")
 
-    data = _load("shareprefill-smollm2-8k-cpu.json")
+    data = _layers_result(_load("shareprefill-smollm2-8k-cpu.json"))
     deltas = list(data["distribution"])
     layers = list(data["frontier"])
     fig, axes = plt.subplots(1, len(deltas) + len(layers), figsize=(4.6 * (len(deltas) + len(layers)), 3.6))
@@ -527,17 +541,17 @@ def shareprefill_figures(out: Path) -> Path:
         per = data["distribution"][delta]["per_layer"]
         bottom = np.zeros(len(per))
         for kind, color in (("dense", "tab:red"), ("shared", "tab:green"), ("vertical_slash", "tab:blue")):
-            vals = np.array([p[kind] for p in per])
+            vals = np.array([p.get(kind, 0) for p in per])
             ax.bar([p["layer"] for p in per], vals, bottom=bottom, color=color, label=kind.replace("_", "-"))
             bottom += vals
-        ax.set_title(f"SmolLM2 8K, delta={delta}: heads per pattern", fontsize=8)
+        ax.set_title(f"SmolLM2 8K, {delta}: heads per pattern", fontsize=8)
         ax.set_xlabel("layer")
         ax.set_ylabel("query heads")
         ax.legend(fontsize=6)
     for ax, layer in zip(axes[len(deltas):], layers):
         _oracle(ax, {s: d for s, d in data["frontier"][layer].items()}, style="k--")
         for i, r in enumerate(r for r in data["rows"] if str(r["layer"]) == layer):
-            params = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k in ("delta", "gamma", "vertical_size"))
+            params = r["setting"]
             ax.scatter([r["density"]], [r["recall_mean"]], marker="osD^v"[i % 5], s=30,
                        label=f"{r['method']} {params}")
         ax.set_xlabel("density (share of causal pairs)")
@@ -631,8 +645,15 @@ def workload_figure(out: Path) -> Path:
     return _save(fig, out / "equal-recall-h200.png", dpi=100)
 
 
+def _passkey_cells(data: Any) -> list[dict[str, Any]]:
+    """The cells of `sparseprefill eval passkey --json` (`{"cells": [...], ...}`), or of the
+    older layout of the same run (the list of cells alone)."""
+    cells: list[dict[str, Any]] = data["cells"] if isinstance(data, dict) else data
+    return cells
+
+
 def integration_figure(out: Path) -> Path:
-    cells = _load("passkey-smollm2-h200.json")
+    cells = _passkey_cells(_load("passkey-smollm2-h200.json"))
     methods = list(dict.fromkeys(c["method"] for c in cells))
     lengths = sorted({c["seqlen"] for c in cells})
     depths = sorted({c["depth"] for c in cells})
@@ -656,6 +677,29 @@ def integration_figure(out: Path) -> Path:
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def _bytes_vs_ring(res: dict[str, Any], world: int) -> tuple[list[str], list[float], list[float]]:
+    """Per method at `world` ranks: its name (`*`: the estimate gathers q and k), K/V bytes
+    fetched and estimate bytes, each over ring attention's. From `sparseprefill bench
+    distributed --json` (its one-process bytes rows: no estimate traffic, which only the
+    torchrun modes move) or the older layout of the same run (`methods`, with the estimate
+    bytes of its gloo runs)."""
+    names, kv, est = [], [], []
+    if "rows" in res:
+        for row in res["rows"]:
+            extra = row.get("extra") or {}
+            if row.get("suite") == "distributed" and extra.get("world") == world and "kv_vs_ring" in extra:
+                names.append(row["method"] + ("*" if extra.get("estimate") == "gather" else ""))
+                kv.append(extra["kv_vs_ring"])
+                est.append(0.0)
+        return names, kv, est
+    for name, entry in res["methods"].items():
+        row = entry["summary_all_layers"][str(world)]
+        names.append(name + ("*" if entry["estimate"] == "gather" else ""))
+        kv.append(row["kv_vs_ring"])
+        est.append(row.get("estimate_vs_ring", 0.0))
+    return names, kv, est
 
 
 def distributed_figure(out: Path) -> Path:
@@ -697,13 +741,7 @@ def distributed_figure(out: Path) -> Path:
         ax.set_xticks([])
         ax.set_yticks([])
 
-    res = _load("distributed-bytes-smollm2-8k-cpu.json")
-    names, kv, est = [], [], []
-    for name, entry in res["methods"].items():
-        row = entry["summary_all_layers"][str(world)]
-        names.append(name + ("*" if entry["estimate"] == "gather" else ""))
-        kv.append(row["kv_vs_ring"])
-        est.append(row.get("estimate_vs_ring", 0.0))
+    names, kv, est = _bytes_vs_ring(_load("distributed-bytes-smollm2-8k-cpu.json"), world)
     y = np.arange(len(names))
     axes[2].barh(y, kv, color="tab:red", label="K/V rows fetched")
     axes[2].barh(y, est, left=kv, color="tab:gray", alpha=0.6, label="estimate")

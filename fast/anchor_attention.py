@@ -48,7 +48,7 @@ from .kernels._common import head_group
 
 # Anchors from the kernel's row-max switch (no exp2, no P x V); `SPARSEPREFILL_ANCHOR_ROW_MAX=0`
 # runs the full attention pass with `k` as values instead (the earlier design, kept for
-# timing: docs/xattention.md, issue 22 AnchorAttention plan).
+# timing: docs/anchor_attention.md, designs table).
 ANCHOR_ROW_MAX = os.environ.get("SPARSEPREFILL_ANCHOR_ROW_MAX", "1") == "1"
 
 # Largest stripe plan `anchor_attention` builds at once (the issue's 128K budget).

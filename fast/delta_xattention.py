@@ -77,7 +77,7 @@ _MAX_GRID_Y = 65535
 def _key_dtype(weights: torch.Tensor) -> torch.dtype:
     """float32 sort keys for float32 (or narrower) weights: the reference's float64 order in
     half the radix passes (`reference.delta_xattention.rank_off_diagonal`; H200, 128K, 32
-    heads: the ranking was 6.3 of the plan's 34.9 ms, fifth session)."""
+    heads: the ranking was 6.3 of the plan's 34.9 ms)."""
     narrow = weights.dtype in (torch.float32, torch.float16, torch.bfloat16)
     return torch.float32 if narrow else torch.float64
 

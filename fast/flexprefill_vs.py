@@ -87,7 +87,7 @@ def flexprefill_vs_lines(
 #: dropped ones pushed to N) or "scatter" (each kept index written at its rank, the rank
 #: a cumulative sum; O(N) a row, no sort). Same lists; on an H200 at 32K (shareprefill's
 #: plan, same process) the sort measured 3.83 ms, the scatter 3.94: the sort stays.
-#: docs/xattention.md (issue 22, fifth session).
+#: docs/shareprefill.md (designs table).
 COMPACT_BY = "sort"
 
 

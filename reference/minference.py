@@ -342,7 +342,7 @@ def merge_head_plans(plans: Sequence[BlockColumnPlan], owner: Sequence[int]) -> 
         # Runs of consecutive heads of one plan, concatenated as views: no index tensor is
         # copied to the device, so the merge is capture-safe (docs/serving.md), and it is
         # one `cat` per tensor rather than two copies per run (32 runs when patterns
-        # alternate by head: 1.5 ms of host time at 32K on an H200, fifth session).
+        # alternate by head: 1.5 ms of host time at 32K on an H200).
         runs = _owner_runs(owner)
         rowed = [t[:, :, :rows].expand(b, h, rows, t.shape[3]).to(torch.int32) for t in indices]
         padded = [torch.nn.functional.pad(t, (0, width - t.shape[3])) if t.shape[3] < width else t

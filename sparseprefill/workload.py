@@ -51,7 +51,7 @@ head size `FIT_HEAD_DIM`.
 Rule to longer N (`RULES`): "fixed-logits" keeps every logit weight and every length
 in tokens (profile per distance, slash offsets, vertical keys per token, runs) as
 fitted: what a model's weights fix; "sink-log" also raises the sink weight by
-`log(N / N_fit)` (the demo's rule: a sink keeps its share). `benches/calibrate_workload.py
+`log(N / N_fit)` (the demo's rule: a sink keeps its share). `sparseprefill workload fit
 --max-seqlen M --predict` fits on a prefix and reports each rule's error at the
 capture's length; `DEFAULT_RULE` is the one that predicted better (docs/workload.md).
 

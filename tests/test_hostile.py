@@ -209,7 +209,7 @@ def test_fast_is_forward_only(name: str) -> None:
         fn(*args, **kwargs)
 
 
-# -- the newer surface (issue 26) --------------------------------------------------------
+# -- packed K/V, ragged launches, states, plan conversions and helpers ------------------------
 
 
 class _NoLaunch:

@@ -45,7 +45,7 @@ _BLOCK_K = 128
 _NUM_WARPS = 4
 # The counting pass stores its decisions as bits and the fill pass reads them (one
 # scoring pass); `SPARSEPREFILL_ANCHOR_STRIPE_BITS=0` recomputes the scores in the fill
-# pass instead (the earlier design, kept for timing: docs/xattention.md, issue 22).
+# pass instead (the earlier design, kept for timing: docs/anchor_attention.md, designs table).
 STRIPE_BITS = os.environ.get("SPARSEPREFILL_ANCHOR_STRIPE_BITS", "1") == "1"
 
 

@@ -18,7 +18,7 @@
    over the causal entries, one write pass). Only `[B, Hq, T, T]` is written, no scan.
 
    The kernels it replaces (docs/xattention.md, "DPXA scoring"): one program per row
-   block walking its whole key range (session 3: 128 programs at 32K, latency-bound with
+   block walking its whole key range (128 programs at 32K, latency-bound with
    one warp per scheduler, ncu), per-tile slots of 32 (157
    ms at 128K on an H200: three slots in four padding), then 16 output rows per program
    against 64 packed K anchors a step with a segmented scan per step (52.6 ms at 128K on an
@@ -271,7 +271,7 @@ def delta_anchor_packed(
 # The scoring kernel's tiles on the GPU: (most query tiles per program, Q anchors per
 # step, K anchors per step, key tiles per program (0: the whole causal range), flat loop
 # with the next chunk prefetched, warps, stages). Every variant measured, with its time,
-# is in docs/xattention.md ("DPXA scoring", sessions 3 and 4). Kept (H200, 2026-11-26,
+# is in docs/xattention.md (designs table, DPXA scoring). Kept (H200, 2026-11-26,
 # bench workload): 32 query tiles and 32 Q anchors a step (fewer registers: more
 # programs per SM) and 32 key tiles per program (the key range split: 1024 programs at
 # 32K instead of 128), scoring 2.53 -> 1.25 ms at 32K and 15.8 -> 9.0 ms at 128K. Fewer

@@ -34,11 +34,11 @@ from ._common import LOG2E, check_kernel_device, dot as _dot_f32, interpreter_ac
 # Keys per split of the lse pass: enough splits to fill the GPU at long N.
 _SPLIT_KEYS = 4096
 # `_slash_kernel`'s tile: (rows a step, offsets a program, warps, pipeline stages). The
-# fourth session's (64, 64, 4, 2) read a 128-key window per step and skewed a 64 x 128
+# earlier (64, 64, 4, 2) read a 128-key window per step and skewed a 64 x 128
 # tile with `tl.gather`: 255 registers and 131 KB of shared memory a program, one
 # 4-warp program per SM (ncu, H200, 32K: 0.50 ms, 4.4x `_vertical_kernel`'s 0.11 ms
 # for twice its multiply-adds). 32 rows x 32 offsets read a 64-key window: a quarter
-# of the tile, the same multiply-adds per offset (docs/xattention.md, fifth session).
+# of the tile, the same multiply-adds per offset (docs/minference.md, designs table).
 # The fifth entry: 0 skews the tile with `tl.gather` (a program per offset tile); P > 0
 # skews it through memory instead, P programs per head, each storing its tile in its own
 # scratch slot and reading it back skewed (a second design, timed beside the first).

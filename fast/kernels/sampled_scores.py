@@ -150,7 +150,7 @@ def row_tiles(spans: list[tuple[int, int]], block_size: int, block_l: int = _BLO
 #: Where `_sampled_block_scores` gets its tile table: "cached" (built once per spans,
 #: block size and device from `row_tiles` and kept, see `tile_table`) or "device"
 #: (rebuilt on the device every call by `row_tile_table`, the design until 2026-11-26).
-#: Same table; timings in docs/xattention.md (issue 22, fifth session).
+#: Same table; timings in docs/sample_attention.md (designs table).
 TILE_TABLE = "cached"
 #: At most this many tables are kept; later ones are built on the device each call.
 TILE_TABLE_CACHE = 64

@@ -69,8 +69,7 @@ SKIP_UNREACHED = True
 # (the band kernel's key-block walk with bands of one offset, O(Kb) a query block: a block is
 # listed when a kept offset meets the offsets its causal pairs span, a prefix count over the
 # offsets answering in two loads; the same lists) or "auto": "blocks" when k_s >= Kb and
-# Kb >= `_BLOCKS_MIN_KB` (the bench's 6096 slashes: Kb 512 at 32K, 2048 at 128K; fifth
-# session). Below that both take microseconds, and the walk, Alg. 4 as written, stays what
+# Kb >= `_BLOCKS_MIN_KB` (the bench's 6096 slashes: Kb 512 at 32K, 2048 at 128K). Below that both take microseconds, and the walk, Alg. 4 as written, stays what
 # the conformance properties exercise at their sizes (the band kernel is exercised there
 # through flexprefill_vs; tests/test_minference.py runs both ways against the reference).
 INDEX_BY: str = "auto"

@@ -234,8 +234,8 @@ SCORE_CONFIGS = ((128, 128, 8, 3), (64, 64, 4, 2))
 SHARED_BYTES = 227 * 1024
 # Program order of `_row_tile_lse_kernel`: row blocks in launch order (False), or the
 # longest causal rows of every head first (True). H100, 32K, bench workload, the 128 x 128
-# tiles: stride 16 1.248 -> 1.089 ms, stride 8 2.042 -> 1.845 ms (benches/results/
-# h100-estimator-stages-issue22-2026-11-25.txt; docs/xattention.md). Same results bit for bit.
+# tiles: stride 16 1.248 -> 1.089 ms, stride 8 2.042 -> 1.845 ms (docs/xattention.md, designs
+# table). Same results bit for bit.
 LONGEST_FIRST = True
 # CUDA's limit on the second and third grid dimensions.
 _MAX_GRID_Y = 65535
