@@ -37,8 +37,21 @@ import os
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, PerHead, check_qk, check_qkv, per_head, resolve_scale
-from ..reference.anchor_attention import STEP, THETA, check_anchor_params, check_theta, group_step
+from ..reference._checks import (
+    HALF_DTYPES,
+    PerHead,
+    check_qk,
+    check_qkv,
+    per_head,
+    resolve_scale,
+)
+from ..reference.anchor_attention import (
+    STEP,
+    THETA,
+    check_anchor_params,
+    check_theta,
+    group_step,
+)
 from ..reference.attention import AttentionState
 from ..reference.dense_fallback import (
     break_even_heads,
@@ -52,9 +65,15 @@ from .attention import dense_heads_attention, sdpa_serves
 from .capture import static_widths_active
 from .dense import dense_plan
 from .dense_fallback import active_rates, plan_with_fallback
-from .kernels import block_column_attention, block_column_row_max, check_forward_only, check_kernel_block_sizes, check_kernel_device
-from .kernels.anchor_stripes import search_width_bound, stripe_index
+from .kernels import (
+    block_column_attention,
+    block_column_row_max,
+    check_forward_only,
+    check_kernel_block_sizes,
+    check_kernel_device,
+)
 from .kernels._common import head_group
+from .kernels.anchor_stripes import search_width_bound, stripe_index
 
 # Anchors from the kernel's row-max switch (no exp2, no P x V); `SPARSEPREFILL_ANCHOR_ROW_MAX=0`
 # runs the full attention pass with `k` as values instead (the earlier design, kept for

@@ -21,7 +21,12 @@ from ..reference.plan import BlockColumnPlan
 from .attention import run_plan
 from .dense_fallback import plan_with_fallback, probe_mass_density
 from .kernels import check_forward_only
-from .kernels.delta_score import _anchor_tile_weights, check_dpxa_inputs, dpxa_scoring_ratio, dpxa_tile_weights
+from .kernels.delta_score import (
+    _anchor_tile_weights,
+    check_dpxa_inputs,
+    dpxa_scoring_ratio,
+    dpxa_tile_weights,
+)
 from .xattention import select_plan
 
 __all__ = ["dpxa", "dpxa_plan", "dpxa_scoring_ratio", "dpxa_tile_weights"]

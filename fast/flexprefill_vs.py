@@ -20,20 +20,27 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, PerHead, check_count, check_qk, check_qkv, per_head, resolve_scale
+from ..reference._checks import (
+    HALF_DTYPES,
+    PerHead,
+    check_count,
+    check_qk,
+    check_qkv,
+    per_head,
+    resolve_scale,
+)
 from ..reference.dense_fallback import heads_view, knob_heads
 from ..reference.flexprefill_vs import (
     GAMMA,
     LINE_BLOCK,
-    check_flexprefill_vs_params,
     band_lines,
+    check_flexprefill_vs_params,
     check_gamma,
     cover_threshold,
     first_lines,
     pool_lines,
 )
-from ..reference.plan import cdiv
-from ..reference.plan import BlockColumnPlan
+from ..reference.plan import BlockColumnPlan, cdiv
 from .attention import run_plan
 from .capture import static_widths_active
 from .dense_fallback import plan_with_fallback, probe_mass_density

@@ -21,7 +21,14 @@ import math
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, PerHead, check_knob, check_qkv, per_head, resolve_scale
+from ..reference._checks import (
+    HALF_DTYPES,
+    PerHead,
+    check_knob,
+    check_qkv,
+    per_head,
+    resolve_scale,
+)
 from ..reference.dense_fallback import heads_view, knob_heads
 from ..reference.plan import BlockColumnPlan, mask_to_list, rank_nan_last
 from ..reference.xattention import check_threshold, check_weights
@@ -31,7 +38,11 @@ from .dense import empty_columns
 from .dense_fallback import plan_with_fallback, probe_mass_density
 from .kernels import check_forward_only
 from .kernels.tile_select import MAX_KERNEL_TILES, heads_threshold, select_tile_lists
-from .kernels.xattention_score import _tile_weights, check_xattention_inputs, xattention_tile_weights
+from .kernels.xattention_score import (
+    _tile_weights,
+    check_xattention_inputs,
+    xattention_tile_weights,
+)
 
 __all__ = ["select_tiles", "xattention", "xattention_plan", "xattention_tile_weights"]
 

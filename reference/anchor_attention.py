@@ -60,7 +60,13 @@ from ._checks import (
 )
 from .attention import AttentionState, _chunk_rows, _group_mask, sparse_attention
 from .block_sparse import mean_pooling
-from .dense_fallback import active_rates, heads_view, knob_heads, plan_with_fallback, probe_gap_density
+from .dense_fallback import (
+    active_rates,
+    heads_view,
+    knob_heads,
+    plan_with_fallback,
+    probe_gap_density,
+)
 from .plan import BlockColumnPlan, cdiv, mask_to_list
 
 # The paper's defaults (Section 4.1): theta = 12, step = 16, blocks of 128.

@@ -33,10 +33,24 @@ import math
 
 import torch
 
-from ._checks import PerHead, check_block_size, check_fraction, check_knob, check_qk, per_head, resolve_scale
+from ._checks import (
+    PerHead,
+    check_block_size,
+    check_fraction,
+    check_knob,
+    check_qk,
+    per_head,
+    resolve_scale,
+)
 from .attention import sparse_attention
 from .delta_kv import delta_keep_mask
-from .dense_fallback import active_rates, heads_view, knob_heads, plan_with_fallback, probe_mass_density
+from .dense_fallback import (
+    active_rates,
+    heads_view,
+    knob_heads,
+    plan_with_fallback,
+    probe_mass_density,
+)
 from .plan import BlockColumnPlan, cdiv
 from .xattention import check_threshold, normalize_rows, select_tiles, tiles_to_plan
 

@@ -59,9 +59,20 @@ from ._checks import (
     resolve_scale,
 )
 from .attention import sparse_attention
-from .dense_fallback import active_rates, heads_view, knob_heads, plan_with_fallback, probe_mass_density
+from .dense_fallback import (
+    active_rates,
+    heads_view,
+    knob_heads,
+    plan_with_fallback,
+    probe_mass_density,
+)
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
-from .vertical_slash import approximate_attention, slash_coverage, sum_slash, sum_vertical
+from .vertical_slash import (
+    approximate_attention,
+    slash_coverage,
+    sum_slash,
+    sum_vertical,
+)
 
 # FlexPrefill's and SharePrefill's cumulative attention threshold.
 GAMMA = 0.9

@@ -61,7 +61,13 @@ from ._checks import (
     resolve_scale,
 )
 from .attention import sparse_attention
-from .dense_fallback import active_rates, heads_view, knob_heads, plan_with_fallback, probe_mass_density
+from .dense_fallback import (
+    active_rates,
+    heads_view,
+    knob_heads,
+    plan_with_fallback,
+    probe_mass_density,
+)
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
 SCORINGS = ("antidiagonal", "naive")
