@@ -62,6 +62,8 @@ COMMANDS: tuple[Command, ...] = (
             "sparseprefill.evaluate"),
     Command("cluster", "SharePrefill's offline head clustering (attention maps, autoencoder, fcluster); "
                        "writes a ClusterLayout JSON", "sparseprefill.cluster"),
+    Command("rates", "measure this GPU's kernel-path rates for the per-head dense fallback; cached per device",
+            "sparseprefill.rates"),
     Command("compare", "every method's knob sweep on the same attention: recall, density, error, speed vs the oracle",
             "sparseprefill.compare"),
 )
