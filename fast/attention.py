@@ -154,13 +154,63 @@ def sdpa_serves(q: torch.Tensor, plan: BlockColumnPlan) -> bool:
     """Whether the dense heads of `plan` go to torch SDPA: q on a CUDA device, a whole
     prompt (no query offset), and SDPA the faster dense path of the rates in force (the
     rule's table, else the device's: `reference.dense_fallback`)."""
-    if not q.is_cuda or plan.query_offset:
+    return not plan.query_offset and sdpa_is_faster(q, seqlen=plan.seqlen, block_m=plan.block_m)
+
+
+def sdpa_is_faster(q: torch.Tensor, *, seqlen: int, block_m: int) -> bool:
+    """Whether torch SDPA is the dense path for `q` (a whole prompt of `seqlen` queries on
+    a CUDA device, the kernel's query block `block_m`): q on a CUDA device and SDPA the
+    faster dense path of the rates in force."""
+    if not q.is_cuda:
         return False
     from ..reference.dense_fallback import device_rates
 
     rates = active_rates(q) or device_rates(q.device)
-    rate = rates.at(plan.seqlen, int(q.shape[-1]), q.dtype, kernel_tile(plan.block_m))
+    rate = rates.at(seqlen, int(q.shape[-1]), q.dtype, kernel_tile(block_m))
     return dense_cost(rate)[1] == "sdpa"
+
+
+def dense_heads_into(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: tuple[int, ...], out: torch.Tensor | None, *,
+    scale: float | None = None, block_m: int = 128,
+) -> torch.Tensor:
+    """Full causal attention of the query heads `heads` of a whole prompt, written into `out`.
+
+    What a method that is not one plan's attention (Delta-KV, DeltaXAttention) runs its
+    dense heads through: torch SDPA (`dense_heads_attention`, K and V never copied) where
+    `sdpa_is_faster`, else our kernel on the dense plan with every other head's counts 0
+    (their programs leave at once).
+
+    Args:
+        q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]` (checked by the caller).
+        heads: sorted distinct query heads.
+        out: `[B, Hq, N, D]` written at `heads`; None: every head is listed and the result
+            is a new tensor.
+        scale: softmax scale, `1/sqrt(D)` if None.
+        block_m: the method's query block (which rates apply).
+
+    Returns:
+        `out` (or the new output).
+    """
+    hq, hkv = int(q.shape[1]), int(k.shape[1])
+    if out is None and len(heads) != hq:
+        raise ValueError(f"dense_heads_into needs `out` unless every head is listed ({len(heads)} of {hq})")
+    if not heads:
+        assert out is not None
+        return out
+    if sdpa_is_faster(q, seqlen=int(q.shape[2]), block_m=block_m):
+        if out is None:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                    enable_gqa=hq > hkv)
+        return dense_heads_attention(q, k, v, heads, out, scale=scale)
+    plan = dense_plan(q, k)
+    if len(heads) != hq:
+        plan = plan.without_heads([h for h in range(hq) if h not in set(heads)])
+    res, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
+    if out is None:
+        return res
+    idx = torch.tensor(heads, device=q.device)
+    return out.index_copy_(1, idx, res.index_select(1, idx))
 
 
 def dense_heads_attention(

@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from .attention import attention
 from .plan import BlockColumnPlan, causal_pairs, cdiv, columns_inside_blocks
 
 FORMAT = "sparseprefill.rates/1"
@@ -513,6 +514,106 @@ def dense_keep_ratio(*, seqlen: int, head_dim: int, dtype: torch.dtype | str, ra
         return 1.0
     keep = (dense - fixed) / (causal * rate.ragged_ps * 1e-9)
     return min(1.0, max(0.0, keep))
+
+
+def keep_dense_kv_heads(kept: torch.Tensor, *, seqlen: int, block_m: int, block_n: int, head_dim: int,
+                        dtype: torch.dtype | str, rates: RateTable) -> tuple[int, ...]:
+    """The KV heads whose measured keep ratio is at or above Delta-KV's break-even
+    (`dense_keep_ratio`): their query heads run dense, their keys need no packing.
+
+    The keep ratio of a KV head is its anchors over its keys, batch rows summed (the
+    rule's costs are summed over the batch). Phase 2's exact part is taken as
+    `block_m + block_n` keys per row: a row sees the keys of its own query block before
+    it, and the critical diagonal starts at most one packed block's reach before the
+    block (at the keep ratios near break-even the break-even moves by less than 0.01
+    between 0 and 192 keys a row: 0.495 to 0.485 at 32K on the default table). The
+    comparison is exact: integer anchors against `ratio * B * N` in float64, so both
+    packages, given the same keep mask (bit-identical by construction) and the same
+    table, send the same heads dense. One host read of `[Hkv]` flags.
+
+    Args:
+        kept: int `[B, Hkv]`, anchors per (batch row, KV head) (the keep mask's sums).
+        seqlen: N. block_m: query rows per block. block_n: the packed key block.
+        head_dim, dtype: of q. rates: the table.
+
+    Returns:
+        The KV heads to run dense, sorted.
+    """
+    ratio = dense_keep_ratio(seqlen=seqlen, head_dim=head_dim, dtype=dtype, rates=rates,
+                             exact_pairs_per_row=block_m + block_n, block_m=block_m)
+    total = kept.to(torch.int64).sum(dim=0).to(torch.float64)
+    return flagged(total >= ratio * int(kept.shape[0]) * seqlen)
+
+
+def packed_head_costs(exact_pairs: torch.Tensor, packed_pairs: torch.Tensor, *, seqlen: int, block_m: int,
+                      head_dim: int, dtype: torch.dtype | str, rates: RateTable) -> HeadCosts:
+    """The cost model of packed-key attention (DeltaXAttention): exact pairs through the
+    block path, packed pairs (query rows x padded anchors) through the ragged launcher,
+    two launches' programs; dense as `head_costs`.
+
+    The pairs are summed over the batch rows as integers before the one float64
+    expression, so the costs do not depend on a reduction order (both packages, on any
+    device, compute the same bits from the same pairs).
+
+    Args:
+        exact_pairs, packed_pairs: int `[B, Hq]`.
+        seqlen: N. block_m: the plan's query block (the kernel tile is `gcd(block_m, 128)`).
+        head_dim, dtype: of q. rates: the table.
+
+    Returns:
+        `HeadCosts`, float64 `[Hq]`.
+    """
+    tile = kernel_tile(block_m)
+    rate = rates.at(seqlen, head_dim, dtype, tile)
+    b = int(exact_pairs.shape[0])
+    programs = 2 * b * cdiv(seqlen, tile)
+    sparse = exact_pairs.to(torch.int64).sum(dim=0).to(torch.float64) * rate.block_ps * 1e-9 \
+        + packed_pairs.to(torch.int64).sum(dim=0).to(torch.float64) * rate.ragged_ps * 1e-9 \
+        + programs * rate.program_us * 1e-3
+    ps, path = dense_cost(rate)
+    dense = torch.full_like(sparse, b * (seqlen * (seqlen + 1) / 2) * ps * 1e-9)
+    return HeadCosts(sparse_ms=sparse, dense_ms=dense, dense_path=path)
+
+
+def attend_dense_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: Sequence[int],
+                       out: torch.Tensor | None, *, scale: float | None = None) -> torch.Tensor:
+    """Full causal attention (`reference.attention`) of the query heads `heads`, written into
+    `out`: what a method that is not one plan's attention (Delta-KV, DeltaXAttention) gives
+    the heads the rule sends dense.
+
+    Args:
+        q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]`.
+        heads: query heads (any order, distinct).
+        out: `[B, Hq, N, D]` written at `heads`; None: a new tensor of every head (then
+            `heads` must list them all).
+        scale: softmax scale, `1/sqrt(D)` if None.
+
+    Returns:
+        `out` (or the new output), in q's dtype.
+    """
+    if out is None:
+        if sorted(heads) != list(range(int(q.shape[1]))):
+            raise ValueError("attend_dense_heads needs `out` unless every head is listed")
+        return attention(q, k, v, scale=scale)
+    if not heads:
+        return out
+    g = int(q.shape[1]) // int(k.shape[1])
+    idx = torch.tensor(list(heads), device=q.device)
+    kv = torch.tensor([h // g for h in heads], device=q.device)
+    res = attention(q.index_select(1, idx), k.index_select(1, kv), v.index_select(1, kv), scale=scale)
+    out[:, idx] = res.to(out.dtype)
+    return out
+
+
+def flagged(flags: torch.Tensor) -> tuple[int, ...]:
+    """The indices of a bool `[H]` tensor's True entries (one host read), sorted."""
+    return tuple(int(h) for h in flags.nonzero().flatten().tolist())
+
+
+def query_heads_of(kv_heads: Sequence[int], q_heads: int, n_kv: int) -> tuple[int, ...]:
+    """The query heads of the given KV heads (GQA groups `h // (Hq / Hkv)`), sorted."""
+    g = q_heads // n_kv
+    return tuple(h for j in sorted(kv_heads) for h in range(j * g, (j + 1) * g))
 
 
 # -- early exit ------------------------------------------------------------------------
