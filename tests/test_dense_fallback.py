@@ -234,6 +234,145 @@ def test_dense_keep_ratio_is_break_even() -> None:
     assert keep == pytest.approx(0.6)
 
 
+# -- Delta-KV and DeltaXAttention: the decision on the keep mask, before packing ------------
+
+
+def delta_qkv(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KV head 0's keys repeat in runs of 8 (keep 1/8), KV head 1's in runs of 2 over the
+    first half and are random after it (keep 3/4 under a small threshold); the values are
+    random, so a dropped key changes the output. Query heads 0, 1 peaked, 2, 3 flat."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, N, D, generator=g)
+    q[:, :2] *= 4
+    k = torch.randn(B, HKV, N, D, generator=g)
+    k[:, 0] = k[:, 0, ::8].repeat_interleave(8, dim=1)[:, :N]
+    k[:, 1, : N // 2] = k[:, 1, : N // 2: 2].repeat_interleave(2, dim=1)
+    v = torch.randn(B, HKV, N, D, generator=g)
+    return q.half(), k.half(), v.half()
+
+
+DELTA_KV = {"threshold": 0.5, "metric": "euclidean", "chunk": 64, "block_m": 16, "block_n": 16}
+
+
+def test_keep_dense_kv_heads_compares_integers() -> None:
+    tab = table(0.6)
+    ratio = rule.dense_keep_ratio(seqlen=N, head_dim=D, dtype="float16", rates=tab, exact_pairs_per_row=32,
+                                  block_m=16)
+    assert 0 < ratio < 1
+    at = math.ceil(ratio * B * N)  # the fewest anchors (batch rows summed) that go dense
+    kept = torch.tensor([[at // 2, at // 2 - 1], [at - at // 2, at - at // 2]])
+    got = rule.keep_dense_kv_heads(kept, seqlen=N, block_m=16, block_n=16, head_dim=D, dtype="float16", rates=tab)
+    assert got == (0,)
+    assert rule.query_heads_of(got, HQ, HKV) == (0, 1)
+
+
+@pytest.mark.parametrize("impl", [reference, fast])
+@pytest.mark.parametrize("exact_diagonal", [True, False])
+def test_delta_kv_sends_uncompressed_kv_heads_dense(impl: Any, exact_diagonal: bool) -> None:
+    """KV head 1 (keep 3/4) runs dense, KV head 0 (keep 1/8) gets exactly its output without
+    the rule; everything dense under a table where nothing beats dense."""
+    q, k, v = delta_qkv()
+    params = {**DELTA_KV, "exact_diagonal": exact_diagonal}
+    keep = reference.delta_keep_mask(k, threshold=0.5, metric="euclidean", chunk=64)
+    assert float(keep[:, 0].double().mean()) == pytest.approx(1 / 8, abs=0.01)
+    assert float(keep[:, 1].double().mean()) == pytest.approx(3 / 4, abs=0.01)
+    with dense_fallback(False):
+        before = impl.delta_kv(q, k, v, **params)
+    with dense_fallback(rates=table(0.6)):
+        after = impl.delta_kv(q, k, v, **params)
+    want = reference.attention(q, k, v)
+    assert torch.equal(after[:, :2], before[:, :2])
+    err = float((after[:, 2:].float() - want[:, 2:].float()).abs().max())
+    assert err == 0 if impl is reference else err < 2e-3
+    assert float((before[:, 2:].float() - want[:, 2:].float()).abs().max()) > 0.05  # the rule did act
+    with dense_fallback(rates=table(0.01)):
+        every = impl.delta_kv(q, k, v, **params)
+    err = float((every.float() - want.float()).abs().max())
+    assert err == 0 if impl is reference else err < 2e-3
+
+
+def test_delta_kv_packing_of_a_dense_kv_head_is_one_anchor() -> None:
+    from sparseprefill.fast.delta_kv import first_key_only
+    from sparseprefill.fast.kernels.delta_pack import keep_mask, pack
+
+    _, k, v = delta_qkv()
+    keep, counts = keep_mask(k, threshold=0.5, cosine=False, chunk=64)
+    keep2, counts2 = first_key_only(keep, counts, [1])
+    assert torch.equal(keep2[:, 0], keep[:, 0]) and torch.equal(counts2.view(B, HKV, -1)[:, 0],
+                                                                counts.view(B, HKV, -1)[:, 0])
+    packed = pack(k, v, keep2, counts2, chunk=64, block=16).validate()
+    assert packed.lengths[:, 1].tolist() == [1] * B and packed.lengths[:, 1].tolist() != \
+        keep[:, 1].sum(-1).tolist()
+    assert torch.equal(packed.lengths[:, 0], keep[:, 0].sum(-1).to(torch.int32))
+
+
+DXA = {"threshold": [0.5, 0.6, 0.95, 0.99], "delta_threshold": 0.5, "metric": "euclidean", "block": 32,
+       "packed_block": 16, "exact_top": 0.2}
+
+
+def test_delta_xattention_pairs_count_the_launches_work() -> None:
+    """Exact tiles' causal pairs plus packed tiles' rows times padded anchors, tile by tile."""
+    from sparseprefill.reference.delta_xattention import EXACT, PACKED, delta_xattention_pairs
+
+    q, k, v = delta_qkv()
+    bs, pb = 32, 16
+    modes = reference.delta_xattention_tiles(q, k, threshold=DXA["threshold"], exact_top=0.2, block=bs,
+                                             unselected="packed")
+    anchors = reference.delta_tile_pack(k, v, delta_threshold=0.5, block=bs, packed_block=pb).anchors()
+    exact, packed = delta_xattention_pairs(modes, anchors, seqlen=N, block=bs, packed_block=pb)
+    t = math.ceil(N / bs)
+    size = [min(bs, N - i * bs) for i in range(t)]
+    for b in range(B):
+        for h in range(HQ):
+            e = p = 0
+            for i in range(t):
+                for j in range(i + 1):
+                    mode = int(modes[b, h, i, j])
+                    if mode == EXACT:
+                        e += size[i] * (size[i] + 1) // 2 if i == j else size[i] * size[j]
+                    elif mode == PACKED:
+                        p += size[i] * math.ceil(int(anchors[b, h // (HQ // HKV), j]) / pb) * pb
+            assert (int(exact[b, h]), int(packed[b, h])) == (e, p)
+    assert int(packed.sum()) > 0
+
+
+@pytest.mark.parametrize("impl", [reference, fast])
+def test_delta_xattention_sends_heads_past_break_even_dense(impl: Any) -> None:
+    """The flat heads (every tile selected and exact) run dense; a head below break-even gets
+    exactly its output without the rule; under a table where nothing beats dense, every
+    head is dense (and nothing is packed)."""
+    q, k, v = delta_qkv()
+    with dense_fallback(False):
+        before = impl.delta_xattention(q, k, v, **DXA)
+    want = reference.attention(q, k, v)
+    assert float((before[:, 2:].float() - want[:, 2:].float()).abs().max()) > 0.05  # the rule will act
+    for ratio, dense in ((0.6, (2, 3)), (0.01, (0, 1, 2, 3))):
+        with dense_fallback(rates=table(ratio)):
+            after = impl.delta_xattention(q, k, v, **DXA)
+        for h in range(HQ):
+            if h in dense:
+                err = float((after[:, h].float() - want[:, h].float()).abs().max())
+                assert err == 0 if impl is reference else err < 2e-3
+            else:
+                assert torch.equal(after[:, h], before[:, h])
+
+
+def test_delta_xattention_packages_decide_alike() -> None:
+    from sparseprefill.reference.delta_xattention import dense_query_heads
+
+    q, k, v = delta_qkv()
+    modes = reference.delta_xattention_tiles(q, k, threshold=DXA["threshold"], exact_top=0.2, block=32)
+    fast_modes = fast.delta_xattention_tiles(q, k, threshold=DXA["threshold"], exact_top=0.2, block=32)
+    assert torch.equal(modes, fast_modes)
+    anchors = reference.delta_tile_pack(k, v, delta_threshold=0.5, block=32, packed_block=16).anchors()
+    fast_anchors = fast.delta_tile_pack(k, v, delta_threshold=0.5, block=32, packed_block=16).anchors()
+    assert torch.equal(anchors, fast_anchors)
+    for ratio in (0.3, 0.45, 0.6):
+        got = dense_query_heads(q, modes, anchors, block=32, packed_block=16, rates=table(ratio))
+        assert got == dense_query_heads(q, fast_modes, fast_anchors, block=32, packed_block=16, rates=table(ratio))
+    assert dense_query_heads(q, modes, anchors, block=32, packed_block=16, rates=None) == ()
+
+
 # -- rates -------------------------------------------------------------------------------
 
 
