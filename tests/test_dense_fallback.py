@@ -113,6 +113,26 @@ def test_dense_heads_attention_groups_by_kv_head(heads: tuple[int, ...]) -> None
             assert bool(out[:, h].isnan().all())
 
 
+def test_varlen_attention_honours_marked_heads() -> None:
+    """The varlen launcher reads lists alone: `fast.varlen_attention` gives a stacked plan's
+    marked heads their full causal lists, as the reference's dense mask does."""
+    lengths = [37, 90, 64]
+    g = torch.Generator().manual_seed(3)
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = (torch.randn(total, h, D, generator=g).half() for h in (HQ, HKV, HKV))
+    plan = reference.varlen_plans(reference.streaming_plan, q, k, cu, sink=16, window=16, block_m=16,
+                                  block_n=16).with_dense_heads([1, 2])
+    out = fast.varlen_attention(q, k, v, cu, max(lengths), plan)
+    want = reference.varlen_attention(q.float(), k.float(), v.float(), cu, max(lengths), plan)
+    assert isinstance(out, torch.Tensor) and isinstance(want, torch.Tensor)
+    assert float((out.float() - want.float()).abs().max()) < 2e-3
+    unmarked = reference.varlen_attention(q.float(), k.float(), v.float(), cu, max(lengths),
+                                          plan.without_heads([1, 2]).with_dense_heads([]))
+    assert isinstance(unmarked, torch.Tensor)
+    assert float((want - unmarked).abs().max()) > 0.05  # the marks matter on this input
+
+
 # -- the rule ----------------------------------------------------------------------------
 
 
