@@ -49,7 +49,7 @@ def recall(
         # A head of `dense_heads` keeps every causal key: its recall is 1 (set below).
         _, lse_kept = block_column_attention(q, k, k, mask, scale=scale, return_lse=True)
         if mask.dense_heads:
-            assert lse_kept is not None
+            assert lse_kept is not None and lse_full is not None
             lse_kept[:, list(mask.dense_heads)] = lse_full[:, list(mask.dense_heads)]
     else:
         _, lse_kept = block_column_attention(q, k, k, full, mask=mask, scale=scale,

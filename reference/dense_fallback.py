@@ -163,7 +163,7 @@ class RateTable:
         scale = head_dim / d
 
         def mix(name: str, pair: bool) -> float:
-            value = (1 - w) * getattr(lo, name) + w * getattr(hi, name)
+            value = (1 - w) * float(getattr(lo, name)) + w * float(getattr(hi, name))
             return value * scale if pair else value
 
         return RatePoint(seqlen=int(seqlen), head_dim=int(head_dim), dtype=want, tile=t,

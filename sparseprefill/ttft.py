@@ -113,7 +113,8 @@ def prefill_ms(model: Any, ids: torch.Tensor, *, repeats: int, layers: Sequence[
 def last_logits(model: Any, ids: torch.Tensor, last: int) -> torch.Tensor:
     """float32 logits predicting the last `last` tokens of `ids` `[1, N]`: `[last, V]`."""
     with torch.no_grad():
-        return model(ids, logits_to_keep=last + 1, use_cache=False).logits[0, :-1].float()
+        logits: torch.Tensor = model(ids, logits_to_keep=last + 1, use_cache=False).logits[0, :-1].float()
+    return logits
 
 
 def quality(logits: torch.Tensor, ids: torch.Tensor, dense_top: torch.Tensor) -> tuple[float, float]:
