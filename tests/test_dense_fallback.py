@@ -393,6 +393,48 @@ def test_delta_xattention_packages_decide_alike() -> None:
     assert dense_query_heads(q, modes, anchors, block=32, packed_block=16, rates=None) == ()
 
 
+# -- the conformance property finds a package that does not follow the rule ---------------
+
+
+def test_conformance_property_passes_and_catches_a_package_off_its_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sparseprefill.conformance import METHODS
+    from sparseprefill.conformance import dense_fallback as conf
+
+    q, k, v = qkv()
+    spec = METHODS["xattention"]
+    params = spec.call_params({"block": 32, "threshold": [0.5, 0.6, 0.95, 0.99]}, q)
+    for where in conf.CUTOFFS:
+        conf.check_plan_marks(spec, q, k, v, params, where=where, index=1, sdpa=False)
+    monkeypatch.setattr(importlib.import_module("sparseprefill.fast.dense_fallback"), "active_rates",
+                        lambda t: None)
+    with pytest.raises(AssertionError, match="outside the band"):
+        conf.check_plan_marks(spec, q, k, v, params, where="between", index=0, sdpa=False)
+
+
+def test_conformance_property_catches_delta_kv_off_its_marks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sparseprefill.conformance import METHODS
+    from sparseprefill.conformance import dense_fallback as conf
+
+    q, k, v = delta_qkv()
+    spec = METHODS["delta_kv"]
+    params = spec.call_params(DELTA_KV, q)
+    conf.check_delta_kv_marks(spec, q, k, v, params, where="between", index=0, sdpa=False)
+    monkeypatch.setattr(importlib.import_module("sparseprefill.fast.delta_kv"), "dense_query_heads",
+                        lambda *a, **kw: ())
+    with pytest.raises(AssertionError, match="fast"):
+        conf.check_delta_kv_marks(spec, q, k, v, params, where="between", index=0, sdpa=False)
+
+
+def test_band_is_the_interval_between_the_two_costs() -> None:
+    from sparseprefill.conformance.dense_fallback import in_band, pick_cutoff
+
+    assert in_band(1.0, 2.0, 1.5) and in_band(2.0, 1.0, 1.0) and in_band(1.0, 1.0, 1.0)
+    assert not in_band(1.0, 1.0, 1.0 + 1e-6) and not in_band(1.0, 2.0, 2.1)
+    shares = [0.2, 0.5, 0.5, 0.9]
+    assert pick_cutoff(shares, "at", 1) == 0.5 and pick_cutoff(shares, "between", 1) == pytest.approx(0.7)
+    assert pick_cutoff(shares, "below", 0) < 0.2 < 0.9 < pick_cutoff(shares, "above", 0)
+
+
 # -- rates -------------------------------------------------------------------------------
 
 
