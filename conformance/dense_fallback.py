@@ -50,7 +50,9 @@ from hypothesis import strategies as st
 from .. import fast, reference
 from ..reference.delta_kv import dense_query_heads as delta_kv_dense_heads
 from ..reference.delta_xattention import delta_xattention_pairs
-from ..reference.delta_xattention import dense_query_heads as delta_xattention_dense_heads
+from ..reference.delta_xattention import (
+    dense_query_heads as delta_xattention_dense_heads,
+)
 from ..reference.dense_fallback import (
     RatePoint,
     RateTable,
@@ -62,7 +64,12 @@ from ..reference.dense_fallback import (
 from ..reference.plan import BlockColumnPlan
 from .registry import MethodSpec
 from .strategies import Caps, Draw
-from .tolerance import baseline_attention, check_attention, check_output, golden_attention
+from .tolerance import (
+    baseline_attention,
+    check_attention,
+    check_output,
+    golden_attention,
+)
 
 __all__ = ["BAND", "CUTOFFS", "RULE_METHODS", "SUMMARY", "applies", "check_delta_kv_marks",
            "check_delta_xattention_marks", "check_plan_marks", "forcing_table", "in_band", "prop_dense_fallback",
@@ -305,7 +312,7 @@ def check_delta_xattention_marks(spec: MethodSpec, q: torch.Tensor, k: torch.Ten
     Returns:
         The largest error / allowance ratio of the fast output.
     """
-    from ..methods.delta_xattention import modes, packing, pick, PACK
+    from ..methods.delta_xattention import PACK, modes, packing, pick
 
     b, n = int(q.shape[0]), int(q.shape[2])
     pack = pick(params, PACK)
@@ -322,9 +329,9 @@ def check_delta_xattention_marks(spec: MethodSpec, q: torch.Tensor, k: torch.Ten
     context = f"{context} cutoff {where} {cost!r} ({'sdpa' if sdpa else 'ours'})"
     marks_ref = delta_xattention_dense_heads(q, modes_ref, anchors_ref, **tiles, rates=table)
     marks_fast = delta_xattention_dense_heads(q, modes_fast, anchors_fast, **tiles, rates=table)
-    price = {"seqlen": n, "block_m": tiles["block"], "head_dim": int(q.shape[-1]), "dtype": q.dtype, "rates": table}
-    costs_ref = packed_head_costs(exact_r, packed_r, **price)
-    costs_fast = packed_head_costs(exact_f, packed_f, **price)
+    costs_ref, costs_fast = (packed_head_costs(e, p, seqlen=n, block_m=tiles["block"], head_dim=int(q.shape[-1]),
+                                               dtype=q.dtype, rates=table)
+                             for e, p in ((exact_r, packed_r), (exact_f, packed_f)))
     check_marks_agree(marks_ref, marks_fast, costs_ref.sparse_ms, costs_fast.sparse_ms, costs_ref.dense_ms,
                       context=context)
     return _check_outputs(spec, q, k, v, params, table, marks_ref, marks_fast, context=context)
