@@ -138,7 +138,7 @@ def sparse_attention(
     Raises:
         TypeError, ValueError: bad inputs or plan, before any kernel launch.
     """
-    if plan.dense_heads:
+    if isinstance(plan, BlockColumnPlan) and plan.dense_heads:
         if state is None and block_mean_out is None and not return_lse and sdpa_serves(q, plan):
             return run_plan(q, k, v, plan, scale=scale, validate_plan=True)
         plan = plan.with_dense_lists()

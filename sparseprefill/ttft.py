@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .methods import METHODS
+from .methods import DENSE, METHODS
 
 
 @dataclass
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         if not sep or method not in METHODS:
             raise SystemExit(f"--config takes METHOD=PATH with a registered method, got {item!r}")
         configs[method] = Path(path)
-    methods = args.methods or [m for m in METHODS if m != "dense"]
+    methods = args.methods or [m for m in METHODS if m != DENSE]
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, args.gguf, device=args.device, dtype=dtype)
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
