@@ -311,6 +311,27 @@ def test_delta_kv_sends_uncompressed_kv_heads_dense(impl: Any, exact_diagonal: b
     assert err == 0 if impl is reference else err < 2e-3
 
 
+@pytest.mark.parametrize("method", ["delta_kv", "delta_xattention"])
+def test_delta_dense_heads_through_sdpa(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDPA branch of `dense_heads_into` (taken on CUDA), forced on the CPU: some heads
+    dense (one call per KV group, written in place) and every head dense (one GQA call)."""
+    monkeypatch.setattr(importlib.import_module("sparseprefill.fast.attention"), "sdpa_is_faster",
+                        lambda *a, **kw: True)
+    q, k, v = delta_qkv()
+    params = DELTA_KV if method == "delta_kv" else DXA
+    with dense_fallback(False):
+        before = getattr(fast, method)(q, k, v, **params)
+    want = reference.attention(q, k, v)
+    for ratio, dense in ((0.6, (2, 3)), (0.01, (0, 1, 2, 3))):
+        with dense_fallback(rates=table(ratio)):
+            after = getattr(fast, method)(q, k, v, **params)
+        for h in range(HQ):
+            if h in dense:
+                assert float((after[:, h].float() - want[:, h].float()).abs().max()) < 2e-3
+            else:
+                assert torch.equal(after[:, h], before[:, h])
+
+
 def test_delta_kv_packing_of_a_dense_kv_head_is_one_anchor() -> None:
     from sparseprefill.fast.delta_kv import first_key_only
     from sparseprefill.fast.kernels.delta_pack import keep_mask, pack
