@@ -61,7 +61,7 @@ from ..reference.dense_fallback import (
     probe_gap_density,
 )
 from ..reference.plan import BlockColumnPlan, cdiv
-from .attention import dense_heads_attention, sdpa_serves
+from .attention import dense_heads_attention, dense_heads_into, sdpa_serves
 from .capture import static_widths_active
 from .dense import dense_plan
 from .dense_fallback import active_rates, plan_with_fallback
@@ -287,7 +287,7 @@ def anchor_attention(
                                                      scale=sm_scale),
                                    seqlen=n, block_m=block_m, head_dim=shape.head_dim, dtype=q.dtype, rates=rates)
         if len(exited) == shape.q_heads:
-            return dense_heads_attention(q, k, v, exited, torch.empty_like(q), scale=sm_scale)
+            return dense_heads_into(q, k, v, exited, None, scale=sm_scale, block_m=block_m)
 
     def run(h0: int, h1: int) -> torch.Tensor:
         kv0, kv1 = h0 // g, (h1 - 1) // g + 1

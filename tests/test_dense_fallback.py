@@ -238,13 +238,17 @@ def test_early_exit_is_exact(impl: Any, monkeypatch: pytest.MonkeyPatch) -> None
             before.without_heads([x for x in range(HQ) if x not in one]))
 
 
-def test_every_head_exiting_skips_the_estimate() -> None:
+@pytest.mark.parametrize("method, params", [
+    ("xattention", {"block": 32, "threshold": 0.99}),
+    ("anchor_attention", {"block_m": 32, "block_n": 32, "step": 2, "theta": 12.0}),
+])
+def test_every_head_exiting_skips_the_estimate(method: str, params: dict[str, Any]) -> None:
     q, k, v = qkv()
     with dense_fallback(rates=table(0.01)):
-        plan = reference.xattention_plan(q, k, block=32, threshold=0.99)
+        plan = getattr(reference, f"{method}_plan")(q, k, **params)
         assert plan.dense_heads == tuple(range(HQ))
         assert int(plan.block_count.sum()) == 0
-        out = fast.xattention(q, k, v, block=32, threshold=0.99)
+        out = getattr(fast, method)(q, k, v, **params)
     assert (out.float() - reference.attention(q, k, v).float()).abs().max() < 2e-3
 
 
