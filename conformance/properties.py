@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
+from .dense_fallback import SUMMARY as DENSE_FALLBACK, applies as applies_dense_fallback, prop_dense_fallback, rule_off
 from .registry import MethodSpec
 from .strategies import (
     Caps,
@@ -960,7 +961,8 @@ def _prop_recall_random(draw: Draw, caps: Caps, spec: MethodSpec | None) -> floa
         return check_recall_density(q, k, mask, scale=scale, context=f"{context} as mask scale={scale}")
 
 
-PROPERTIES: tuple[Property, ...] = (
+# The rule off for these (conformance.dense_fallback says why); "dense_fallback" checks the rule.
+PROPERTIES: tuple[Property, ...] = tuple(replace(p, run=rule_off(p.run)) for p in (
     Property("plan", True, _prop_method_plan,
              "fast plan equals the reference plan (equal() and to_dense_mask()); for a method "
              "without a plan, its structures (Delta-KV: keep mask, packing, phase plans)"),
@@ -989,7 +991,7 @@ PROPERTIES: tuple[Property, ...] = (
     Property("plan_validation", False, _prop_plan_validation,
              "plans that break one invariant (order, range, causality, counts, disjointness, "
              "dtype, shape) are refused by validate() and both packages before any launch"),
-)
+)) + (Property("dense_fallback", True, prop_dense_fallback, DENSE_FALLBACK, applies=applies_dense_fallback),)
 
 
 def properties() -> dict[str, Property]:

@@ -37,14 +37,43 @@ import os
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, PerHead, check_qk, check_qkv, per_head, resolve_scale
-from ..reference.anchor_attention import STEP, THETA, check_anchor_params, check_theta, group_step
+from ..reference._checks import (
+    HALF_DTYPES,
+    PerHead,
+    check_qk,
+    check_qkv,
+    per_head,
+    resolve_scale,
+)
+from ..reference.anchor_attention import (
+    STEP,
+    THETA,
+    check_anchor_params,
+    check_theta,
+    group_step,
+)
 from ..reference.attention import AttentionState
+from ..reference.dense_fallback import (
+    break_even_heads,
+    early_dense_heads,
+    heads_view,
+    knob_heads,
+    probe_gap_density,
+)
 from ..reference.plan import BlockColumnPlan, cdiv
+from .attention import dense_heads_attention, dense_heads_into, sdpa_serves
 from .capture import static_widths_active
-from .kernels import block_column_attention, block_column_row_max, check_forward_only, check_kernel_block_sizes, check_kernel_device
-from .kernels.anchor_stripes import search_width_bound, stripe_index
+from .dense import dense_plan
+from .dense_fallback import active_rates, plan_with_fallback
+from .kernels import (
+    block_column_attention,
+    block_column_row_max,
+    check_forward_only,
+    check_kernel_block_sizes,
+    check_kernel_device,
+)
 from .kernels._common import head_group
+from .kernels.anchor_stripes import search_width_bound, stripe_index
 
 # Anchors from the kernel's row-max switch (no exp2, no P x V); `SPARSEPREFILL_ANCHOR_ROW_MAX=0`
 # runs the full attention pass with `k` as values instead (the earlier design, kept for
@@ -174,11 +203,34 @@ def anchor_attention_plan(
     sm_scale = resolve_scale(scale, shape.head_dim)
     b, h, n = shape.batch, shape.q_heads, shape.seqlen
     step = group_step(step, n, block_m)
-    x_a = anchor_maxima(q, k, step=step, block_m=block_m, block_n=block_n, scale=sm_scale)
-    counts, index = stripe_index(q, k, x_a, theta=theta, step=step, block_m=block_m,
-                                 block_n=block_n, scale=sm_scale)
-    return _plans(b, h, n, step=step, block_m=block_m, block_n=block_n, counts=counts, index=index,
-                  device=q.device, with_blocks=True)
+
+    def estimate(heads: list[int] | None) -> BlockColumnPlan:
+        qs, ks = heads_view(q, k, heads)
+        x_a = anchor_maxima(qs, ks, step=step, block_m=block_m, block_n=block_n, scale=sm_scale)
+        counts, index = stripe_index(qs, ks, x_a, theta=knob_heads(theta, heads), step=step, block_m=block_m,
+                                     block_n=block_n, scale=sm_scale)
+        return _plans(b, int(qs.shape[1]), n, step=step, block_m=block_m, block_n=block_n, counts=counts,
+                      index=index, device=q.device, with_blocks=True)
+
+    return plan_with_fallback(q, k, estimate, block_m=block_m, block_n=block_n,
+                              probe=lambda: probe_gap_density(q, k, theta=_theta_vector(theta, h, q.device),
+                                                              scale=sm_scale))
+
+
+def _theta_vector(theta: float | torch.Tensor, heads: int, device: torch.device) -> torch.Tensor:
+    """theta as float64 `[Hq]` (a scalar repeated)."""
+    if isinstance(theta, torch.Tensor):
+        return theta.to(device=device, dtype=torch.float64)
+    return torch.full((heads,), float(theta), dtype=torch.float64, device=device)
+
+
+def _dense_lists_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, like: BlockColumnPlan,
+                        heads: tuple[int, ...], out: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """`out` with `heads` replaced by full causal attention through our kernel (no SDPA here)."""
+    full = dense_plan(q, k, block_m=like.block_m, block_n=like.block_n)
+    res, _ = block_column_attention(q, k, v, full, scale=sm_scale, validate_plan=False)
+    idx = torch.tensor(heads, device=q.device)
+    return out.index_copy(1, idx, res.index_select(1, idx))
 
 
 def stripe_plan_nbytes(batch: int, heads: int, seqlen: int, *, step: int, block_m: int, width: int) -> int:
@@ -227,6 +279,16 @@ def anchor_attention(
     head_bytes = stripe_plan_nbytes(b, 1, n, step=step, block_m=block_m, width=max(1, bound))
     heads = head_group(shape.q_heads, g, PLAN_BYTES // head_bytes)
 
+    rates = active_rates(q)
+    exited: tuple[int, ...] = ()
+    if rates is not None:
+        # Early exit: heads whose last rows keep most keys within theta skip the stripe pass.
+        exited = early_dense_heads(probe_gap_density(q, k, theta=_theta_vector(theta, shape.q_heads, q.device),
+                                                     scale=sm_scale),
+                                   seqlen=n, block_m=block_m, head_dim=shape.head_dim, dtype=q.dtype, rates=rates)
+        if len(exited) == shape.q_heads:
+            return dense_heads_into(q, k, v, exited, None, scale=sm_scale, block_m=block_m)
+
     def run(h0: int, h1: int) -> torch.Tensor:
         kv0, kv1 = h0 // g, (h1 - 1) // g + 1
         qs, ks, vs = q[:, h0:h1], k[:, kv0:kv1], v[:, kv0:kv1]
@@ -240,6 +302,16 @@ def anchor_attention(
                                      block_m=block_m, block_n=block_n, scale=sm_scale)
         stripes = _plans(b, h1 - h0, n, step=step, block_m=block_m, block_n=block_n, counts=counts,
                          index=index, device=q.device, with_blocks=False)
+        dense: tuple[int, ...] = ()
+        if rates is not None:
+            # The break-even rule on the group's whole plan (anchor blocks and stripes), as
+            # `anchor_attention_plan` decides it; the early-exited heads join it.
+            whole = _plans(b, h1 - h0, n, step=step, block_m=block_m, block_n=block_n, counts=counts,
+                           index=index, device=q.device, with_blocks=True)
+            ruled = set(break_even_heads(whole, head_dim=shape.head_dim, dtype=q.dtype, rates=rates))
+            dense = tuple(sorted(ruled | {h - h0 for h in exited if h0 <= h < h1}))
+            if dense:
+                stripes = stripes.without_heads(dense)
         # Key blocks a group's stripes hold whole run as blocks (dense rate), not as
         # column gathers: the H200 bench's 128K stripe pass took 1159 ms as columns.
         # The promotion reads list widths back (host syncs): static widths (and graph
@@ -248,6 +320,9 @@ def anchor_attention(
             stripes = stripes.with_full_blocks()
         out, _ = block_column_attention(qs, ks, vs, stripes, scale=sm_scale, state=state,
                                         validate_plan=False)  # Alg. 3
+        if dense:
+            out = dense_heads_attention(qs, ks, vs, dense, out, scale=sm_scale) if sdpa_serves(qs, stripes) \
+                else _dense_lists_output(qs, ks, vs, stripes, dense, out, sm_scale)
         return out
 
     if heads == shape.q_heads:

@@ -15,12 +15,21 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, PerHeadInt, check_block_size, check_knob, check_qk, check_qkv, per_head
+from ..reference._checks import (
+    HALF_DTYPES,
+    PerHeadInt,
+    check_block_size,
+    check_knob,
+    check_qk,
+    check_qkv,
+    per_head,
+)
 from ..reference.block_sparse import check_top_k
 from ..reference.plan import BlockColumnPlan, cdiv, rank_nan_last
+from .attention import run_plan
 from .dense import empty_columns
+from .dense_fallback import apply_rule
 from .kernels import (
-    block_column_attention,
     check_forward_only,
     check_kernel_block_sizes,
     check_kernel_device,
@@ -94,7 +103,7 @@ def block_sparse_plan(
         count = torch.minimum(torch.arange(1, nb + 1, device=dev), widths[:, None]).to(torch.int32)
         count = count.expand(b, hq, nb)
     col_count, col_index = empty_columns(b, hq, nb, dev)
-    return BlockColumnPlan(
+    return apply_rule(BlockColumnPlan(
         seqlen=shape.seqlen,
         block_m=bs,
         block_n=bs,
@@ -102,7 +111,7 @@ def block_sparse_plan(
         block_index=block_index,
         column_count=col_count,
         column_index=col_index,
-    )
+    ), q)
 
 
 def block_sparse(
@@ -122,5 +131,4 @@ def block_sparse(
     check_qkv(q, k, v, dtypes=HALF_DTYPES)
     check_forward_only(q, k, v)
     plan = block_sparse_plan(q, k, top_k=top_k, block_size=block_size)
-    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
-    return out
+    return run_plan(q, k, v, plan, scale=scale)

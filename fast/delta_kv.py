@@ -6,6 +6,13 @@ phases of 4.1.4 are two launches of the one block/column kernel chained through 
 `AttentionState`: phase 1 reads the packed anchors through per-(batch row, KV head)
 offsets (`ragged_block_column_attention`) with the log run length as a per-key bias,
 phase 2 resumes from its state over the original keys of the critical diagonal.
+
+`delta_kv` decides on the measured keep ratio before packing (the break-even rule,
+`reference.dense_fallback.keep_dense_kv_heads`, through `fast.dense_fallback`): a KV
+head that keeps too many keys for packed attention to beat dense keeps only its first
+key in the packing (its segment is one anchor), its query heads list nothing in either
+phase, and they run full causal attention through torch SDPA (or our kernel where SDPA
+is not the faster dense path).
 """
 
 from __future__ import annotations
@@ -26,9 +33,12 @@ from ..reference.delta_kv import (
     check_packed,
     check_packed_for,
     cdiv_tensor,
+    dense_query_heads,
     kv_threshold,
 )
 from ..reference.plan import BlockColumnPlan, cdiv
+from .attention import dense_heads_into
+from .dense_fallback import active_rates
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
 from .kernels.block_column import ragged_block_column_attention
 from .kernels.delta_pack import keep_mask, pack
@@ -105,9 +115,10 @@ def delta_kv_plans(
 class _Diagonal:
     """Phase 2's per-query-block geometry, on the device: the first whole key block past
     the cut (`first_block`), the number of whole blocks up to the diagonal (`count`) and
-    the columns `[cut, col_end)` before the first whole block."""
+    the columns `[cut, col_end)` before the first whole block. The query heads of `drop`
+    (bool `[Hq]`, heads that run dense elsewhere) list nothing."""
 
-    def __init__(self, cut: torch.Tensor, *, n: int, bm: int, bs: int) -> None:
+    def __init__(self, cut: torch.Tensor, *, n: int, bm: int, bs: int, drop: torch.Tensor | None = None) -> None:
         dev = cut.device
         qb = cut.shape[-1]
         last_row = (torch.arange(1, qb + 1, device=dev, dtype=torch.int64) * bm).clamp(max=n) - 1
@@ -116,6 +127,10 @@ class _Diagonal:
         self.count = (last_row // bs - self.first_block + 1).clamp(min=0)
         # Columns: from `cut` up to the first whole block, never past the block's last row.
         self.col_count = (torch.minimum(self.first_block * bs, last_row + 1) - cut).clamp(min=0)
+        if drop is not None:
+            # Before the width is read: a dense head's whole diagonal must not widen the lists.
+            self.count = torch.where(drop[None, :, None], 0, self.count)
+            self.col_count = torch.where(drop[None, :, None], 0, self.col_count)
 
 
 class _HostMax:
@@ -143,8 +158,10 @@ class _HostMax:
         return int(self._host.item())
 
 
-def _phase1_plan(q: torch.Tensor, packed: PackedKV, bm: int) -> tuple[BlockColumnPlan, _Diagonal]:
-    """Phase 1's plan and phase 2's geometry, with tensor ops only (no host read)."""
+def _phase1_plan(q: torch.Tensor, packed: PackedKV, bm: int,
+                 dense: tuple[int, ...] = ()) -> tuple[BlockColumnPlan, _Diagonal]:
+    """Phase 1's plan and phase 2's geometry, with tensor ops only (no host read); the
+    query heads `dense` list nothing in either phase."""
     b, hq, n, _ = q.shape
     bs = packed.block
     dev = q.device
@@ -153,6 +170,11 @@ def _phase1_plan(q: torch.Tensor, packed: PackedKV, bm: int) -> tuple[BlockColum
     group = hq // packed.kv_heads
     safe = safe.view(b, packed.kv_heads, qb).repeat_interleave(group, dim=1)
     cut = cut.view(b, packed.kv_heads, qb).repeat_interleave(group, dim=1)
+    drop = None
+    if dense:
+        drop = torch.zeros(hq, dtype=torch.bool, device=dev)
+        drop[list(dense)] = True
+        safe = torch.where(drop[None, :, None], 0, safe)
     phase1 = BlockColumnPlan(
         seqlen=n, block_m=bm, block_n=bs,
         block_count=safe.to(torch.int32),
@@ -160,7 +182,7 @@ def _phase1_plan(q: torch.Tensor, packed: PackedKV, bm: int) -> tuple[BlockColum
         column_count=torch.zeros(b, hq, qb, dtype=torch.int32, device=dev),
         column_index=torch.zeros(b, hq, qb, 0, dtype=torch.int32, device=dev),
     ).mark_valid()
-    return phase1, _Diagonal(cut, n=n, bm=bm, bs=bs)
+    return phase1, _Diagonal(cut, n=n, bm=bm, bs=bs, drop=drop)
 
 
 def _phase2_plan(diag: _Diagonal, width: int) -> BlockColumnPlan:
@@ -234,21 +256,32 @@ def delta_kv_attention(
     check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
     bm = check_block_size("block_m", block_m)
     check_kernel_block_sizes(bm, packed.block, names=("block_m", "packed.block"))
-    plan1, diagonal = _phase1_plan(q, packed, bm)
+    return _two_phases(q, k, v, packed, bm=bm, count_weighted=count_weighted, exact_diagonal=exact_diagonal,
+                       scale=scale)
+
+
+def _two_phases(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedKV, *, bm: int,
+                count_weighted: bool, exact_diagonal: bool, scale: float,
+                dense: tuple[int, ...] = ()) -> torch.Tensor:
+    """`delta_kv_attention` on checked inputs; the query heads `dense` (whole KV groups,
+    sorted) list nothing in either phase and get full causal attention
+    (`fast.attention.dense_heads_into`)."""
+    plan1, diagonal = _phase1_plan(q, packed, bm, dense)
     width = _HostMax(diagonal.count)  # read after phase 1 is queued: no idle GPU while it waits
     counts = packed.counts.to(torch.float32)
     # Eq. 4 as a bias: c exp(s) = exp(s + log c); padding (count 0) weighs nothing.
     bias = torch.log(counts) if count_weighted else torch.where(counts > 0, 0.0, -math.inf)
     state = AttentionState.like(q)
     # Launched even where no query block has a safe block: its programs then leave at
-    # once, cheaper than the host read that would skip them. The offsets are a checked
-    # packing's (`check_packed` above), so the launcher's own range check is skipped.
+    # once, cheaper than the host read that would skip them. The offsets are a valid
+    # packing's (checked by `delta_kv_attention`, or built by `pack`), so the launcher's
+    # own range check is skipped.
     ragged_block_column_attention(q, packed.k, packed.v, packed.offsets[:-1].contiguous(), plan1,
                                   key_bias=bias, scale=scale, state=state, check_offsets=False)
     plan2 = _phase2_plan(diagonal, width.get())
     k2, v2 = (k, v) if exact_diagonal else expand_packed(packed)
     out, _ = block_column_attention(q, k2, v2, plan2, scale=scale, state=state, validate_plan=False)
-    return out
+    return dense_heads_into(q, k, v, dense, out, scale=scale, block_m=bm)
 
 
 def delta_kv(
@@ -270,8 +303,18 @@ def delta_kv(
 
     Host synchronisations: two, the packed buffer's size and the phase-2 width; the
     width is copied out behind an event and read after phase 1 is queued, so the GPU
-    does not idle while the host waits for it. No static variant, not capture-safe
-    (docs/serving.md).
+    does not idle while the host waits for it; with the break-even rule on (CUDA, by
+    default) one more, the `[Hkv]` flags of the KV heads whose keep ratio sends them
+    dense (read after the keep mask, before packing). No static variant, not
+    capture-safe (docs/serving.md).
+
+    The break-even rule (`reference.dense_fallback.keep_dense_kv_heads`): a KV head
+    whose keep ratio (batch rows together) is at or above the ratio where packed
+    attention stops beating dense is not packed (its segment keeps one anchor) and its
+    query heads run full causal attention through torch SDPA (or our kernel where SDPA
+    is not the faster dense path); every other head gets exactly the output it gets
+    without the rule. Off: `SPARSEPREFILL_DENSE_FALLBACK=0` or
+    `fast.dense_fallback.dense_fallback(False)`.
 
     Raises:
         TypeError, ValueError: bad inputs or parameters, before any launch.
@@ -288,9 +331,38 @@ def delta_kv(
     check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
     scale = resolve_scale(scale, shape.head_dim)
     keep, chunk_counts = keep_mask(k, threshold=thr, cosine=metric == "cosine", chunk=size)
+    dense = dense_query_heads(q, chunk_counts.view(shape.batch, shape.kv_heads, -1).sum(dim=-1),
+                              seqlen=shape.seqlen, block_m=bm, block_n=bn, rates=active_rates(q))
+    if len(dense) == shape.q_heads:
+        return dense_heads_into(q, k, v, dense, None, scale=scale, block_m=bm)
+    if dense:
+        keep, chunk_counts = first_key_only(keep, chunk_counts, sorted({h // shape.group for h in dense}))
     packed = pack(k, v, keep, chunk_counts, chunk=size, block=bn).mark_valid()
-    return delta_kv_attention(q, k, v, packed, block_m=bm, count_weighted=count_weighted,
-                              exact_diagonal=exact_diagonal, scale=scale)
+    return _two_phases(q, k, v, packed, bm=bm, count_weighted=count_weighted, exact_diagonal=exact_diagonal,
+                       scale=scale, dense=dense)
+
+
+def first_key_only(keep: torch.Tensor, chunk_counts: torch.Tensor,
+                   kv_heads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keep mask and anchors per chunk with the KV heads `kv_heads` keeping their first
+    key only (one anchor, a segment of one packed block): what the packing of a KV head
+    that runs dense costs.
+
+    Args:
+        keep: bool `[B, Hkv, N]`; chunk_counts: int32 `[B * Hkv, C]` (`keep_mask`'s).
+        kv_heads: sorted KV heads.
+
+    Returns:
+        New (keep, chunk_counts); the inputs are not modified.
+    """
+    b, hkv, _ = keep.shape
+    idx = torch.tensor(kv_heads, device=keep.device)
+    keep = keep.clone()
+    keep[:, idx, 1:] = False
+    counts = chunk_counts.clone().view(b, hkv, -1)
+    counts[:, idx] = 0
+    counts[:, idx, 0] = 1
+    return keep, counts.view(b * hkv, -1)
 
 
 def delta_kv_density(q: torch.Tensor, packed: PackedKV, *, block_m: int = 64) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ..reference.delta_kv import PackedKV, check_flags
 from ..reference.delta_xattention import (
     EXACT,
     PACKED,
+    SKIPPED,
     TilePackedKV,
     check_exact_top,
     check_key_dtype,
@@ -39,6 +40,7 @@ from ..reference.delta_xattention import (
     check_unselected,
     delta_xattention_density,
     delta_xattention_kv_reduction,
+    dense_query_heads,
     empty_packing,
     exact_tiles as reference_exact_tiles,
     skip_tiles as reference_skip_tiles,
@@ -47,7 +49,9 @@ from ..reference.delta_xattention import (
 )
 from ..reference.plan import BlockColumnPlan, cdiv, mask_to_list
 from ..reference.xattention import check_xattention_params
+from .attention import dense_heads_into
 from .dense import empty_columns
+from .dense_fallback import active_rates
 from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes, check_kernel_device
 from .kernels.block_column import ragged_block_column_attention
 from .kernels.delta_pack import keep_mask, pack
@@ -204,21 +208,55 @@ def delta_tile_pack(
         raise TypeError(f"k must have dtype float16 or bfloat16 for the fast kernels, got {k.dtype}")
     check_kernel_block_sizes(bs, pb, names=("block", "packed_block"))
     check_kernel_device(k)
-    b, h, n, _ = k.shape
-    tiles = cdiv(n, bs) - 1
-    if tiles == 0:
-        return empty_packing(k, bs, pb)
+    check_tile_count(k.shape[2], bs)
+    keep, counts = _tile_keep(k, threshold=thr, metric=metric, block=bs)
+    return _tile_pack(k, v, keep, counts, block=bs, packed_block=pb)
+
+
+def check_tile_count(seqlen: int, block: int) -> None:
+    """Raise ValueError when the packing kernel's grid cannot hold `ceil(N / block) - 1` tiles."""
+    tiles = cdiv(seqlen, block) - 1
     if tiles > _MAX_GRID_Y:
         raise ValueError(f"N / block must be at most {_MAX_GRID_Y + 1} tiles for the packing kernel, got "
                          f"{tiles + 1}; use a larger block")
-    k4, v4 = tile_view(k, bs, tiles), tile_view(v, bs, tiles)
-    rows = max(1, _MAX_GRID_Y // tiles)
-    parts = []
-    for r0 in range(0, b * h, rows):
-        kp, vp = k4[r0:r0 + rows], v4[r0:r0 + rows]
-        keep, counts = keep_mask(kp, threshold=thr, cosine=metric == "cosine", chunk=bs)
-        parts.append(pack(kp, vp, keep, counts, chunk=bs, block=pb))
-    return TilePackedKV(packed=_merge(parts), batch=b, kv_heads=h, seqlen=n, block=bs).mark_valid()
+
+
+def _tile_rows(b: int, h: int, tiles: int) -> range:
+    """The first (batch row, KV head) of each launch of the packing kernels (its grid's
+    second dimension holds at most `_MAX_GRID_Y` tile segments)."""
+    return range(0, b * h, max(1, _MAX_GRID_Y // max(1, tiles)))
+
+
+def _tile_keep(k: torch.Tensor, *, threshold: float, metric: str,
+               block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 per tile on checked inputs (see `reference.delta_xattention.tile_keep_mask`):
+    (keep bool `[B * Hkv, T - 1, block]`, anchors per tile int32 `[B * Hkv * (T - 1), 1]`)."""
+    b, h, n, _ = k.shape
+    tiles = cdiv(n, block) - 1
+    if tiles == 0:
+        return (torch.zeros(b * h, 0, block, dtype=torch.bool, device=k.device),
+                torch.zeros(0, 1, dtype=torch.int32, device=k.device))
+    k4 = tile_view(k, block, tiles)
+    step = _tile_rows(b, h, tiles).step
+    parts = [keep_mask(k4[r0:r0 + step], threshold=threshold, cosine=metric == "cosine", chunk=block)
+             for r0 in _tile_rows(b, h, tiles)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _tile_pack(k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor, *, block: int,
+               packed_block: int) -> TilePackedKV:
+    """Stage 2 per tile on checked inputs, from `_tile_keep`'s mask and counts."""
+    b, h, n, _ = k.shape
+    tiles = cdiv(n, block) - 1
+    if tiles == 0:
+        return empty_packing(k, block, packed_block)
+    k4, v4 = tile_view(k, block, tiles), tile_view(v, block, tiles)
+    step = _tile_rows(b, h, tiles).step
+    parts = [pack(k4[r0:r0 + step], v4[r0:r0 + step], keep[r0:r0 + step], counts[r0 * tiles:(r0 + step) * tiles],
+                  chunk=block, block=packed_block) for r0 in _tile_rows(b, h, tiles)]
+    return TilePackedKV(packed=_merge(parts), batch=b, kv_heads=h, seqlen=n, block=block).mark_valid()
 
 
 def _packed_plan(modes: torch.Tensor, packing: TilePackedKV, seqlen: int) -> BlockColumnPlan:
@@ -311,6 +349,12 @@ def delta_xattention_attention(
     modes = check_modes(modes, tuple(q.shape), packing)
     check_flags(count_weighted=count_weighted)
     check_kernel_block_sizes(packing.block, packing.packed_block, names=("block", "packed_block"))
+    return _two_launches(q, k, v, modes, packing, count_weighted=count_weighted, scale=scale)
+
+
+def _two_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor, packing: TilePackedKV,
+                  *, count_weighted: bool, scale: float) -> torch.Tensor:
+    """`delta_xattention_attention` on checked inputs."""
     exact_plan, packed_plan = delta_xattention_plans(q, modes, packing)
     state = AttentionState.like(q)
     if bool((packed_plan.block_count > 0).any()):
@@ -342,6 +386,14 @@ def delta_xattention(
 ) -> torch.Tensor:
     """DeltaXAttention end to end (see `reference.delta_xattention`).
 
+    The break-even rule (on by default on CUDA; `reference.delta_xattention.dense_query_heads`)
+    decides on the tiles and the keep mask, before packing: a query head whose two
+    launches would not beat dense lists nothing in either launch and runs full causal
+    attention through torch SDPA (or our kernel where SDPA is not the faster dense path);
+    a KV head whose query heads all run dense is not packed (one anchor a tile). Host
+    reads: the packed buffer's size, the packed plan's width, whether any tile is packed;
+    with the rule on, one more (the `[Hq]` flags).
+
     Returns:
         `[B, Hq, N, D]` in q's dtype.
 
@@ -354,13 +406,43 @@ def delta_xattention(
     check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
     check_exact_top(exact_top)
     check_unselected(unselected)
-    _, _, _, _, bs, pb = check_tile_pack_inputs(k, v, delta_threshold, metric, block, packed_block)
+    _, _, thr, metric, bs, pb = check_tile_pack_inputs(k, v, delta_threshold, metric, block, packed_block)
     check_fast_block(bs)
     check_kernel_block_sizes(bs, pb, names=("block", "packed_block"))
     check_flags(count_weighted=count_weighted)
     scale = resolve_scale(scale, shape.head_dim)
+    check_tile_count(shape.seqlen, bs)
     modes = delta_xattention_tiles(q, k, stride=stride, threshold=threshold, exact_top=exact_top, block=block,
                                    scoring=scoring, unselected=unselected, scale=scale)
-    packing = delta_tile_pack(k, v, delta_threshold=delta_threshold, metric=metric, block=block,
-                              packed_block=packed_block)
-    return delta_xattention_attention(q, k, v, modes, packing, count_weighted=count_weighted, scale=scale)
+    keep, counts = _tile_keep(k, threshold=thr, metric=metric, block=bs)
+    tiles = cdiv(shape.seqlen, bs) - 1
+    dense = dense_query_heads(q, modes, counts.view(shape.batch, shape.kv_heads, tiles), block=bs,
+                              packed_block=pb, rates=active_rates(q))
+    if len(dense) == shape.q_heads:
+        return dense_heads_into(q, k, v, dense, None, scale=scale, block_m=bs)
+    if dense:
+        modes, keep, counts = _without_heads(modes, keep, counts, dense, batch=shape.batch, kv_heads=shape.kv_heads)
+    packing = _tile_pack(k, v, keep, counts, block=bs, packed_block=pb)
+    out = _two_launches(q, k, v, modes, packing, count_weighted=count_weighted, scale=scale)
+    return dense_heads_into(q, k, v, dense, out, scale=scale, block_m=bs)
+
+
+def _without_heads(modes: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor, dense: tuple[int, ...], *,
+                   batch: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tiles and the per-tile keep mask of a run whose query heads `dense` run dense:
+    those heads' tiles `SKIPPED` (both launches list nothing for them), and the tiles of
+    a KV head whose every query head runs dense keep their first key only (one anchor
+    each: no packing to speak of). New tensors; the inputs are not modified."""
+    hq = int(modes.shape[1])
+    g = hq // kv_heads
+    modes = modes.clone()
+    modes[:, list(dense)] = SKIPPED
+    gone = [j for j in range(kv_heads) if all(h in set(dense) for h in range(j * g, (j + 1) * g))]
+    if not gone or keep.shape[1] == 0:
+        return modes, keep, counts
+    rows = torch.tensor([b * kv_heads + j for b in range(batch) for j in gone], device=keep.device)
+    keep = keep.clone()
+    keep[rows, :, 1:] = False
+    counts = counts.clone().view(batch * kv_heads, -1)
+    counts[rows] = 1
+    return modes, keep, counts.view(-1, 1)

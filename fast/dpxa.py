@@ -16,9 +16,17 @@ from __future__ import annotations
 import torch
 
 from ..reference._checks import HALF_DTYPES, PerHead, check_qkv, resolve_scale
+from ..reference.dense_fallback import heads_view, knob_heads
 from ..reference.plan import BlockColumnPlan
-from .kernels import block_column_attention, check_forward_only
-from .kernels.delta_score import _anchor_tile_weights, check_dpxa_inputs, dpxa_scoring_ratio, dpxa_tile_weights
+from .attention import run_plan
+from .dense_fallback import plan_with_fallback, probe_mass_density
+from .kernels import check_forward_only
+from .kernels.delta_score import (
+    _anchor_tile_weights,
+    check_dpxa_inputs,
+    dpxa_scoring_ratio,
+    dpxa_tile_weights,
+)
 from .xattention import select_plan
 
 __all__ = ["dpxa", "dpxa_plan", "dpxa_scoring_ratio", "dpxa_tile_weights"]
@@ -26,8 +34,14 @@ __all__ = ["dpxa", "dpxa_plan", "dpxa_scoring_ratio", "dpxa_tile_weights"]
 
 def _dpxa_plan(q: torch.Tensor, k: torch.Tensor, *, cos_threshold: float, tau: torch.Tensor, block: int,
                sm_scale: float) -> BlockColumnPlan:
-    weights = _anchor_tile_weights(q, k, cos_threshold=cos_threshold, block=block, sm_scale=sm_scale)
-    return select_plan(weights, tau, seqlen=q.shape[2], block=block)
+    """The tile plan, with the early exit and the break-even rule (`fast.dense_fallback`)."""
+    def estimate(heads: list[int] | None) -> BlockColumnPlan:
+        qs, ks = heads_view(q, k, heads)
+        weights = _anchor_tile_weights(qs, ks, cos_threshold=cos_threshold, block=block, sm_scale=sm_scale)
+        return select_plan(weights, knob_heads(tau, heads), seqlen=q.shape[2], block=block)
+
+    return plan_with_fallback(q, k, estimate, block_m=block, block_n=block, probe=lambda: probe_mass_density(
+        q, k, block_n=block, mass=tau, scale=sm_scale))
 
 
 def dpxa_plan(
@@ -78,5 +92,4 @@ def dpxa(
     check_forward_only(v)
     sm_scale = resolve_scale(scale, q.shape[3])
     plan = _dpxa_plan(q, k, cos_threshold=cos_threshold, tau=tau, block=block, sm_scale=sm_scale)
-    out, _ = block_column_attention(q, k, v, plan, scale=sm_scale, validate_plan=False)
-    return out
+    return run_plan(q, k, v, plan, scale=sm_scale)

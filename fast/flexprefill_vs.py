@@ -20,21 +20,31 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, PerHead, check_count, check_qk, check_qkv, per_head
+from ..reference._checks import (
+    HALF_DTYPES,
+    PerHead,
+    check_count,
+    check_qk,
+    check_qkv,
+    per_head,
+    resolve_scale,
+)
+from ..reference.dense_fallback import heads_view, knob_heads
 from ..reference.flexprefill_vs import (
     GAMMA,
     LINE_BLOCK,
-    check_flexprefill_vs_params,
     band_lines,
+    check_flexprefill_vs_params,
     check_gamma,
     cover_threshold,
     first_lines,
     pool_lines,
 )
-from ..reference.plan import cdiv
-from ..reference.plan import BlockColumnPlan
+from ..reference.plan import BlockColumnPlan, cdiv
+from .attention import run_plan
 from .capture import static_widths_active
-from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
+from .dense_fallback import plan_with_fallback, probe_mass_density
+from .kernels import check_forward_only, check_kernel_block_sizes
 from .kernels.last_q_estimate import last_q_scores
 from .kernels.vertical_slash_index import band_index, vertical_slash_index
 from .vertical_slash import with_own_columns
@@ -184,13 +194,20 @@ def flexprefill_vs_plan(
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
                                 init_columns=init_columns, local_diagonals=local_diagonals,
                                 line_block=line_block)
-    per_head(gamma, "gamma", shape.q_heads, check_gamma)
+    mass = per_head(gamma, "gamma", shape.q_heads, check_gamma, device=q.device)
     check_kernel_block_sizes(block_m, block_n)
-    verticals, slashes = flexprefill_vs_lines(
-        q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
-        local_diagonals=local_diagonals, line_block=line_block, scale=scale,
-    )
-    return lines_index(verticals, slashes, block_m=block_m, block_n=block_n, line_block=line_block)
+
+    def estimate(heads: list[int] | None) -> BlockColumnPlan:
+        qs, ks = heads_view(q, k, heads)
+        verticals, slashes = flexprefill_vs_lines(
+            qs, ks, gamma=gamma if heads is None else knob_heads(mass, heads), last_q=last_q,
+            init_columns=init_columns, local_diagonals=local_diagonals, line_block=line_block, scale=scale,
+        )
+        return lines_index(verticals, slashes, block_m=block_m, block_n=block_n, line_block=line_block)
+
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    return plan_with_fallback(q, k, estimate, block_m=block_m, block_n=block_n,
+                              probe=lambda: probe_mass_density(q, k, block_n=block_n, mass=mass, scale=sm_scale))
 
 
 def flexprefill_vs(
@@ -227,5 +244,4 @@ def flexprefill_vs(
         q, k, gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
         init_columns=init_columns, local_diagonals=local_diagonals, line_block=line_block, scale=scale,
     )
-    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
-    return out
+    return run_plan(q, k, v, plan, scale=scale)

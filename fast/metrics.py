@@ -46,7 +46,11 @@ def recall(
     _, lse_full = block_column_attention(q, k, k, full, scale=scale, return_lse=True,
                                          validate_plan=False)
     if isinstance(mask, BlockColumnPlan):
+        # A head of `dense_heads` keeps every causal key: its recall is 1 (set below).
         _, lse_kept = block_column_attention(q, k, k, mask, scale=scale, return_lse=True)
+        if mask.dense_heads:
+            assert lse_kept is not None and lse_full is not None
+            lse_kept[:, list(mask.dense_heads)] = lse_full[:, list(mask.dense_heads)]
     else:
         _, lse_kept = block_column_attention(q, k, k, full, mask=mask, scale=scale,
                                              return_lse=True, validate_plan=False)
@@ -93,4 +97,7 @@ def density(mask: torch.Tensor | BlockColumnPlan) -> torch.Tensor:
         cvalid = cvalid & ~columns_inside_blocks(plan.block_count[:, :, s0:s1],
                                                  plan.block_index[:, :, s0:s1], c, block_n=bn)
         kept += torch.where(cvalid, causal_pairs(r0, r1, c, c + 1), 0).sum(dim=(-1, -2))
+    if plan.dense_heads:
+        # A head of `dense_heads` keeps the whole causal area, whatever its lists.
+        kept[:, list(plan.dense_heads)] = n * (n + 1) // 2
     return kept.to(torch.float64) / (n * (n + 1) / 2)

@@ -23,10 +23,12 @@ from ..reference.minference import (
 )
 from ..reference.plan import BlockColumnPlan
 from .a_shape import a_shape, a_shape_plan
-from .attention import attention, sparse_attention
+from .attention import attention, run_plan, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
-from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
+from .dense_fallback import apply_rule
+from .kernels import check_forward_only, check_kernel_block_sizes
 from .vertical_slash import vertical_slash, vertical_slash_plan
+
 
 def _kernel_blocks(block_m: int, block_n: int, names: tuple[str, str]) -> None:
     check_kernel_block_sizes(block_m, block_n, names=names)
@@ -54,7 +56,7 @@ def minference_plan(
     Raises:
         TypeError, ValueError, IndexError: bad inputs, config or layer.
     """
-    return minference_plan_with(FAST_METHODS, q, k, config, layer=layer, scale=scale)
+    return apply_rule(minference_plan_with(FAST_METHODS, q, k, config, layer=layer, scale=scale), q)
 
 
 def minference(
@@ -79,8 +81,7 @@ def minference(
     check_qkv(q, k, v, dtypes=HALF_DTYPES)
     check_forward_only(q, k, v)
     plan = minference_plan(q, k, config, layer=layer, scale=scale)
-    out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)
-    return out
+    return run_plan(q, k, v, plan, scale=scale)
 
 
 def search_patterns(

@@ -350,6 +350,8 @@ def sparse_attention(
     """
     if not isinstance(plan, BlockColumnPlan):
         raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
+    # The op takes the four lists alone: a plan's dense heads travel as full causal lists.
+    plan = plan.with_dense_lists()
     check = not plan._checked if validate is None else bool(validate)
     args = (q, k, v, plan.block_count, plan.block_index, plan.column_count, plan.column_index,
             plan.seqlen, plan.block_m, plan.block_n, plan.columns_disjoint, plan.column_group,

@@ -42,7 +42,9 @@ from ..reference.sample_attention import (
     resolve_params,
     sampled_rows,
 )
-from .kernels import block_column_attention, check_forward_only
+from .attention import run_plan
+from .dense_fallback import apply_rule
+from .kernels import check_forward_only
 from .kernels.sample_index import sample_attention_index
 from .kernels.sampled_scores import _sampled_block_scores, check_score_inputs
 
@@ -100,7 +102,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, *, alpha_c: float | torch.Tensor, al
           block_size: int, sm_scale: float) -> BlockColumnPlan:
     columns, slashes = _selection(q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
                                   block_size=block_size, sm_scale=sm_scale)
-    return sample_attention_index(columns, slashes, seqlen=q.shape[2], block_size=block_size)
+    return apply_rule(sample_attention_index(columns, slashes, seqlen=q.shape[2], block_size=block_size), q)
 
 
 def sample_attention_scores(
@@ -216,5 +218,4 @@ def sample_attention(
     a_c, a_s, c_n, bs, sm_scale = _check_sample(q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n,
                                                 block_size=block_size, settings=settings, scale=scale)
     plan = _plan(q, k, alpha_c=a_c, alpha_s=a_s, chunk_n=c_n, block_size=bs, sm_scale=sm_scale)
-    out, _ = block_column_attention(q, k, v, plan, scale=sm_scale, validate_plan=False)
-    return out
+    return run_plan(q, k, v, plan, scale=sm_scale)

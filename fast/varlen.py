@@ -33,8 +33,14 @@ def varlen_attention(
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a packed batch under a stacked plan, one kernel launch
-    (see `reference.varlen_attention`; `kernels.varlen_block_column_attention`)."""
-    out, lse = varlen_block_column_attention(q, k, v, cu_seqlens, max_seqlen, plan, scale=scale,
+    (see `reference.varlen_attention`; `kernels.varlen_block_column_attention`).
+
+    The launcher reads the four lists alone: a plan's `dense_heads` (the break-even rule's
+    marks, kept by `stack_plans` where every sequence has them) travel as full causal
+    lists (`BlockColumnPlan.with_dense_lists`)."""
+    if not isinstance(plan, BlockColumnPlan):
+        raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
+    out, lse = varlen_block_column_attention(q, k, v, cu_seqlens, max_seqlen, plan.with_dense_lists(), scale=scale,
                                              return_lse=return_lse)
     if return_lse:
         assert lse is not None

@@ -33,7 +33,9 @@ from ..reference.vertical_slash import (
     line_counts,
     pad_to_counts,
 )
-from .kernels import block_column_attention, check_forward_only, check_kernel_block_sizes
+from .attention import run_plan
+from .dense_fallback import apply_rule
+from .kernels import check_forward_only, check_kernel_block_sizes
 from .kernels._common import head_group
 from .kernels.last_q_estimate import last_q_scores
 from .kernels.own_columns import resolve_covered_columns
@@ -145,7 +147,7 @@ def vertical_slash_plan(
     )
     plan = vertical_slash_index(verticals, slashes, seqlen=shape.seqlen, block_m=block_m,
                                 block_n=block_n)
-    return with_own_columns(plan)
+    return apply_rule(with_own_columns(plan), q)
 
 
 def with_own_columns(plan: BlockColumnPlan) -> BlockColumnPlan:
@@ -224,9 +226,8 @@ def vertical_slash(
             block_width=max(widths[h0:h1]), seqlen=n, block_m=block_m, block_n=block_n))
         # A group is whole KV heads, or query heads of one KV head.
         kv0, kv1 = h0 // g, (h1 - 1) // g + 1
-        part, _ = block_column_attention(q[:, h0:h1], k[:, kv0:kv1], v[:, kv0:kv1], plan,
-                                         scale=scale, validate_plan=False)
-        return part
+        plan = apply_rule(plan, q[:, h0:h1])
+        return run_plan(q[:, h0:h1], k[:, kv0:kv1], v[:, kv0:kv1], plan, scale=scale)
 
     if step == shape.q_heads:
         return run(0, shape.q_heads)

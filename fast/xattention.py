@@ -21,14 +21,28 @@ import math
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, PerHead, check_knob, check_qkv, per_head, resolve_scale
+from ..reference._checks import (
+    HALF_DTYPES,
+    PerHead,
+    check_knob,
+    check_qkv,
+    per_head,
+    resolve_scale,
+)
+from ..reference.dense_fallback import heads_view, knob_heads
 from ..reference.plan import BlockColumnPlan, mask_to_list, rank_nan_last
 from ..reference.xattention import check_threshold, check_weights
+from .attention import run_plan
 from .capture import static_widths_active
 from .dense import empty_columns
-from .kernels import block_column_attention, check_forward_only
+from .dense_fallback import plan_with_fallback, probe_mass_density
+from .kernels import check_forward_only
 from .kernels.tile_select import MAX_KERNEL_TILES, heads_threshold, select_tile_lists
-from .kernels.xattention_score import _tile_weights, check_xattention_inputs, xattention_tile_weights
+from .kernels.xattention_score import (
+    _tile_weights,
+    check_xattention_inputs,
+    xattention_tile_weights,
+)
 
 __all__ = ["select_tiles", "xattention", "xattention_plan", "xattention_tile_weights"]
 
@@ -151,8 +165,15 @@ def select_plan(weights: torch.Tensor, tau: float | torch.Tensor, *, seqlen: int
 
 def _xattention_plan(q: torch.Tensor, k: torch.Tensor, *, stride: int, tau: torch.Tensor, block: int, scoring: str,
                      sm_scale: float) -> BlockColumnPlan:
-    weights = _tile_weights(q, k, stride=stride, block=block, scoring=scoring, sm_scale=sm_scale)
-    return select_plan(weights, tau, seqlen=q.shape[2], block=block)
+    """The tile plan, with the early exit (a head whose last rows need most tiles for its
+    threshold's mass is not scored) and the break-even rule (`fast.dense_fallback`)."""
+    def estimate(heads: list[int] | None) -> BlockColumnPlan:
+        qs, ks = heads_view(q, k, heads)
+        weights = _tile_weights(qs, ks, stride=stride, block=block, scoring=scoring, sm_scale=sm_scale)
+        return select_plan(weights, knob_heads(tau, heads), seqlen=q.shape[2], block=block)
+
+    return plan_with_fallback(q, k, estimate, block_m=block, block_n=block, probe=lambda: probe_mass_density(
+        q, k, block_n=block, mass=tau, scale=sm_scale))
 
 
 def xattention_plan(
@@ -205,5 +226,4 @@ def xattention(
     check_forward_only(v)
     sm_scale = resolve_scale(scale, q.shape[3])
     plan = _xattention_plan(q, k, stride=stride, tau=tau, block=block, scoring=scoring, sm_scale=sm_scale)
-    out, _ = block_column_attention(q, k, v, plan, scale=sm_scale, validate_plan=False)
-    return out
+    return run_plan(q, k, v, plan, scale=sm_scale)

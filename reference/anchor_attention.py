@@ -60,6 +60,13 @@ from ._checks import (
 )
 from .attention import AttentionState, _chunk_rows, _group_mask, sparse_attention
 from .block_sparse import mean_pooling
+from .dense_fallback import (
+    active_rates,
+    heads_view,
+    knob_heads,
+    plan_with_fallback,
+    probe_gap_density,
+)
 from .plan import BlockColumnPlan, cdiv, mask_to_list
 
 # The paper's defaults (Section 4.1): theta = 12, step = 16, blocks of 128.
@@ -303,10 +310,16 @@ def anchor_attention_plan(
     n = shape.seqlen
     step = group_step(step, n, block_m)
     blocks = anchor_blocks(n, step=step, block_m=block_m, block_n=block_n, device=q.device)
-    x_a = anchor_scores(q, k, blocks, block_n=block_n, block_m=block_m, scale=sm_scale)  # Eq. 1
-    stripes = stripe_sets(q, k, x_a, theta=theta, step=step, block_m=block_m, block_n=block_n,
-                          scale=sm_scale)
-    return anchor_plan_from_stripes(stripes, seqlen=n, step=step, block_m=block_m, block_n=block_n)
+
+    def estimate(heads: list[int] | None) -> BlockColumnPlan:
+        qs, ks = heads_view(q, k, heads)
+        x_a = anchor_scores(qs, ks, blocks, block_n=block_n, block_m=block_m, scale=sm_scale)  # Eq. 1
+        stripes = stripe_sets(qs, ks, x_a, theta=knob_heads(theta, heads), step=step, block_m=block_m,
+                              block_n=block_n, scale=sm_scale)
+        return anchor_plan_from_stripes(stripes, seqlen=n, step=step, block_m=block_m, block_n=block_n)
+
+    return plan_with_fallback(q, k, estimate, rates=active_rates(q), block_m=block_m, block_n=block_n,
+                              probe=lambda: probe_gap_density(q, k, theta=theta, scale=sm_scale))
 
 
 def anchor_attention(
@@ -343,6 +356,10 @@ def anchor_attention(
     theta = per_head(theta, "theta", shape.q_heads, check_theta, device=q.device)
     sm_scale = resolve_scale(scale, shape.head_dim)
     n, b, h = shape.seqlen, shape.batch, shape.q_heads
+    if active_rates(q) is not None:
+        # The break-even rule decides on the whole plan: one pass over it (the same keys).
+        return sparse_attention(q, k, v, anchor_attention_plan(q, k, theta=theta, step=step, block_m=block_m,
+                                                               block_n=block_n, scale=scale), scale=sm_scale)
     step = group_step(step, n, block_m)
     groups = cdiv(cdiv(n, block_m), step)
     empty = torch.zeros(b, h, groups, n, dtype=torch.bool, device=q.device)

@@ -21,6 +21,7 @@ import torch
 
 from ._checks import PerHeadInt, check_block_size, check_knob, check_positive_int, check_qk, is_per_head, per_head
 from .attention import sparse_attention
+from .dense_fallback import apply_rule
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
 
@@ -132,7 +133,7 @@ def block_sparse_plan(
     assert isinstance(counts, (int, torch.Tensor))
     scores = block_scores(mean_pooling(q, bs), mean_pooling(k, bs))
     blocks = argtopk_blocks(scores, counts)
-    return BlockColumnPlan.from_masks(blocks, None, seqlen=shape.seqlen, block_m=bs, block_n=bs)
+    return apply_rule(BlockColumnPlan.from_masks(blocks, None, seqlen=shape.seqlen, block_m=bs, block_n=bs), q)
 
 
 def block_sparse(

@@ -66,6 +66,7 @@ from ._checks import (
     per_kv_head,
     resolve_scale,
 )
+from .dense_fallback import RateTable, active_rates, attend_dense_heads, keep_dense_kv_heads, query_heads_of
 from .plan import BlockColumnPlan, cdiv
 
 METRICS = ("euclidean", "cosine")
@@ -646,6 +647,12 @@ def delta_kv(
 ) -> torch.Tensor:
     """Delta-KV attention end to end: keep mask, packing, the two-phase attention.
 
+    Where the break-even rule is on (`reference.dense_fallback`: CUDA tensors by default,
+    any device inside `dense_fallback(rates=table)`), it decides on the keep mask, before
+    packing: the query heads of a KV head whose keep ratio (batch rows together) is at or
+    above `keep_dense_kv_heads`'s break-even get full causal attention instead (every
+    other head the output it gets without the rule).
+
     Args:
         q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]`.
         threshold, metric, chunk: Stage 1 (`delta_keep_mask`). `threshold` is a scalar or
@@ -670,9 +677,36 @@ def delta_kv(
     check_flags(count_weighted=count_weighted, exact_diagonal=exact_diagonal)
     resolve_scale(scale, q.shape[-1])
     keep = delta_keep_mask(k, threshold=thr, metric=metric, chunk=chunk)
+    dense = dense_query_heads(q, keep.sum(dim=-1), seqlen=k.shape[2], block_m=block_m, block_n=block_n,
+                              rates=active_rates(q))
+    if len(dense) == q.shape[1]:
+        return attend_dense_heads(q, k, v, dense, None, scale=scale)
     packed = delta_pack(k, v, keep, block=block_n)
-    return delta_kv_attention(q, k, v, packed, block_m=block_m, count_weighted=count_weighted,
-                              exact_diagonal=exact_diagonal, scale=scale)
+    out = delta_kv_attention(q, k, v, packed, block_m=block_m, count_weighted=count_weighted,
+                             exact_diagonal=exact_diagonal, scale=scale)
+    return attend_dense_heads(q, k, v, dense, out, scale=scale)
+
+
+def dense_query_heads(q: torch.Tensor, kept: torch.Tensor, *, seqlen: int, block_m: int, block_n: int,
+                      rates: RateTable | None) -> tuple[int, ...]:
+    """The query heads the break-even rule sends dense on a Delta-KV keep mask: the query
+    heads of the KV heads whose keep ratio is at or above `keep_dense_kv_heads`'s
+    break-even, or () when the rule is off (`rates` None). Both packages call it.
+
+    Args:
+        q: `[B, Hq, N, D]` (its dtype and head dim choose the rates).
+        kept: int `[B, Hkv]`, anchors per (batch row, KV head): the keep mask's sums.
+        seqlen: N. block_m, block_n: the run's query block and packed key block.
+        rates: the table in force (`active_rates(q)`), None when the rule is off.
+
+    Returns:
+        Sorted query heads (whole KV groups).
+    """
+    if rates is None:
+        return ()
+    kv = keep_dense_kv_heads(kept, seqlen=seqlen, block_m=block_m, block_n=block_n, head_dim=int(q.shape[-1]),
+                             dtype=q.dtype, rates=rates)
+    return query_heads_of(kv, int(q.shape[1]), int(kept.shape[1]))
 
 
 def delta_kv_density(q: torch.Tensor, packed: PackedKV, *, block_m: int = 64) -> torch.Tensor:

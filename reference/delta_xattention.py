@@ -68,6 +68,7 @@ from .delta_kv import (
     delta_keep_mask,
     delta_pack,
 )
+from .dense_fallback import RateTable, active_rates, attend_dense_heads, flagged, packed_head_costs
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
 from .xattention import check_threshold as check_threshold_of_tiles
 from .xattention import check_weights, check_xattention_params, select_tiles, xattention_tile_weights
@@ -493,16 +494,92 @@ def delta_tile_pack(
         TypeError, ValueError: bad inputs or parameters.
     """
     k, v, thr, metric, bs, pb = check_tile_pack_inputs(k, v, delta_threshold, metric, block, packed_block)
+    return tile_pack(k, v, tile_keep_mask(k, threshold=thr, metric=metric, block=bs), block=bs, packed_block=pb)
+
+
+def tile_keep_mask(k: torch.Tensor, *, threshold: float, metric: str, block: int) -> torch.Tensor:
+    """Sec. 4.2: Stage 1 per block (each tile one chunk, its first key an anchor), on checked
+    inputs: bool `[B * Hkv, T - 1, block]` over the packed tiles (`[B * Hkv, 0, block]` for
+    a single tile)."""
     b, h, n, _ = k.shape
-    tiles = cdiv(n, bs) - 1
+    tiles = cdiv(n, block) - 1
     if tiles == 0:
-        return empty_packing(k, bs, pb)
-    k4, v4 = tile_view(k, bs, tiles), tile_view(v, bs, tiles)
-    # Sec. 4.2: Stage 1 per block (each tile one chunk, its first key an anchor).
-    keep = delta_keep_mask(k4, threshold=thr, metric=metric, chunk=bs)
-    # Sec. 4.2: Stage 2 per block: one packed segment per tile.
-    packed = delta_pack(k4, v4, keep, block=pb)
-    return TilePackedKV(packed=packed, batch=b, kv_heads=h, seqlen=n, block=bs).mark_valid()
+        return torch.zeros(b * h, 0, block, dtype=torch.bool, device=k.device)
+    return delta_keep_mask(tile_view(k, block, tiles), threshold=threshold, metric=metric, chunk=block)
+
+
+def tile_pack(k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *, block: int,
+              packed_block: int) -> TilePackedKV:
+    """Sec. 4.2: Stage 2 per block (one packed segment per tile) from `tile_keep_mask`'s mask,
+    on checked inputs."""
+    b, h, n, _ = k.shape
+    tiles = cdiv(n, block) - 1
+    if tiles == 0:
+        return empty_packing(k, block, packed_block)
+    packed = delta_pack(tile_view(k, block, tiles), tile_view(v, block, tiles), keep, block=packed_block)
+    return TilePackedKV(packed=packed, batch=b, kv_heads=h, seqlen=n, block=block).mark_valid()
+
+
+def delta_xattention_pairs(modes: torch.Tensor, anchors: torch.Tensor, *, seqlen: int, block: int,
+                           packed_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (query, key) pairs the two launches compute, per (batch row, query head): what
+    the break-even rule prices (`reference.dense_fallback.packed_head_costs`).
+
+    An exact tile costs its causal pairs (the diagonal tile `r (r + 1) / 2`), a packed
+    tile its rows times its anchors padded to `packed_block` (the kernel reads whole
+    packed blocks). Integers throughout, a few heads at a time.
+
+    Args:
+        modes: int8 `[B, Hq, T, T]`, `delta_xattention_tiles`'s.
+        anchors: int `[B, Hkv, T - 1]`, anchors per packed tile (the keep mask's sums).
+        seqlen: N. block: tokens per tile. packed_block: the anchors' padding granule.
+
+    Returns:
+        (exact_pairs, packed_pairs), int64 `[B, Hq]`.
+    """
+    b, hq, t, _ = modes.shape
+    dev = modes.device
+    hkv = int(anchors.shape[1])
+    size = (seqlen - torch.arange(t, device=dev, dtype=torch.int64) * block).clamp(max=block)
+    pairs = (size[:, None] * size[None, :]).tril(-1) + torch.diag(size * (size + 1) // 2)
+    padded = torch.zeros(b, hkv, t, dtype=torch.int64, device=dev)
+    padded[..., : t - 1] = (anchors.to(torch.int64) + packed_block - 1) // packed_block * packed_block
+    exact = torch.zeros(b, hq, dtype=torch.int64, device=dev)
+    packed = torch.zeros(b, hq, dtype=torch.int64, device=dev)
+    step = max(1, (1 << 24) // max(1, b * t * t))
+    for h0 in range(0, hq, step):
+        h1 = min(hq, h0 + step)
+        m = modes[:, h0:h1]
+        exact[:, h0:h1] = torch.where(m == EXACT, pairs, 0).sum(dim=(-2, -1))
+        rows = torch.where(m == PACKED, size[:, None], 0).sum(dim=-2)  # [B, h, T]: query rows per key tile
+        kv = torch.arange(h0, h1, device=dev) // (hq // hkv)
+        packed[:, h0:h1] = (rows * padded[:, kv]).sum(dim=-1)
+    return exact, packed
+
+
+def dense_query_heads(q: torch.Tensor, modes: torch.Tensor, anchors: torch.Tensor, *, block: int,
+                      packed_block: int, rates: RateTable | None) -> tuple[int, ...]:
+    """The query heads the break-even rule sends dense, decided on the tiles and the keep
+    mask before packing: those whose two launches (`delta_xattention_pairs` priced by
+    `packed_head_costs`) are not faster than dense; () when the rule is off (`rates` None).
+    Both packages call it (one host read of `[Hq]` flags).
+
+    Args:
+        q: `[B, Hq, N, D]` (its dtype and head dim choose the rates).
+        modes: `[B, Hq, T, T]` tile modes. anchors: int `[B, Hkv, T - 1]`.
+        block, packed_block: the run's tile and packed block.
+        rates: the table in force, None when the rule is off.
+
+    Returns:
+        Sorted query heads.
+    """
+    if rates is None:
+        return ()
+    n = int(q.shape[2])
+    exact, packed = delta_xattention_pairs(modes, anchors, seqlen=n, block=block, packed_block=packed_block)
+    costs = packed_head_costs(exact, packed, seqlen=n, block_m=block, head_dim=int(q.shape[-1]), dtype=q.dtype,
+                              rates=rates)
+    return flagged(costs.dense)
 
 
 def packed_block_mask(modes: torch.Tensor, packing: TilePackedKV) -> torch.Tensor:
@@ -649,6 +726,13 @@ def delta_xattention(
 ) -> torch.Tensor:
     """DeltaXAttention end to end: XAttention's tiles, per-tile packing, exact + packed attention.
 
+    Where the break-even rule is on (`reference.dense_fallback`: CUDA tensors by default,
+    any device inside `dense_fallback(rates=table)`), it decides on the tiles and the keep
+    mask, before packing: a query head whose exact and packed pairs
+    (`delta_xattention_pairs`, priced by `packed_head_costs`) are not faster than dense
+    gets full causal attention instead (every other head the output it gets without the
+    rule).
+
     Args:
         q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]`.
         stride, threshold, block, scoring: XAttention's selection (`block` is also the
@@ -671,14 +755,19 @@ def delta_xattention(
     check_xattention_params(stride=stride, threshold=threshold, block=block, scoring=scoring)
     check_exact_top(exact_top)
     check_unselected(unselected)
-    check_tile_pack_inputs(k, v, delta_threshold, metric, block, packed_block)
+    _, _, thr, metric, bs, pb = check_tile_pack_inputs(k, v, delta_threshold, metric, block, packed_block)
     check_flags(count_weighted=count_weighted)
     resolve_scale(scale, q.shape[-1])
     modes = delta_xattention_tiles(q, k, stride=stride, threshold=threshold, exact_top=exact_top, block=block,
                                    scoring=scoring, unselected=unselected, scale=scale)
-    packing = delta_tile_pack(k, v, delta_threshold=delta_threshold, metric=metric, block=block,
-                              packed_block=packed_block)
-    return delta_xattention_attention(q, k, v, modes, packing, count_weighted=count_weighted, scale=scale)
+    keep = tile_keep_mask(k, threshold=thr, metric=metric, block=bs)
+    anchors = keep.sum(dim=-1).view(k.shape[0], k.shape[1], keep.shape[1])
+    dense = dense_query_heads(q, modes, anchors, block=bs, packed_block=pb, rates=active_rates(q))
+    if len(dense) == q.shape[1]:
+        return attend_dense_heads(q, k, v, dense, None, scale=scale)
+    packing = tile_pack(k, v, keep, block=bs, packed_block=pb)
+    out = delta_xattention_attention(q, k, v, modes, packing, count_weighted=count_weighted, scale=scale)
+    return attend_dense_heads(q, k, v, dense, out, scale=scale)
 
 
 def _tile_sizes(seqlen: int, block: int, device: torch.device) -> torch.Tensor:

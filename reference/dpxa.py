@@ -33,9 +33,24 @@ import math
 
 import torch
 
-from ._checks import PerHead, check_block_size, check_fraction, check_knob, check_qk, per_head, resolve_scale
+from ._checks import (
+    PerHead,
+    check_block_size,
+    check_fraction,
+    check_knob,
+    check_qk,
+    per_head,
+    resolve_scale,
+)
 from .attention import sparse_attention
 from .delta_kv import delta_keep_mask
+from .dense_fallback import (
+    active_rates,
+    heads_view,
+    knob_heads,
+    plan_with_fallback,
+    probe_mass_density,
+)
 from .plan import BlockColumnPlan, cdiv
 from .xattention import check_threshold, normalize_rows, select_tiles, tiles_to_plan
 
@@ -180,7 +195,8 @@ def dpxa_plan(
         scale: softmax scale of the scoring, `1/sqrt(D)` if None.
 
     Returns:
-        A `BlockColumnPlan` without columns, per batch row and query head.
+        A `BlockColumnPlan` without columns, per batch row and query head; the break-even
+        rule and the early exit as `xattention_plan`.
 
     Raises:
         TypeError, ValueError: bad inputs or parameters.
@@ -188,8 +204,15 @@ def dpxa_plan(
     shape = check_qk(q, k)
     cos_threshold, _, block = check_dpxa_params(cos_threshold=cos_threshold, threshold=threshold, block=block)
     tau = per_head(threshold, "threshold", shape.q_heads, check_threshold, device=q.device)
-    weights = dpxa_tile_weights(q, k, cos_threshold=cos_threshold, block=block, scale=scale)
-    return tiles_to_plan(select_tiles(weights, tau), seqlen=shape.seqlen, block=block)
+
+    def estimate(heads: list[int] | None) -> BlockColumnPlan:
+        qs, ks = heads_view(q, k, heads)
+        weights = dpxa_tile_weights(qs, ks, cos_threshold=cos_threshold, block=block, scale=scale)
+        return tiles_to_plan(select_tiles(weights, knob_heads(tau, heads)), seqlen=shape.seqlen, block=block)
+
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    return plan_with_fallback(q, k, estimate, rates=active_rates(q), block_m=block, block_n=block,
+                              probe=lambda: probe_mass_density(q, k, block_n=block, mass=tau, scale=sm_scale))
 
 
 def dpxa(

@@ -59,8 +59,20 @@ from ._checks import (
     resolve_scale,
 )
 from .attention import sparse_attention
+from .dense_fallback import (
+    active_rates,
+    heads_view,
+    knob_heads,
+    plan_with_fallback,
+    probe_mass_density,
+)
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
-from .vertical_slash import approximate_attention, slash_coverage, sum_slash, sum_vertical
+from .vertical_slash import (
+    approximate_attention,
+    slash_coverage,
+    sum_slash,
+    sum_vertical,
+)
 
 # FlexPrefill's and SharePrefill's cumulative attention threshold.
 GAMMA = 0.9
@@ -332,12 +344,19 @@ def flexprefill_vs_plan(
     check_flexprefill_vs_params(gamma=gamma, last_q=last_q, block_m=block_m, block_n=block_n,
                                 init_columns=init_columns, local_diagonals=local_diagonals,
                                 line_block=line_block)
-    per_head(gamma, "gamma", shape.q_heads, check_gamma)
-    verticals, slashes = flexprefill_vs_lines(
-        q, k, gamma=gamma, last_q=last_q, init_columns=init_columns,
-        local_diagonals=local_diagonals, line_block=line_block, scale=scale,
-    )
-    return lines_index(verticals, slashes, block_m=block_m, block_n=block_n, line_block=line_block)
+    mass = per_head(gamma, "gamma", shape.q_heads, check_gamma, device=q.device)
+
+    def estimate(heads: list[int] | None) -> BlockColumnPlan:
+        qs, ks = heads_view(q, k, heads)
+        verticals, slashes = flexprefill_vs_lines(
+            qs, ks, gamma=gamma if heads is None else knob_heads(mass, heads), last_q=last_q,
+            init_columns=init_columns, local_diagonals=local_diagonals, line_block=line_block, scale=scale,
+        )
+        return lines_index(verticals, slashes, block_m=block_m, block_n=block_n, line_block=line_block)
+
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    return plan_with_fallback(q, k, estimate, rates=active_rates(q), block_m=block_m, block_n=block_n,
+                              probe=lambda: probe_mass_density(q, k, block_n=block_n, mass=mass, scale=sm_scale))
 
 
 def flexprefill_vs(

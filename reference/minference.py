@@ -30,6 +30,7 @@ import torch
 from ._checks import check_block_size, check_positive_int, check_qk, check_qkv, resolve_scale
 from .a_shape import a_shape, a_shape_plan
 from .attention import attention, sparse_attention
+from .dense_fallback import apply_rule
 from .block_sparse import block_sparse, block_sparse_plan
 from .plan import BlockColumnPlan, cdiv
 from .vertical_slash import vertical_slash, vertical_slash_plan
@@ -423,7 +424,7 @@ def minference_plan(
     Raises:
         TypeError, ValueError, IndexError: bad inputs, config or layer.
     """
-    return minference_plan_with(REFERENCE_METHODS, q, k, config, layer=layer, scale=scale)
+    return apply_rule(minference_plan_with(REFERENCE_METHODS, q, k, config, layer=layer, scale=scale), q)
 
 
 def minference(

@@ -43,6 +43,15 @@ Invariants (checked by `validate`):
    `[0, P + N)` (`Kb = ceil((P + N) / block_n)`), and causality compares a key with
    the row's position. P = 0 is a whole prompt; P > 0 is a chunk of a prompt whose
    first P positions are already in the KV cache (chunked prefill, prefix caching).
+8. `dense_heads`: a sorted tuple of distinct query heads in `[0, Hq)` that attend every
+   causal key (full causal attention, `[0, P + r]` for row `r`), whatever their lists
+   say: their lists are kept but ignored by every consumer (`to_dense_mask`,
+   `block_mask`, `column_mask`, `equal`, `density`, `recall`, both packages'
+   `sparse_attention`). This is how a plan says "this head runs dense": the break-even
+   rule (`reference.dense_fallback`) and a calibrated config's dense heads set it, and
+   `fast.sparse_attention` sends those heads to the fastest dense attention. A consumer
+   that reads the lists alone (the block/column launcher) must first call
+   `with_dense_lists()`, which writes the marked heads' full causal lists.
 
 Index tensors may be expanded views (stride 0 over batch, heads or query
 blocks): a dense or streaming plan shared by every head costs O(N) memory, not
@@ -106,6 +115,8 @@ class BlockColumnPlan:
         query_offset: P, the position of the plan's first query row (invariant 7):
             the plan covers queries `[P, P + seqlen)` against keys `[0, P + seqlen)`
             (chunked prefill over a cached prefix). 0 (the default): a whole prompt.
+        dense_heads: query heads that run full causal attention whatever their lists
+            say (invariant 8), sorted and distinct; () (the default): none.
     """
 
     seqlen: int
@@ -118,6 +129,7 @@ class BlockColumnPlan:
     columns_disjoint: bool = False
     column_group: int = 1
     query_offset: int = 0
+    dense_heads: tuple[int, ...] = ()
     # Set once `validate` has passed (or by an estimator that builds valid plans by
     # construction), so launching the same plan again skips the O(plan) check.
     _checked: bool = field(default=False, repr=False, compare=False)
@@ -202,6 +214,7 @@ class BlockColumnPlan:
         bn = check_block_size("plan.block_n", self.block_n)
         check_positive_int("plan.query_offset", self.query_offset, minimum=0, maximum=MAX_KEYS - n)
         self.check_fields()
+        self.check_dense_heads()
         qb = cdiv(n, bm)
         keys = self.key_len
         kb = cdiv(keys, bn)
@@ -292,6 +305,30 @@ class BlockColumnPlan:
                     f"plan.{name} is on {t.device}, plan.block_count on {self.block_count.device}"
                 )
 
+    def check_dense_heads(self) -> None:
+        """Raise unless `dense_heads` is a sorted tuple of distinct query heads in `[0, Hq)`.
+
+        Raises:
+            TypeError: not a tuple of ints.
+            ValueError: a head outside `[0, Hq)`, or heads not strictly increasing.
+        """
+        heads = self.dense_heads
+        if not isinstance(heads, tuple) or any(isinstance(h, bool) or not isinstance(h, int) for h in heads):
+            raise TypeError(f"plan.dense_heads must be a tuple of query-head indices (int), got {heads!r}")
+        hq = int(self.block_count.shape[1]) if self.block_count.dim() >= 2 else 0
+        for i, h in enumerate(heads):
+            if not 0 <= h < hq:
+                raise ValueError(f"plan.dense_heads[{i}] = {h} is outside [0, Hq={hq})")
+            if i and h <= heads[i - 1]:
+                raise ValueError(f"plan.dense_heads must be strictly increasing (sorted, distinct), got {heads}")
+
+    def dense_head_mask(self) -> torch.Tensor:
+        """bool `[Hq]` on the plan's device: True for the heads of `dense_heads`."""
+        mask = torch.zeros(self.num_heads, dtype=torch.bool, device=self.device)
+        if self.dense_heads:
+            mask[list(self.dense_heads)] = True
+        return mask
+
     def ensure_valid(self) -> BlockColumnPlan:
         """`validate` unless this plan object already passed it; return self.
 
@@ -308,7 +345,8 @@ class BlockColumnPlan:
     # -- conversions ---------------------------------------------------------
 
     def block_mask(self) -> torch.Tensor:
-        """Return the listed key blocks as bool `[B, Hq, Qb, Kb]`."""
+        """Return the listed key blocks as bool `[B, Hq, Qb, Kb]` (a head of `dense_heads`:
+        every key block its query block's rows can see)."""
         self.ensure_valid()
         b, h, qb = self.block_count.shape
         out = torch.zeros(b, h, qb, self.num_key_blocks + 1, dtype=torch.bool, device=self.device)
@@ -316,10 +354,17 @@ class BlockColumnPlan:
         valid = torch.arange(width, device=self.device) < self.block_count.unsqueeze(-1)
         idx = torch.where(valid, self.block_index.to(torch.int64), self.num_key_blocks)
         out.scatter_(3, idx, True)
-        return out[..., : self.num_key_blocks]
+        out = out[..., : self.num_key_blocks]
+        if self.dense_heads:
+            # A dense head keeps every key block up to its query block's last row.
+            causal = torch.arange(self.num_key_blocks, device=self.device) * self.block_n \
+                <= self.last_rows()[:, None]
+            out = torch.where(self.dense_head_mask()[None, :, None, None], causal, out)
+        return out
 
     def column_mask(self) -> torch.Tensor:
-        """Return the listed key columns as bool `[B, Hq, Qb, P + N]`."""
+        """Return the listed key columns as bool `[B, Hq, Qb, P + N]` (none for a head of
+        `dense_heads`: its blocks hold every causal key)."""
         self.ensure_valid()
         b, h, qb = self.column_count.shape
         keys = self.key_len
@@ -328,13 +373,17 @@ class BlockColumnPlan:
         valid = torch.arange(width, device=self.device) < self.column_count.unsqueeze(-1)
         idx = torch.where(valid, self.query_block_columns().to(torch.int64), keys)
         out.scatter_(3, idx, True)
-        return out[..., :keys]
+        out = out[..., :keys]
+        if self.dense_heads:
+            out = out & ~self.dense_head_mask()[None, :, None, None]
+        return out
 
     def to_dense_mask(self) -> torch.Tensor:
         """Return the exact keys every query attends to, as bool `[B, Hq, N, P + N]`.
 
         Row `r` (position `P + r`), column `c` is True iff `c <= P + r` and `c` lies in
-        a listed key block or is a listed column of the query block holding `r`.
+        a listed key block or is a listed column of the query block holding `r`, or the
+        row's head is in `dense_heads`.
         """
         self.ensure_valid()
         n, bm, bn, keys = self.seqlen, self.block_m, self.block_n, self.key_len
@@ -357,25 +406,30 @@ class BlockColumnPlan:
             columns_disjoint=self.columns_disjoint,
             column_group=self.column_group,
             query_offset=self.query_offset,
+            dense_heads=self.dense_heads,
         )
 
     def equal(self, other: BlockColumnPlan) -> bool:
         """True iff both plans keep the same keys through the same lists.
 
-        Same sizes, the same block lists, and the same column lists once the columns
-        inside a listed block are removed (they add nothing), padding ignored: a plan
-        with disjoint columns equals its twin whose columns repeat keys of its blocks.
+        Same sizes, the same `dense_heads`, the same block lists, and the same column
+        lists once the columns inside a listed block are removed (they add nothing),
+        padding ignored: a plan with disjoint columns equals its twin whose columns
+        repeat keys of its blocks. The lists of a dense head are not compared.
         """
         if not isinstance(other, BlockColumnPlan):
             raise TypeError(f"other must be a BlockColumnPlan, got {type(other).__name__}")
         self.check_fields()
         other.check_fields()
-        if (self.seqlen, self.block_m, self.block_n, self.query_offset) != \
-                (other.seqlen, other.block_m, other.block_n, other.query_offset):
+        if (self.seqlen, self.block_m, self.block_n, self.query_offset, self.dense_heads) != \
+                (other.seqlen, other.block_m, other.block_n, other.query_offset, other.dense_heads):
             return False
         if self.block_count.shape != other.block_count.shape:
             return False
         other = other.to(self.device)
+        if self.dense_heads:
+            # The lists of a dense head mean nothing: compare the other heads' lists only.
+            return self.without_heads(self.dense_heads).equal(other.without_heads(other.dense_heads))
         if not torch.equal(self.block_count, other.block_count):
             return False
         if not _lists_equal(self.block_count, self.block_index, other.block_index):
@@ -420,7 +474,7 @@ class BlockColumnPlan:
             seqlen=self.seqlen, block_m=self.block_m, block_n=self.block_n,
             block_count=self.block_count, block_index=self.block_index,
             column_count=count, column_index=index, columns_disjoint=True,
-            query_offset=self.query_offset,
+            query_offset=self.query_offset, dense_heads=self.dense_heads,
         )
         return plan.mark_valid() if self._checked else plan
 
@@ -488,6 +542,7 @@ class BlockColumnPlan:
             block_count=self.block_count, block_index=self.block_index,
             column_count=new_counts.to(torch.int32), column_index=column_index.contiguous(),
             columns_disjoint=not bool(partial), column_group=g, query_offset=self.query_offset,
+            dense_heads=self.dense_heads,
         )
         return plan.mark_valid() if self._checked else plan
 
@@ -524,7 +579,7 @@ class BlockColumnPlan:
             column_count=plan.column_count[:, :, i0:i1],
             column_index=plan.column_index[:, :, i0 // g:cdiv(i1, g)],
             columns_disjoint=self.columns_disjoint, column_group=g,
-            query_offset=self.query_offset + start,
+            query_offset=self.query_offset + start, dense_heads=self.dense_heads,
         )
         return out.mark_valid() if self._checked else out
 
@@ -608,49 +663,95 @@ class BlockColumnPlan:
             seqlen=self.seqlen, block_m=self.block_m, block_n=bn, block_count=block_count,
             block_index=block_index, column_count=new_counts.to(torch.int32),
             column_index=column_index.contiguous(), columns_disjoint=self.columns_disjoint,
-            column_group=g, query_offset=self.query_offset,
+            column_group=g, query_offset=self.query_offset, dense_heads=self.dense_heads,
         )
         return plan.mark_valid() if self._checked else plan
 
-    def with_dense_heads(self, heads: Iterable[int] | torch.Tensor) -> BlockColumnPlan:
-        """The same plan with the given query heads made full causal attention.
-
-        The per-head dense fallback of a calibrated config (`sparseprefill calibrate`):
-        whatever method built the plan, the listed heads keep every causal key (every
-        key block up to their query block's last row, no columns), every other head
-        keeps its lists untouched. The block lists widen to `Kb` when a dense head needs
-        it; expanded index views are copied.
-
-        Args:
-            heads: query-head indices (ints in `[0, Hq)`, repeats allowed), or a bool
-                `[Hq]` tensor; empty returns self.
-
-        Returns:
-            A plan of the same shape; validated if self was.
-
-        Raises:
-            TypeError: heads that are not ints / a bool tensor.
-            ValueError: a head outside `[0, Hq)`.
-        """
+    def _head_list(self, heads: Iterable[int] | torch.Tensor) -> list[int]:
+        """Checked query-head indices of `heads` (ints in `[0, Hq)`, or a bool `[Hq]` tensor)."""
         hq = self.num_heads
         if isinstance(heads, torch.Tensor):
             if heads.dtype != torch.bool or heads.shape != (hq,):
                 raise TypeError(f"heads given as a tensor must be bool [Hq={hq}], got {heads.dtype} "
                                 f"{tuple(heads.shape)}")
-            chosen = [int(h) for h in heads.nonzero().flatten().tolist()]
-        else:
-            chosen = []
-            for h in heads:
-                if isinstance(h, bool) or not isinstance(h, int):
-                    raise TypeError(f"heads must be query-head indices (int), got {h!r}")
-                if not 0 <= h < hq:
-                    raise ValueError(f"heads: query head {h} is outside [0, {hq})")
-                chosen.append(h)
+            return [int(h) for h in heads.nonzero().flatten().tolist()]
+        chosen = []
+        for h in heads:
+            if isinstance(h, bool) or not isinstance(h, int):
+                raise TypeError(f"heads must be query-head indices (int), got {h!r}")
+            if not 0 <= h < hq:
+                raise ValueError(f"heads: query head {h} is outside [0, {hq})")
+            chosen.append(h)
+        return chosen
+
+    def with_dense_heads(self, heads: Iterable[int] | torch.Tensor) -> BlockColumnPlan:
+        """The same plan with the given query heads marked dense (`dense_heads`, invariant 8).
+
+        The per-head dense fallback (a calibrated config's `dense_heads`, the break-even
+        rule): whatever method built the plan, the marked heads attend every causal key,
+        every other head keeps its lists. The lists themselves are not touched (no
+        copy, no widening): `fast.sparse_attention` runs the marked heads through the
+        fastest dense attention and the others through the kernel; `with_dense_lists`
+        writes the marked heads' full causal lists for a consumer of the lists alone.
+
+        Args:
+            heads: query-head indices (ints in `[0, Hq)`, repeats allowed), or a bool
+                `[Hq]` tensor (read back: a host synchronisation); empty returns self.
+
+        Returns:
+            A plan of the same shape whose `dense_heads` is the union of its own and
+            `heads`; validated if self was.
+
+        Raises:
+            TypeError: heads that are not ints / a bool tensor.
+            ValueError: a head outside `[0, Hq)`.
+        """
+        chosen = set(self._head_list(heads)) - set(self.dense_heads)
+        if not chosen:
+            return self
+        plan = replace(self, dense_heads=tuple(sorted(chosen | set(self.dense_heads))), _checked=False)
+        return plan.mark_valid() if self._checked else plan
+
+    def without_heads(self, heads: Iterable[int] | torch.Tensor) -> BlockColumnPlan:
+        """The same plan with the given query heads attending no key: their block and column
+        counts set to 0 and their `dense_heads` mark removed; the index tensors are shared.
+
+        What `fast.sparse_attention` launches the kernel on while the dense heads run
+        elsewhere (their programs leave at once).
+
+        Raises:
+            TypeError, ValueError: as `with_dense_heads`.
+        """
+        chosen = sorted(set(self._head_list(heads)))
         if not chosen:
             return self
         self.check_fields()
-        sel = torch.zeros(hq, dtype=torch.bool, device=self.device)
-        sel[sorted(set(chosen))] = True
+        sel = torch.zeros(self.num_heads, dtype=torch.bool, device=self.device)
+        sel[chosen] = True
+        drop = sel[None, :, None]
+        plan = replace(self, block_count=torch.where(drop, 0, self.block_count).to(torch.int32),
+                       column_count=torch.where(drop, 0, self.column_count).to(torch.int32),
+                       dense_heads=tuple(h for h in self.dense_heads if h not in set(chosen)),
+                       _checked=False)
+        return plan.mark_valid() if self._checked else plan
+
+    def with_dense_lists(self) -> BlockColumnPlan:
+        """The same attention with `dense_heads` written into the lists: each marked head
+        lists every key block up to its query block's last row and no column, and the
+        result has no `dense_heads`. Every other head keeps its lists.
+
+        For a consumer that reads the lists alone (the block/column launcher, an op that
+        passes the four tensors). The block lists widen to `Kb` when a dense head needs
+        it; expanded index views are copied (`[B, Hq, Qb, Kb]` int32).
+
+        Returns:
+            self when no head is marked, else the plan above; validated if self was.
+        """
+        if not self.dense_heads:
+            return self
+        self.check_fields()
+        hq = self.num_heads
+        sel = self.dense_head_mask()
         kb = self.num_key_blocks
         width = max(int(self.block_index.shape[3]), kb)
         causal = (self.last_rows() // self.block_n + 1).to(torch.int32)  # [Qb] key blocks each query block sees
@@ -662,7 +763,7 @@ class BlockColumnPlan:
         block_count = torch.where(sel[None, :, None], causal.expand(b, hq, qb), self.block_count).to(torch.int32)
         column_count = torch.where(sel[None, :, None], 0, self.column_count).to(torch.int32)
         plan = replace(self, block_count=block_count.contiguous(), block_index=index.contiguous(),
-                       column_count=column_count.contiguous(), _checked=False)
+                       column_count=column_count.contiguous(), dense_heads=(), _checked=False)
         return plan.mark_valid() if self._checked else plan
 
     @staticmethod
@@ -744,7 +845,9 @@ def stack_plans(plans: Iterable[BlockColumnPlan]) -> BlockColumnPlan:
 
     The plans may have different `seqlen`s (one sequence each, say); the result has
     the largest, and a shorter plan's query blocks past its end list nothing. Block
-    sizes, heads, `column_group` and `query_offset` (0) must agree.
+    sizes, heads, `column_group` and `query_offset` (0) must agree. `dense_heads` is
+    kept where every plan has the same; otherwise each plan's marked heads are written
+    into its lists first (`with_dense_lists`).
 
     Args:
         plans: a list, tuple or any other iterable of `BlockColumnPlan`s (a generator
@@ -769,6 +872,11 @@ def stack_plans(plans: Iterable[BlockColumnPlan]) -> BlockColumnPlan:
             raise ValueError(f"plans[{i}] differs from plans[0] in block sizes, column_group, heads or device")
         if p.query_offset:
             raise ValueError(f"plans[{i}] has query_offset {p.query_offset}; stacked plans must have 0")
+    marks = {p.dense_heads for p in plans}
+    if len(marks) > 1:
+        # One marker serves every batch row: rows whose dense heads differ get them as lists.
+        plans = [p.with_dense_lists() for p in plans]
+    dense_heads = plans[0].dense_heads
     n = max(p.seqlen for p in plans)
     qb = cdiv(n, first.block_m)
     rows = cdiv(qb, first.column_group)
@@ -792,6 +900,7 @@ def stack_plans(plans: Iterable[BlockColumnPlan]) -> BlockColumnPlan:
         block_count=torch.cat(parts["block_count"]), block_index=torch.cat(parts["block_index"]),
         column_count=torch.cat(parts["column_count"]), column_index=torch.cat(parts["column_index"]),
         columns_disjoint=all(p.columns_disjoint for p in plans), column_group=first.column_group,
+        dense_heads=dense_heads,
     )
     return plan.mark_valid() if all(p._checked for p in plans) else plan
 

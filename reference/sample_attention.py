@@ -60,6 +60,7 @@ from ._checks import (
     resolve_scale,
 )
 from .attention import sparse_attention
+from .dense_fallback import apply_rule
 from .plan import BlockColumnPlan, cdiv
 
 # Section 5.4's 32K setting, used when neither the call nor a settings file gives one.
@@ -464,7 +465,7 @@ def sample_attention_plan(
         q, k, alpha_c=alpha_c, alpha_s=alpha_s, chunk_n=chunk_n, block_size=block_size,
         settings=settings, scale=scale,
     )
-    return merge_index(columns, slashes, seqlen=shape.seqlen, block_size=block_size)
+    return apply_rule(merge_index(columns, slashes, seqlen=shape.seqlen, block_size=block_size), q)
 
 
 def sample_attention(

@@ -50,6 +50,7 @@ from ._checks import (
     resolve_scale,
 )
 from .attention import sparse_attention
+from .dense_fallback import apply_rule
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
 # MInference's released code forces 30 initial columns and the 100 nearest diagonals.
@@ -344,7 +345,8 @@ def vertical_slash_plan(
         q, k, vertical_size=vertical_size, slash_size=slash_size, last_q=last_q,
         init_columns=init_columns, local_diagonals=local_diagonals, scale=scale,
     )
-    return vertical_slash_index(verticals, slashes, seqlen=shape.seqlen, block_m=block_m, block_n=block_n)
+    return apply_rule(vertical_slash_index(verticals, slashes, seqlen=shape.seqlen, block_m=block_m,
+                                          block_n=block_n), q)
 
 
 def vertical_slash(

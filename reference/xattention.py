@@ -61,6 +61,13 @@ from ._checks import (
     resolve_scale,
 )
 from .attention import sparse_attention
+from .dense_fallback import (
+    active_rates,
+    heads_view,
+    knob_heads,
+    plan_with_fallback,
+    probe_mass_density,
+)
 from .plan import BlockColumnPlan, cdiv, rank_nan_last
 
 SCORINGS = ("antidiagonal", "naive")
@@ -309,7 +316,10 @@ def xattention_plan(
         scale: softmax scale of the scoring, `1/sqrt(D)` if None.
 
     Returns:
-        A `BlockColumnPlan` without columns, per batch row and query head.
+        A `BlockColumnPlan` without columns, per batch row and query head; where the
+        break-even rule is on (`reference.dense_fallback`), the heads it sends dense are
+        in `dense_heads`, a head whose last rows already need most tiles for its
+        threshold (the early exit) unscored.
 
     Raises:
         TypeError, ValueError: bad inputs or parameters.
@@ -318,8 +328,15 @@ def xattention_plan(
     stride, threshold, block, scoring = check_xattention_params(
         stride=stride, threshold=threshold, block=block, scoring=scoring)
     tau = per_head(threshold, "threshold", shape.q_heads, check_threshold, device=q.device)
-    weights = xattention_tile_weights(q, k, stride=stride, block=block, scoring=scoring, scale=scale)
-    return tiles_to_plan(select_tiles(weights, tau), seqlen=shape.seqlen, block=block)
+
+    def estimate(heads: list[int] | None) -> BlockColumnPlan:
+        qs, ks = heads_view(q, k, heads)
+        weights = xattention_tile_weights(qs, ks, stride=stride, block=block, scoring=scoring, scale=scale)
+        return tiles_to_plan(select_tiles(weights, knob_heads(tau, heads)), seqlen=shape.seqlen, block=block)
+
+    sm_scale = resolve_scale(scale, shape.head_dim)
+    return plan_with_fallback(q, k, estimate, rates=active_rates(q), block_m=block, block_n=block,
+                              probe=lambda: probe_mass_density(q, k, block_n=block, mass=tau, scale=sm_scale))
 
 
 def xattention(

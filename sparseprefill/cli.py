@@ -63,6 +63,8 @@ COMMANDS: tuple[Command, ...] = (
             "unit bounds, held-out tables, every layer of one prefill", "sparseprefill.evaluate"),
     Command("cluster", "SharePrefill's offline head clustering (attention maps, autoencoder, fcluster); "
                        "writes a ClusterLayout JSON", "sparseprefill.cluster"),
+    Command("rates", "measure this GPU's kernel-path rates for the per-head dense fallback; cached per device",
+            "sparseprefill.rates"),
     Command("compare", "every method's knob sweep on the same attention: recall, density, error, speed vs the "
             "oracle; equal recall, equal density", "sparseprefill.compare"),
     Command("workload", "the calibrated workload: fit it to a capture, accept it against the capture, table the fits",

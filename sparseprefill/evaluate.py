@@ -28,6 +28,7 @@ offline (needs the `hf` extra). `capture`, `passkey` and `ppl` need the model;
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import math
@@ -601,6 +602,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                            help="model dtype")
 
+    importlib.import_module(".ttft", __package__).add_arguments(sub.add_parser("ttft", help="time to first token of a real model, every method beside SDPA, with quality (sparseprefill/ttft.py)"))
     p = sub.add_parser("capture", help="save post-RoPE q/k/v of some layers for a stdlib-text prompt")
     p.add_argument("--seqlen", type=int, default=8192, help="prompt tokens (default 8192)")
     p.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS),
@@ -690,6 +692,8 @@ def _write_json(path: Path | None, payload: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run one `eval` subcommand; returns the exit code."""
     task = args.eval_command
+    if task == "ttft":
+        return int(importlib.import_module(".ttft", __package__).run(args))
     if task == "table":
         data = torch.load(args.qkv, map_location="cpu")
         if args.max_seqlen is not None:

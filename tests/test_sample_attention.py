@@ -363,7 +363,8 @@ def test_bad_parameters_raise_before_any_work(impl: str, monkeypatch: pytest.Mon
         raise AssertionError("a kernel was launched")
 
     monkeypatch.setattr(fast_sa, "_sampled_block_scores", no_launch)
-    monkeypatch.setattr(fast_sa, "block_column_attention", no_launch)
+    # The plan runs through fast.attention.run_plan, whose launcher call is the one to catch.
+    monkeypatch.setattr(importlib.import_module("sparseprefill.fast.attention"), "block_column_attention", no_launch)
     q, k, v = _inputs(1, 2, 1, 64, 32)
     bad: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"alpha_c": -0.1}, ValueError, "alpha_c"), ({"alpha_s": 1.5}, ValueError, "alpha_s"),
