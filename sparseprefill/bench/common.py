@@ -931,19 +931,21 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """A fixed-width table of the rows: density, recall, the time split and the ratios."""
+    """A fixed-width table of the rows: density, recall, the time split, the ratios and the heads sent dense."""
     head = (f"{'method':<34} {'impl':<16} {'N':>7} {'density':>8} {'recall':>13} {'ms':>9} {'est':>7} "
-            f"{'plan':>7} {'kernel':>8} {'vs cuDNN':>8} {'x floor':>7} {'TFLOP/s':>7}")
+            f"{'plan':>7} {'kernel':>8} {'vs cuDNN':>8} {'x floor':>7} {'TFLOP/s':>7} {'dense':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rec = "-" if r.recall_mean is None else f"{r.recall_mean:.3f}/{_num(r.recall_min, '.3f')}"
         note = f"  {r.extra['error'][:60]}" if "error" in r.extra else ""
+        # heads the per-head dense fallback sent dense (rows of plan-based methods)
+        dense = str(len(r.extra["dense_heads"])) if "dense_heads" in r.extra else "-"
         lines.append(
             f"{r.method[:34]:<34} {r.impl[:16]:<16} {r.seqlen:>7} {_num(r.density, '8.4f'):>8} {rec:>13} "
             f"{_num(r.ms, '9.2f'):>9} {_num(r.estimate_ms, '7.2f'):>7} {_num(r.plan_ms, '7.2f'):>7} "
             f"{_num(r.kernel_ms, '8.2f'):>8} "
             f"{'-' if r.speedup_vs_cudnn is None else f'{r.speedup_vs_cudnn:.2f}x':>8} "
-            f"{_num(r.vs_floor, '7.2f'):>7} {_num(r.tflops, '7.0f'):>7}{note}")
+            f"{_num(r.vs_floor, '7.2f'):>7} {_num(r.tflops, '7.0f'):>7} {dense:>5}{note}")
     return "\n".join(lines)
 
 

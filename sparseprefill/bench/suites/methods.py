@@ -5,7 +5,9 @@ every registered one) the end-to-end time (`ms`: the method's `fast` function), 
 plan (`plan_ms`: the `*_plan` call, estimate and index together) and the kernel on that
 plan (`kernel_ms`), density and recall from the method's view, the speedup over cuDNN
 and the ratios to the floor `density x cuDNN` (`vs_floor` end to end, `kernel_vs_floor`
-for the kernel alone). A method without a plan (its attention reads packed keys)
+for the kernel alone). Rows of plan-based methods name the heads the per-head dense
+fallback sent dense (`dense_heads`) and the density that ran (`density_run`, a dense
+head counting 1). A method without a plan (its attention reads packed keys)
 reports its end-to-end time, its density and its own note (a keep ratio).
 
 `for_method(name)` is this suite for one method: `sparseprefill bench NAME` for a method
@@ -55,6 +57,10 @@ def method_row(ctx: Context, n: int, name: str, params: dict[str, Any] | None = 
         scale = call.get("scale")
         kernel_ms = ctx.time(lambda: fast.sparse_attention(q, k, v, plan, scale=scale))
         extra["plan_mb"] = plan.nbytes() / 2**20
+        # The per-head dense fallback: which heads ran dense, and the density that ran
+        # (a marked head counts as 1).
+        extra["dense_heads"] = list(plan.dense_heads)
+        extra["density_run"] = float(fast.density(plan).mean())
         del plan
     row = ctx.row(label or name, "sparseprefill", n, ms=ms, density=dens, recall=view.recall, plan_ms=plan_ms,
                   kernel_ms=kernel_ms, extra=extra)
