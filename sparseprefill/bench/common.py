@@ -794,7 +794,9 @@ class StageTree:
 
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            if not self.active:
+            if not self.active or (self.stack and self.stack[-1] == name):
+                # a `fast` function that hands over to its `reference` twin of the same
+                # name is one stage, not two
                 return fn(*args, **kwargs)
             self.stack.append(name)
             path = tuple(self.stack)

@@ -100,12 +100,17 @@ def units(ctx: Context, seqlens: list[int], *, stage_depth: int = 3) -> list[Uni
 
 
 def format_shares(rows: list[Row]) -> str:
-    """Plan time as a share of dense, host reads and the largest top-level stages, per row."""
+    """Plan time as a share of dense, host reads and the largest innermost kept stages, per row."""
     lines = [f"{'method':<20} {'N':>7} {'plan ms':>9} {'of dense':>8} {'syncs':>5}  largest stages"]
     for r in rows:
         if "share" not in r.extra:
             continue
-        top = sorted((s for s in r.extra["stages"] if s["depth"] == 1), key=lambda s: -s["span_ms"])[:3]
+        # the innermost kept stages (a stage that only wraps others, such as the dense
+        # fallback around an estimator, gives way to its children)
+        paths = [s["stage"] for s in r.extra["stages"]]
+        inner = [s for s in r.extra["stages"]
+                 if s["depth"] >= 1 and not any(p.startswith(s["stage"] + " > ") for p in paths)]
+        top = sorted(inner, key=lambda s: -s["span_ms"])[:3]
         stages = ", ".join(f"{s['stage'].rsplit(' > ', 1)[-1]} {s['span_ms']:.2f}" for s in top)
         syncs = "-" if r.extra["host_syncs"] is None else str(r.extra["host_syncs"])
         lines.append(f"{r.method:<20} {r.seqlen:>7} {r.ms:>9.3f} {r.extra['share']:>8.2%} {syncs:>5}  {stages}")
