@@ -69,11 +69,11 @@ def test_rule_leaves_every_other_feature_to_the_portable_kernel() -> None:
 
 def test_nothing_but_an_sm90_gpu_takes_the_path() -> None:
     call, plan = _call()
-    assert not hop.supports(call, plan, True)  # CPU tensors
+    assert not hop.supports(call, plan)  # CPU tensors
     saved = hop.ENABLED
     try:
         hop.ENABLED = False
-        assert not hop.supports(call, plan, True)
+        assert not hop.supports(call, plan)
     finally:
         hop.ENABLED = saved
 

@@ -1093,10 +1093,17 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     # Covered columns resolved once per plan (cached on it), not in every column tile;
     # shared lists too large for that, a few heads at a time (`_head_chunk`).
     plan = resolve_covered_columns(call.plan)
+    b, hq, n, d = q.shape
+    if block_column_hopper.supports(call, plan):
+        # The Hopper path takes the whole call in one launch, non-finite V included
+        # (docs/hopper-path.md); nothing of the portable launcher's work below is needed.
+        out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
+        lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if call.return_lse else None
+        block_column_hopper.launch(q, k, v, out, lse, plan, call.sm_scale)
+        return out, lse
     chunk = _head_chunk(plan, call)
     if chunk:
         return _launch_head_chunks(call, plan, chunk)
-    b, hq, n, d = q.shape
     ragged = call.kv_offsets is not None
     group = hq // (call.kv_offsets.shape[0] // b if call.kv_offsets is not None else k.shape[1])
     head_dim = max(16, triton.next_power_of_2(d))
@@ -1168,13 +1175,6 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         copies, selector = [(False, split), (True, split)], v_bad
     else:
         copies = [(_NONFINITE, split)]
-    first_copy = 0
-    if call.row_max is None and block_column_hopper.supports(call, plan, use_tma):
-        # The Hopper path computes unless V holds a NaN / inf; the portable kernel's copy
-        # (COPY 1 of the selector) computes exactly then (block_column_hopper's docstring).
-        flag = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
-        block_column_hopper.launch(q, k, v, out, lse, flag, plan, call.sm_scale)
-        copies, selector, first_copy = [(True, False)], flag, 1
 
     def launch_copy(nonfinite: bool, col_split: bool, copy: int, launched: bool) -> bool:
         """Launch one compiled copy (`NONFINITE=nonfinite`, `COL_SPLIT=col_split`, `COPY=copy`),
@@ -1261,7 +1261,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
             return True
 
     launched = False
-    for copy, (nonfinite, col_split) in enumerate(copies, first_copy):
+    for copy, (nonfinite, col_split) in enumerate(copies):
         launched = launch_copy(nonfinite, col_split, copy, launched)
     if state is not None and work is not state:
         assert work is not None

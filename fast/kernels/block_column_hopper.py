@@ -20,18 +20,21 @@ tiles there) and splits into partitions (`gl.warp_specialize`):
   two warpgroups run independently, so one's softmax overlaps the other's products.
   Where a plan block holds the whole 128-row tile both walk one key stream (one producer,
   slots released by both); with 64-row plan blocks (`SPLIT`) each reads its own plan row
-  through its own producer and ring. `PIPE` (off) also issues the next tile's Q Kᵀ
-  before the softmax; `EARLY_Q` (on) releases the query buffer after the last Q Kᵀ and
-  stores the output from registers, so the next tile's query loads under the last P V.
+  through its own producer and ring. The query buffer is released after a tile's last
+  Q Kᵀ and the output stored from registers, so the next tile's query loads under the
+  last P V.
 
 Only the last listed key tiles of a sorted causal list can cross the diagonal: a tile is
 masked (key <= row) only where its last key is after the warpgroup's first row.
 
-Non-finite V: a row that skips a key whose value is NaN / inf must not read it, which on
-this path would need the tile's V in registers; the launcher therefore passes the
-one-element "V holds a non-finite value" flag, every program of this kernel leaves when
-it is set, and the portable kernel (launched after it, the same flag as its selector)
-computes instead. No host synchronisation either way.
+Non-finite V, the portable kernel's rule (a row that keeps a NaN / inf value reads NaN,
+a row that skips its key does not): in the tiles some rows skip, the consumers test the
+value tile in shared memory (one multiply-add per value); a tile that holds one has its
+bad values zeroed in place and the rows that keep one of its keys poisoned (`_v_repair`).
+No flag, no second kernel, no host synchronisation.
+
+The launcher keeps each compiled kernel and launches it directly (`CompiledKernel.run`),
+so a call costs its TMA descriptors and one launch, not Triton's argument binding.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from typing import Any
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
+
+from ._common import _capability, tma_ok
 
 try:  # Gluon's Hopper API as shipped in Triton 3.6 (its names moved in later versions).
     from triton.experimental import gluon
@@ -57,20 +62,20 @@ try:  # Gluon's Hopper API as shipped in Triton 3.6 (its names moved in later ve
 
     # Triton 3.6 names the TMA copies `async_copy_*`; later versions `async_load` / `async_store`.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # A barrier of the calling partition's threads: `thread_barrier` in 3.6, `barrier` later.
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _GLUON = hasattr(gl, "warp_specialize")
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
 
 # `SPARSEPREFILL_HOPPER=0` runs the portable kernel everywhere (timing, bisecting).
 ENABLED = os.environ.get("SPARSEPREFILL_HOPPER", "1") == "1"
-# Tuning switches (docs/hopper-path.md): ring depth and the intra-warpgroup overlap.
-# 0: by head dim (3 slots of 128-key K and V tiles fill an H200's shared memory at D 128).
+# Tuning switch (docs/hopper-path.md): slots per ring; 0: by head dim (3 slots of 128-key
+# K and V tiles fill an H200's shared memory at D 128).
 STAGES = int(os.environ.get("SPARSEPREFILL_HOPPER_STAGES", "0"))
-PIPE = os.environ.get("SPARSEPREFILL_HOPPER_PIPE", "0") == "1"
-# The consumers release the query buffer after their last Q Kᵀ and store the output from
-# registers, so the next tile's query loads under the current tile's last P V.
-EARLY_Q = os.environ.get("SPARSEPREFILL_HOPPER_EARLY_Q", "1") == "1"
+# Benchmarking switch only (as the portable kernel's `SPARSEPREFILL_NONFINITE`): `0` drops
+# the test of value tiles for NaN / inf. Never turn it off in use.
+NONFINITE = os.environ.get("SPARSEPREFILL_NONFINITE", "1") == "1"
 # Registers per thread: every thread's cap at entry (3 warpgroups share 64K), then the
 # consumer worker's and the producer's after reallocation (`setmaxnreg`).
 MAXNREG = 168
@@ -85,15 +90,14 @@ def apply_switches(sets: dict[str, str]) -> None:
     """Set this path's switches from a kernel-variant spec (`benches/kernel_variants.py` style).
 
     Keys (absent: the default): `HOPPER` 1 / 0 (the path on or off: the same call timed on
-    the portable kernel), `HOPPER_PIPE` 1 / 0 (the intra-warpgroup overlap), `HOPPER_EARLY_Q`
-    1 / 0, `HOPPER_STAGES` (slots per ring, 0: by shared memory). Each setting is a constexpr
-    of the kernel or a host decision, so variants compile their own kernels.
+    the portable kernel), `HOPPER_STAGES` (slots per ring, 0: by shared memory),
+    `HOPPER_NONFINITE` 1 / 0 (the value tiles' NaN / inf test; timing only). Each setting
+    is a constexpr of the kernel or a host decision, so variants compile their own kernels.
     """
-    global ENABLED, PIPE, EARLY_Q, STAGES
+    global ENABLED, STAGES, NONFINITE
     ENABLED = sets.get("HOPPER", "1") == "1"
-    PIPE = sets.get("HOPPER_PIPE", "0") == "1"
-    EARLY_Q = sets.get("HOPPER_EARLY_Q", "1") == "1"
     STAGES = int(sets.get("HOPPER_STAGES", "0"))
+    NONFINITE = sets.get("HOPPER_NONFINITE", "1") == "1"
 
 
 if _GLUON:
@@ -107,7 +111,7 @@ if _GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                  BLOCK_COUNT, BLOCK_INDEX, V_BAD, stride_bcb, stride_bch, stride_bcm,
+                  BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                   stride_bib, stride_bih, stride_bim, stride_bik,
                   seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
                   BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
@@ -118,8 +122,6 @@ if _GLUON:
         lie in one plan block). SPLIT: warpgroup WG's half and its own plan row's list, into
         its own ring.
         """
-        if gl.load(V_BAD) != 0:
-            return
         WG_ROWS: gl.constexpr = q_smem.shape[3]
         RING: gl.constexpr = WG * STAGES if SPLIT else 0
         pid = gl.program_id(0)
@@ -191,16 +193,57 @@ if _GLUON:
         return kb * plan_block_n + (t % SUB_N) * BLOCK_N
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
-                  O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+    def _v_nonfinite(v_buf, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr,
+                     v_layout: gl.constexpr):
+        """1 where the value tile in shared memory holds a NaN or an infinity, else 0.
+
+        `x * 0` is NaN exactly for a NaN or an infinity, and NaN survives any sum: one
+        multiply-add per value, a chunk of rows at a time, and one test at the end.
+        """
+        z = gl.zeros([CHUNK, HEAD_DIM], v_buf.dtype, v_layout)
+        for i in gl.static_range(BLOCK_N // CHUNK):
+            x = v_buf.slice(i * CHUNK, CHUNK).load(v_layout)
+            z = z + x * 0.0
+        return gl.max(gl.max((z != z).to(gl.int32), 1), 0)
+
+    @gluon.jit
+    def _v_repair(v_buf, poison, start_n, o_n, o_m, nf_bar, n_rare, BLOCK_N: gl.constexpr,
+                  CHUNK: gl.constexpr, SHARED: gl.constexpr, v_layout: gl.constexpr, s_layout: gl.constexpr):
+        """A value tile with a NaN / inf: poison the rows that keep one of its keys, zero the bad values.
+
+        The portable kernel's rule for masked tiles: a row that keeps a non-finite value reads
+        NaN (`poison`, applied at the end), a row that skips its key must not see it, which
+        the P V product would (0 x NaN): the values are zeroed in shared memory first. With a
+        shared key stream the other warpgroup reads the same slot: neither writes before both
+        have read it (`nf_bar`, two arrivals; both warpgroups take this branch on the same
+        tiles, as they test the same values). Runs only where V holds a non-finite value.
+        """
+        x = v_buf.load(v_layout)
+        z = x * 0.0
+        key_bad = gl.convert_layout(gl.max((z != z).to(gl.int32), 1), gl.SliceLayout(0, s_layout))
+        keeps_bad = ((start_n + o_n)[None, :] <= o_m[:, None]) & (key_bad[None, :] > 0)
+        poison = gl.maximum(poison, gl.max(keeps_bad.to(gl.int32), 1))
+        if SHARED:
+            mbarrier.arrive(nf_bar, count=1)
+            mbarrier.wait(nf_bar, n_rare & 1)
+        for i in gl.static_range(BLOCK_N // CHUNK):
+            part = v_buf.slice(i * CHUNK, CHUNK)
+            y = part.load(v_layout)
+            w = y * 0.0
+            part.store(gl.where(w != w, gl.zeros_like(y), y))
+        # The zeros are generic-proxy writes the P V product (async proxy) must see.
+        fence_async_shared()
+        _barrier()
+        return poison
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, nf_bar,
+                  O, LSE, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                   stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
                   stride_lb, stride_lh,
                   qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n, block_width,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB_N: gl.constexpr,
-                  STAGES: gl.constexpr, PIPE: gl.constexpr, EARLY_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
-                  SPLIT: gl.constexpr):
-        if gl.load(V_BAD) != 0:
-            return
+                  STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr, NONFINITE: gl.constexpr):
         WG_ROWS: gl.constexpr = q_smem.shape[3]
         # SPLIT: this warpgroup's own query barrier pair and ring; else the shared ones.
         RING: gl.constexpr = WG * STAGES if SPLIT else 0
@@ -210,6 +253,11 @@ if _GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        # Value tiles read into registers (the non-finite test): 16-byte vectors along D.
+        v_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
+                                                  threads_per_warp=[32 * 8 // HEAD_DIM, HEAD_DIM // 8],
+                                                  warps_per_cta=[4, 1], order=[1, 0])
+        CHUNK: gl.constexpr = 32
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = q_smem.dtype
@@ -222,6 +270,7 @@ if _GLUON:
         o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         c = 0
         n_iter = 0
+        n_rare = 0
         for it in range(pid, num_tiles, nprog):
             i_m, i_bh = _tile_of(it, num_bh, num_m)
             i_b = i_bh // num_heads
@@ -239,75 +288,46 @@ if _GLUON:
                 count = gl.minimum(gl.maximum(count, 0), block_width)
             p_bindex = BLOCK_INDEX + i_b.to(gl.int64) * stride_bib + i_h.to(gl.int64) * stride_bih \
                 + i_qb.to(gl.int64) * stride_bim
-            n_tiles = count * SUB_N
             first_row = q_offset + wg_row0
+            # Value tiles that some rows of the stream skip (the portable kernel's masked
+            # tiles) are tested for NaN / inf: the stream's first row decides, so both
+            # warpgroups of a shared stream test the same tiles.
+            test_row = q_offset + list_row0
             m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_layout)
+            poison = gl.zeros([WG_ROWS], gl.int32, layout=row_layout)
             acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
             s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
             q_buf = q_smem.index(WG).reshape([WG_ROWS, HEAD_DIM])
             mbarrier.wait(q_ready.index(QB), n_iter & 1)
-            if PIPE:
-                # FA3's intra-warpgroup overlap: Q Kᵀ of tile t + 1 and P V of tile t are in
-                # flight together; the softmax of tile t + 1 runs while P V of tile t is still
-                # on the tensor cores, and only the rescale of the output waits for it.
-                if n_tiles > 0:
-                    mbarrier.wait(k_ready.index(RING + c % STAGES), (c // STAGES) & 1)
-                    k_buf = k_smem.index(RING + c % STAGES).reshape([BLOCK_N, HEAD_DIM])
-                    b_s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    b_s = warpgroup_mma_wait(0, deps=(b_s,))
-                    start_n = _key_start(p_bindex, stride_bik, 0, plan_block_n, BLOCK_N, SUB_N)
-                    p_op, alpha, m_i, l_i = _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n, qk_scale,
-                                                     BLOCK_N, p_layout, dtype)
-                    for t in range(1, n_tiles):
-                        s = RING + c % STAGES
-                        s1 = RING + (c + 1) % STAGES
-                        mbarrier.wait(k_ready.index(s1), ((c + 1) // STAGES) & 1)
-                        k_nx = k_smem.index(s1).reshape([BLOCK_N, HEAD_DIM])
-                        s_tok = warpgroup_mma(q_buf, k_nx.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                        mbarrier.wait(v_ready.index(s), (c // STAGES) & 1)
-                        v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-                        a_tok = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-                        b_s = warpgroup_mma_wait(1, deps=(s_tok,))
-                        start_n = _key_start(p_bindex, stride_bik, t, plan_block_n, BLOCK_N, SUB_N)
-                        p_op, alpha_nx, m_i, l_i = _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n,
-                                                            qk_scale, BLOCK_N, p_layout, dtype)
-                        acc = warpgroup_mma_wait(0, deps=(a_tok,))
-                        mbarrier.arrive(kv_empty.index(s), count=1)
-                        acc = acc * gl.convert_layout(alpha_nx, o_row_layout)[:, None]
-                        c += 1
-                    if EARLY_Q:
-                        # Every Q Kᵀ of this tile is done: the next tile's query may load.
-                        mbarrier.arrive(q_empty.index(QB), count=1)
-                    s = RING + c % STAGES
-                    mbarrier.wait(v_ready.index(s), (c // STAGES) & 1)
-                    v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-                    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                    mbarrier.arrive(kv_empty.index(s), count=1)
-                    c += 1
-                elif EARLY_Q:
-                    mbarrier.arrive(q_empty.index(QB), count=1)
-            else:
-                for t in range(n_tiles):
-                    s = RING + c % STAGES
-                    ph = (c // STAGES) & 1
-                    mbarrier.wait(k_ready.index(s), ph)
-                    k_buf = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-                    b_s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    b_s = warpgroup_mma_wait(0, deps=(b_s,))
-                    start_n = _key_start(p_bindex, stride_bik, t, plan_block_n, BLOCK_N, SUB_N)
-                    p_op, alpha, m_i, l_i = _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n, qk_scale,
-                                                     BLOCK_N, p_layout, dtype)
-                    acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
-                    mbarrier.wait(v_ready.index(s), ph)
-                    v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-                    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                    mbarrier.arrive(kv_empty.index(s), count=1)
-                    c += 1
-                if EARLY_Q:
-                    mbarrier.arrive(q_empty.index(QB), count=1)
+            for t in range(count * SUB_N):
+                s = RING + c % STAGES
+                ph = (c // STAGES) & 1
+                mbarrier.wait(k_ready.index(s), ph)
+                k_buf = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+                b_s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                b_s = warpgroup_mma_wait(0, deps=(b_s,))
+                start_n = _key_start(p_bindex, stride_bik, t, plan_block_n, BLOCK_N, SUB_N)
+                p_op, alpha, m_i, l_i = _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n, qk_scale,
+                                                 BLOCK_N, p_layout, dtype)
+                acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+                mbarrier.wait(v_ready.index(s), ph)
+                v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+                if NONFINITE:
+                    if start_n + BLOCK_N - 1 > test_row:
+                        if _v_nonfinite(v_buf, BLOCK_N, HEAD_DIM, CHUNK, v_layout) != 0:
+                            poison = _v_repair(v_buf, poison, start_n, o_n, o_m, nf_bar, n_rare, BLOCK_N,
+                                               CHUNK, not SPLIT, v_layout, s_layout)
+                            n_rare += 1
+                acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(s), count=1)
+                c += 1
+            # Every Q Kᵀ of this tile is done: the next tile's query may load (under this
+            # tile's last P V); the output is stored from registers.
+            mbarrier.arrive(q_empty.index(QB), count=1)
+            if NONFINITE:
+                acc = gl.where(gl.convert_layout(poison, o_row_layout)[:, None] > 0, float("nan"), acc)
             # Rows with no kept key: output 0 and lse -inf (as the portable kernel).
             l_zero = l_i == 0.0
             l_safe = gl.where(l_zero, 1.0, l_i)
@@ -315,41 +335,31 @@ if _GLUON:
             b_o = acc * inv[:, None]
             # A finite input never gives an infinite output (a convex combination of values).
             b_o = gl.where(gl.abs(b_o) == float("inf"), float("nan"), b_o)
-            if EARLY_Q:
-                # The query buffer may already hold the next tile: store from registers.
-                o_l = wg_row0 + o_ro
-                p_o = O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh \
-                    + o_l.to(gl.int64)[:, None] * stride_on + o_d[None, :]
-                gl.store(p_o, b_o.to(dtype), mask=(o_l < seqlen)[:, None])
-            else:
-                q_buf.store(b_o.to(dtype))
-                fence_async_shared()
-                _tma_store(o_desc, [i_b, i_h, wg_row0, 0], q_smem.index(WG))
+            o_l = wg_row0 + o_ro
+            p_o = O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh \
+                + o_l.to(gl.int64)[:, None] * stride_on + o_d[None, :]
+            gl.store(p_o, b_o.to(dtype), mask=(o_l < seqlen)[:, None])
             if RETURN_LSE:
                 lse = gl.where(l_zero, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
                 o_l2 = wg_row0 + o_r
                 p_lse = LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_l2
                 gl.store(p_lse, lse, mask=o_l2 < seqlen)
-            if not EARLY_Q:
-                tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(QB), count=1)
             n_iter += 1
 
     # Integer arguments equal to 1 would be specialised into constants, which cannot be
     # handed to the worker partitions: none is specialised.
     @gluon.jit(do_not_specialize=[
         "stride_bcb", "stride_bch", "stride_bcm", "stride_bib", "stride_bih", "stride_bim", "stride_bik",
-        "stride_ob", "stride_oh", "stride_on", "stride_lb", "stride_lh", "seqlen", "q_offset", "num_m", "num_bh", "num_heads", "group",
-        "plan_block_m", "plan_block_n", "block_width"])
-    def _block_hopper_fwd(q_desc, k_desc, v_desc, o_desc, O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX,
+        "stride_ob", "stride_oh", "stride_on", "stride_lb", "stride_lh", "seqlen", "q_offset", "num_m", "num_bh",
+        "num_heads", "group", "plan_block_m", "plan_block_n", "block_width"])
+    def _block_hopper_fwd(q_desc, k_desc, v_desc, O, LSE, BLOCK_COUNT, BLOCK_INDEX,
                           stride_bcb, stride_bch, stride_bcm, stride_bib, stride_bih, stride_bim, stride_bik,
                           stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
                           qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, group,
                           plan_block_m, plan_block_n, block_width,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB_N: gl.constexpr,
-                          STAGES: gl.constexpr, PIPE: gl.constexpr, EARLY_Q: gl.constexpr,
-                          RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr):
+                          STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr,
+                          NONFINITE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         # SPLIT (plan blocks of 64 query rows): each consumer warpgroup reads its own plan
         # row, so each has its own producer warp, ring and query barriers.
@@ -362,6 +372,8 @@ if _GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+        # The two warpgroups of a shared stream meet here before repairing a value tile.
+        nf_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=3 - RINGS)  # a shared buffer waits for both warpgroups
@@ -369,47 +381,50 @@ if _GLUON:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=3 - RINGS)
+        mbarrier.init(nf_bar, count=2)
+        # (Tuples of partition arguments are written out: a concatenated tuple loses its
+        # constexprs in Gluon's front end.)
         if SPLIT:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
-                             O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, nf_bar,
+                             O, LSE, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
-                             stride_lb, stride_lh,
-                             qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n,
-                             block_width, 0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, PIPE, EARLY_Q, RETURN_LSE, SPLIT)),
-                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
-                             O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+                             stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
+                             plan_block_m, plan_block_n, block_width,
+                             0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE)),
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, nf_bar,
+                             O, LSE, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
-                             stride_lb, stride_lh,
-                             qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n,
-                             block_width, 1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, PIPE, EARLY_Q, RETURN_LSE, SPLIT)),
+                             stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
+                             plan_block_m, plan_block_n, block_width,
+                             1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             kv_empty, BLOCK_COUNT, BLOCK_INDEX, V_BAD, stride_bcb, stride_bch, stride_bcm,
+                             kv_empty, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik,
                              seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
                              BLOCK_N, SUB_N, STAGES, SPLIT, 0)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             kv_empty, BLOCK_COUNT, BLOCK_INDEX, V_BAD, stride_bcb, stride_bch, stride_bcm,
+                             kv_empty, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik,
                              seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
                              BLOCK_N, SUB_N, STAGES, SPLIT, 1)),
             ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
-                             O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, nf_bar,
+                             O, LSE, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
-                             stride_lb, stride_lh,
-                             qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n,
-                             block_width, 0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, PIPE, EARLY_Q, RETURN_LSE, SPLIT)),
-                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc,
-                             O, LSE, V_BAD, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
+                             stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
+                             plan_block_m, plan_block_n, block_width,
+                             0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE)),
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, nf_bar,
+                             O, LSE, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
-                             stride_lb, stride_lh,
-                             qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n,
-                             block_width, 1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, PIPE, EARLY_Q, RETURN_LSE, SPLIT)),
+                             stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
+                             plan_block_m, plan_block_n, block_width,
+                             1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             kv_empty, BLOCK_COUNT, BLOCK_INDEX, V_BAD, stride_bcb, stride_bch, stride_bcm,
+                             kv_empty, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik,
                              seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
                              BLOCK_N, SUB_N, STAGES, SPLIT, 0)),
@@ -427,16 +442,14 @@ def _smem_layout(block: list[int], dtype: torch.dtype) -> Any:
     return _LAYOUTS[key]
 
 
-def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, block_n: int) -> tuple[Any, ...]:
-    """TMA descriptors of q, k, v and out (`[B, H, N, D]` each, rows past N read as zeros)."""
+def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[Any, ...]:
+    """TMA descriptors of q, k and v (`[B, H, N, D]` each, rows past N read as zeros)."""
     d = q.shape[3]
     q_block = [1, 1, WG_M, d]
     kv_block = [1, 1, block_n, d]
-    q_desc = TensorDescriptor.from_tensor(q, q_block, _smem_layout(q_block, q.dtype))
-    k_desc = TensorDescriptor.from_tensor(k, kv_block, _smem_layout(kv_block, k.dtype))
-    v_desc = TensorDescriptor.from_tensor(v, kv_block, _smem_layout(kv_block, v.dtype))
-    o_desc = TensorDescriptor.from_tensor(out, q_block, _smem_layout(q_block, out.dtype))
-    return q_desc, k_desc, v_desc, o_desc
+    return (TensorDescriptor(q, list(q.shape), list(q.stride()), q_block, _smem_layout(q_block, q.dtype)),
+            TensorDescriptor(k, list(k.shape), list(k.stride()), kv_block, _smem_layout(kv_block, k.dtype)),
+            TensorDescriptor(v, list(v.shape), list(v.stride()), kv_block, _smem_layout(kv_block, v.dtype)))
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -452,14 +465,8 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-
-
 def _is_sm90(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index] == (9, 0)
+    return _capability(device) == (9, 0)
 
 
 def eligible(call: Any, plan: Any) -> bool:
@@ -478,25 +485,40 @@ def eligible(call: Any, plan: Any) -> bool:
             and call.kv_offsets is None and call.varlen is None and call.row_max is None and call.dest is None)
 
 
-def supports(call: Any, plan: Any, use_tma: bool) -> bool:
+def supports(call: Any, plan: Any) -> bool:
     """Whether this path runs a checked launch (`block_column._KernelCall`) of `plan`.
 
-    `eligible`, on an sm90 GPU with Gluon, `ENABLED`, and K/V tiles TMA can read
-    (`use_tma`, the portable launcher's own test).
+    `eligible`, on an sm90 GPU with Gluon, `ENABLED`, and q, k, v tiles TMA can read
+    (`_common.tma_ok`, the portable launcher's own test).
     """
-    if not (_GLUON and ENABLED and use_tma and call.q.is_cuda):
+    if not (_GLUON and ENABLED and call.q.is_cuda):
         return False
-    return _is_sm90(call.q.device) and eligible(call, plan)
+    return _is_sm90(call.q.device) and eligible(call, plan) and tma_ok(call.q, call.k, call.v)
+
+
+# Compiled kernels by everything their compilation depends on (`_launch_key`), launched
+# directly; the first call of a key compiles through Triton's JIT.
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+_INT32 = 2**31
+
+
+def _launch_key(device: int, dtype: torch.dtype, constexprs: tuple[Any, ...], pointers: tuple[torch.Tensor, ...],
+                ints: tuple[int, ...]) -> tuple[Any, ...]:
+    """What Triton specialises this kernel on beyond its constexprs: the pointers' 16-byte
+    alignment and whether an integer argument needs 64 bits (the descriptors' types follow
+    from the dtype and the constexprs; no integer is specialised on its value)."""
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in pointers)
+    wide = any(not -_INT32 <= x < _INT32 for x in ints)
+    return (device, dtype, constexprs, aligned, wide)
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-           v_bad: torch.Tensor, plan: Any, sm_scale: float) -> None:
+           plan: Any, sm_scale: float) -> None:
     """Launch the Hopper kernel on inputs `supports` accepted; it writes `out` (and `lse`).
 
     Args:
         q: `[B, Hq, N, D]`; k, v: `[B, Hkv, key_len, D]`; out: `[B, Hq, N, D]` contiguous.
         lse: float32 `[B, Hq, N]` or None.
-        v_bad: int32 `[1]`, 1 where V holds a NaN / inf (then every program leaves at once).
         plan: the checked `BlockColumnPlan` (no columns).
         sm_scale: the softmax scale.
     """
@@ -507,23 +529,29 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     # Shared memory (227 KiB): the query halves and STAGES slots of a K and a V tile per ring.
     slot = 2 * block_n * d * q.element_size()
     stages = STAGES or min(4, (_SMEM_BYTES - 2 * WG_M * d * q.element_size()) // (slot * (2 if split else 1)))
-    stages = max(2, stages)  # the overlap (PIPE) waits on the next slot while it holds one
-    q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, out, block_n)
+    stages = max(2, stages)
+    descs = descriptors(q, k, v, block_n)
     num_m = triton.cdiv(n, BLOCK_M)
-    tiles = num_m * b * hq
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    grid = min(num_m * b * hq, _sm_count(q.device))
     lse_arg = lse if lse is not None else out
     lse_strides = tuple(lse.stride()[:2]) if lse is not None else (0, 0)
+    ints = (*plan.block_count.stride(), *plan.block_index.stride(), *out.stride()[:3], *lse_strides,
+            n, plan.query_offset, num_m, b * hq, hq, hq // k.shape[1], plan.block_m, plan.block_n,
+            plan.block_index.shape[3])
+    pointers = (out, lse_arg, plan.block_count, plan.block_index)
     while True:
+        constexprs = (block_n, d, plan.block_n // block_n, stages, lse is not None, split, NONFINITE,
+                      CONSUMER_REGS, PRODUCER_REGS)
+        args = (*descs, *pointers, *ints[:12], sm_scale * 1.4426950408889634, *ints[12:], *constexprs)
+        key = _launch_key(device, q.dtype, constexprs, pointers, ints)
+        kernel = _COMPILED.get(key)
+        if kernel is not None and triton.knobs.runtime.launch_enter_hook is None:
+            kernel.run(grid, 1, 1, triton.runtime.driver.active.get_current_stream(device), kernel.function,
+                       kernel.packed_metadata, None, None, None, *args)
+            return
         try:
-            _block_hopper_fwd[(min(tiles, _sm_count(q.device)),)](
-                q_desc, k_desc, v_desc, o_desc, out, lse_arg, v_bad, plan.block_count, plan.block_index,
-                *plan.block_count.stride(), *plan.block_index.stride(), *out.stride()[:3], *lse_strides,
-                sm_scale * 1.4426950408889634, n, plan.query_offset, num_m, b * hq, hq, hq // k.shape[1],
-                plan.block_m, plan.block_n, plan.block_index.shape[3],
-                BLOCK_N=block_n, HEAD_DIM=d, SUB_N=plan.block_n // block_n, STAGES=stages, PIPE=PIPE,
-                EARLY_Q=EARLY_Q, RETURN_LSE=lse is not None, SPLIT=split, CONSUMER_REGS=CONSUMER_REGS,
-                PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
-            )
+            _COMPILED[key] = _block_hopper_fwd[(grid,)](*args, num_warps=4, maxnreg=MAXNREG)
             return
         except OutOfResources:
             if stages <= 2:

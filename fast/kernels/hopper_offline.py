@@ -91,14 +91,14 @@ def compile_sm90(d: int, block_n: int, split: bool, stages: int) -> Any:
     qb = n // plan_m
     count = torch.ones(1, hq, qb, dtype=torch.int32)
     index = torch.zeros(1, hq, qb, 4, dtype=torch.int32)
-    descs = hop.descriptors(q, k, k, out, block_n)
+    descs = hop.descriptors(q, k, k, block_n)
     with _offline():
         return hop._block_hopper_fwd.warmup(
-            *descs, out, lse, torch.zeros(1, dtype=torch.int32), count, index,
+            *descs, out, lse, count, index,
             *count.stride(), *index.stride(), *out.stride()[:3], *lse.stride()[:2],
             0.1, n, 0, n // hop.BLOCK_M, hq, hq, hq // hkv, plan_m, 128, 4,
-            BLOCK_N=block_n, HEAD_DIM=d, SUB_N=128 // block_n, STAGES=stages, PIPE=hop.PIPE, EARLY_Q=hop.EARLY_Q,
-            RETURN_LSE=True, SPLIT=split, CONSUMER_REGS=hop.CONSUMER_REGS, PRODUCER_REGS=hop.PRODUCER_REGS,
+            BLOCK_N=block_n, HEAD_DIM=d, SUB_N=128 // block_n, STAGES=stages, RETURN_LSE=True, SPLIT=split,
+            NONFINITE=hop.NONFINITE, CONSUMER_REGS=hop.CONSUMER_REGS, PRODUCER_REGS=hop.PRODUCER_REGS,
             grid=(132,), num_warps=4, maxnreg=hop.MAXNREG)
 
 
