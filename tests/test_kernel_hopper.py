@@ -64,7 +64,17 @@ def test_rule_leaves_every_other_feature_to_the_portable_kernel() -> None:
                                    block_index=plan.block_index,
                                    column_count=torch.zeros(b, h, plan.num_query_blocks, dtype=torch.int32),
                                    column_index=torch.zeros(b, h, plan.num_query_blocks, 1, dtype=torch.int32))
+    # Column lists run here only where disjoint from the blocks (no in-kernel covered test).
     assert not hop.eligible(call, with_columns)
+    disjoint = replace(with_columns, columns_disjoint=True)
+    assert hop.eligible(call, disjoint)
+    saved = hop.COLUMNS
+    try:
+        hop.apply_switches({"HOPPER_COLUMNS": "0"})
+        assert not hop.eligible(call, disjoint) and hop.eligible(call, plan)
+    finally:
+        hop.apply_switches({})
+        hop.COLUMNS = saved
 
 
 def test_nothing_but_an_sm90_gpu_takes_the_path() -> None:
@@ -102,9 +112,10 @@ def test_kernel_compiles_for_sm90_into_warp_specialised_wgmma() -> None:
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)
-    assert [r["variant"] for r in rows] == [f"d{d}_bn{bn}_{'split' if sp else 'shared'}_s{st}"
-                                            for d, bn, sp, st in hopper_offline.VARIANTS]
+    assert [r["variant"] for r in rows] == [hopper_offline.variant_tag(*v) for v in hopper_offline.VARIANTS]
     for r in rows:
         assert r["num_warps"] == 12, r  # two consumer warpgroups and the producer warp(s), padded
         assert r["shared"] <= 227 * 1024, r
         assert r["HGMMA"] > 0 and r["USETMAXREG"] > 0 and r["UTMALDG"] > 0 and r["SYNCS"] > 0, r
+        # Column lists: the producer gathers their rows with cp.async (LDGSTS); block plans never.
+        assert (r["LDGSTS"] > 0) == r["variant"].endswith("_columns"), r

@@ -58,12 +58,15 @@ try:  # Gluon's Hopper API as shipped in Triton 3.6 (its names moved in later ve
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # Triton 3.6 names the TMA copies `async_copy_*`; later versions `async_load` / `async_store`.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     # A barrier of the calling partition's threads: `thread_barrier` in 3.6, `barrier` later.
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # cp.async gathers: `async_copy_global_to_shared` in 3.6, `async_load` later.
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _GLUON = hasattr(gl, "warp_specialize")
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GLUON = False
@@ -76,11 +79,18 @@ STAGES = int(os.environ.get("SPARSEPREFILL_HOPPER_STAGES", "0"))
 # Benchmarking switch only (as the portable kernel's `SPARSEPREFILL_NONFINITE`): `0` drops
 # the test of value tiles for NaN / inf. Never turn it off in use.
 NONFINITE = os.environ.get("SPARSEPREFILL_NONFINITE", "1") == "1"
+# Column plans on this path (`0`: they run the portable kernel, for timing the two).
+COLUMNS = os.environ.get("SPARSEPREFILL_HOPPER_COLUMNS", "1") == "1"
 # Registers per thread: every thread's cap at entry (3 warpgroups share 64K), then the
 # consumer worker's and the producer's after reallocation (`setmaxnreg`).
+# The three warpgroups' counts sum to 3 x MAXNREG (the register file). With column lists
+# the producer warp computes a gather's addresses: 56 registers for it, 224 for the
+# consumers (at 24 the producer spilled ~1.3 KiB per thread; offline, ptxas 3.6).
 MAXNREG = 168
 CONSUMER_REGS = int(os.environ.get("SPARSEPREFILL_HOPPER_CONSUMER_REGS", "240"))
-PRODUCER_REGS = 24
+PRODUCER_REGS = 3 * MAXNREG - 2 * CONSUMER_REGS
+COLUMN_CONSUMER_REGS = 224
+COLUMN_PRODUCER_REGS = 3 * MAXNREG - 2 * COLUMN_CONSUMER_REGS
 
 WG_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 BLOCK_M = 2 * WG_M
@@ -91,11 +101,13 @@ def apply_switches(sets: dict[str, str]) -> None:
 
     Keys (absent: the default): `HOPPER` 1 / 0 (the path on or off: the same call timed on
     the portable kernel), `HOPPER_STAGES` (slots per ring, 0: by shared memory),
-    `HOPPER_NONFINITE` 1 / 0 (the value tiles' NaN / inf test; timing only). Each setting
+    `HOPPER_NONFINITE` 1 / 0 (the value tiles' NaN / inf test; timing only), `HOPPER_COLUMNS`
+    1 / 0 (column plans on this path or the portable kernel). Each setting
     is a constexpr of the kernel or a host decision, so variants compile their own kernels.
     """
-    global ENABLED, STAGES, NONFINITE
+    global ENABLED, STAGES, NONFINITE, COLUMNS
     ENABLED = sets.get("HOPPER", "1") == "1"
+    COLUMNS = sets.get("HOPPER_COLUMNS", "1") == "1"
     STAGES = int(sets.get("HOPPER_STAGES", "0"))
     NONFINITE = sets.get("HOPPER_NONFINITE", "1") == "1"
 
@@ -110,20 +122,63 @@ if _GLUON:
         return i_m, i_bh
 
     @gluon.jit
+    def _gather_tile(K, V, k_dst, v_dst, k_base, v_base, p_cindex, stride_cik, stride_kn, stride_vn, c0, ccount,
+                     key_len, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GATHER_ROWS: gl.constexpr,
+                     g_layout: gl.constexpr):
+        """Start copying the K and V rows of columns `c0 ..` of a column list into a slot.
+
+        `cp.async` copies of 16 bytes, `GATHER_ROWS` key rows at a time (TMA has no row
+        gather on sm90); columns past the count arrive as zeros (masked copies), and a
+        listed index is clamped into the keys, so an edited plan reads wrong rows, never
+        out of bounds.
+        """
+        o_g = gl.arange(0, GATHER_ROWS, layout=gl.SliceLayout(1, g_layout))
+        o_gd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
+        for r in gl.static_range(BLOCK_N // GATHER_ROWS):
+            o_c = c0 + r * GATHER_ROWS + o_g
+            m_c = o_c < ccount
+            i_col = gl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
+            i_col = gl.minimum(gl.maximum(i_col, 0), key_len - 1).to(gl.int64)
+            # Rows start on 16 bytes (`tma_ok` checked the strides): 16-byte copies.
+            k_row = gl.multiple_of(k_base + i_col * stride_kn, 8)
+            v_row = gl.multiple_of(v_base + i_col * stride_vn, 8)
+            _cp_async(
+                k_dst.slice(r * GATHER_ROWS, GATHER_ROWS), K + k_row[:, None] + o_gd[None, :], mask=m_c[:, None])
+            _cp_async(
+                v_dst.slice(r * GATHER_ROWS, GATHER_ROWS), V + v_row[:, None] + o_gd[None, :], mask=m_c[:, None])
+
+    @gluon.jit
+    def _release_gathered(k_ready, v_ready, s):
+        """A gathered slot is complete: make its generic-proxy writes visible to the tensor
+        cores' (async-proxy) reads, then tell the consumers."""
+        fence_async_shared()
+        mbarrier.arrive(k_ready.index(s), count=1)
+        mbarrier.arrive(v_ready.index(s), count=1)
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                   BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                   stride_bib, stride_bih, stride_bim, stride_bik,
                   seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
+                  K, V, COLUMN_COUNT, COLUMN_INDEX, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                  stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih, stride_cim, stride_cik,
+                  column_group, column_width, key_len,
                   BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                  WG: gl.constexpr):
-        """Issue the TMA copies: the query halves, then the listed key tiles into the ring.
+                  HAS_COLUMNS: gl.constexpr, WG: gl.constexpr):
+        """Issue the copies: the query halves, the listed key tiles (TMA), then the listed
+        columns' rows (gathered, `_gather_tile`) into the ring.
 
         Shared stream (not SPLIT): both query halves and one key list (both warpgroups' rows
         lie in one plan block). SPLIT: warpgroup WG's half and its own plan row's list, into
         its own ring.
         """
         WG_ROWS: gl.constexpr = q_smem.shape[3]
+        HEAD_DIM: gl.constexpr = q_smem.shape[4]
         RING: gl.constexpr = WG * STAGES if SPLIT else 0
+        GATHER_ROWS: gl.constexpr = 8
+        g_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
+                                                  threads_per_warp=[32 * 8 // HEAD_DIM, HEAD_DIM // 8],
+                                                  warps_per_cta=[1, 1], order=[1, 0])
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         num_tiles = num_m * num_bh
@@ -166,19 +221,44 @@ if _GLUON:
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
                 _tma_load(v_desc, [i_b, i_hkv, start_n, 0], v_ready.index(s), v_smem.index(s))
                 c += 1
+            if HAS_COLUMNS:
+                ccount = 0
+                if list_row0 < seqlen:
+                    ccount = gl.load(COLUMN_COUNT + i_b * stride_ccb + i_h * stride_cch + i_qb * stride_ccm)
+                    ccount = gl.minimum(gl.maximum(ccount, 0), column_width)
+                p_cindex = COLUMN_INDEX + i_b.to(gl.int64) * stride_cib + i_h.to(gl.int64) * stride_cih \
+                    + (i_qb // column_group).to(gl.int64) * stride_cim
+                k_base = i_b.to(gl.int64) * stride_kb + i_hkv.to(gl.int64) * stride_kh
+                v_base = i_b.to(gl.int64) * stride_vb + i_hkv.to(gl.int64) * stride_vh
+                # A slot is released to the consumers one tile late: its copies are awaited
+                # (`wait_group(1)`) while the next tile's are in flight.
+                s_prev = 0
+                for c0 in range(0, ccount, BLOCK_N):
+                    s = RING + c % STAGES
+                    ph = (c // STAGES) & 1
+                    mbarrier.wait(kv_empty.index(s), ph ^ 1)
+                    _gather_tile(K, V, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]),
+                                 v_smem.index(s).reshape([BLOCK_N, HEAD_DIM]), k_base, v_base, p_cindex,
+                                 stride_cik, stride_kn, stride_vn, c0, ccount, key_len, BLOCK_N, HEAD_DIM,
+                                 GATHER_ROWS, g_layout)
+                    async_copy.commit_group()
+                    if c0 > 0:
+                        async_copy.wait_group(1)
+                        _release_gathered(k_ready, v_ready, s_prev)
+                    s_prev = s
+                    c += 1
+                if ccount > 0:
+                    async_copy.wait_group(0)
+                    _release_gathered(k_ready, v_ready, s_prev)
             n_iter += 1
 
     @gluon.jit
-    def _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n, qk_scale, BLOCK_N: gl.constexpr,
-                 p_layout: gl.constexpr, dtype: gl.constexpr):
-        """One online-softmax step on a key tile's scores `b_s`, masked (key <= row) only where
-        the tile's last key is after the warpgroup's first row.
+    def _softmax(b_s, m_i, l_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
+        """One online-softmax step on a key tile's scores `b_s` (skipped keys already -inf).
 
         Returns P as the P V product's register operand, the rescale `alpha` of the rows'
         output, and the new `(m_i, l_i)`.
         """
-        if start_n + BLOCK_N - 1 > first_row:
-            b_s = gl.where((start_n + o_n)[None, :] <= o_m[:, None], b_s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(b_s, 1) * qk_scale)
         # A row whose kept logits are all -inf so far keeps m = -inf: shift by 0 so exp2 gives 0.
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -207,21 +287,23 @@ if _GLUON:
         return gl.max(gl.max((z != z).to(gl.int32), 1), 0)
 
     @gluon.jit
-    def _v_repair(v_buf, poison, start_n, o_n, o_m, nf_bar, n_rare, BLOCK_N: gl.constexpr,
+    def _v_repair(v_buf, poison, key_pos, key_ok, o_m, nf_bar, n_rare, BLOCK_N: gl.constexpr,
                   CHUNK: gl.constexpr, SHARED: gl.constexpr, v_layout: gl.constexpr, s_layout: gl.constexpr):
         """A value tile with a NaN / inf: poison the rows that keep one of its keys, zero the bad values.
 
         The portable kernel's rule for masked tiles: a row that keeps a non-finite value reads
         NaN (`poison`, applied at the end), a row that skips its key must not see it, which
-        the P V product would (0 x NaN): the values are zeroed in shared memory first. With a
-        shared key stream the other warpgroup reads the same slot: neither writes before both
-        have read it (`nf_bar`, two arrivals; both warpgroups take this branch on the same
-        tiles, as they test the same values). Runs only where V holds a non-finite value.
+        the P V product would (0 x NaN): the values are zeroed in shared memory first. Keys
+        are at positions `key_pos` (a block's range, or a tile's listed columns), `key_ok`
+        where listed. With a shared key stream the other warpgroup reads the same slot:
+        neither writes before both have read it (`nf_bar`, two arrivals; both warpgroups take
+        this branch on the same tiles, as they test the same values). Runs only where V holds
+        a non-finite value.
         """
         x = v_buf.load(v_layout)
         z = x * 0.0
         key_bad = gl.convert_layout(gl.max((z != z).to(gl.int32), 1), gl.SliceLayout(0, s_layout))
-        keeps_bad = ((start_n + o_n)[None, :] <= o_m[:, None]) & (key_bad[None, :] > 0)
+        keeps_bad = ((key_pos[None, :] <= o_m[:, None]) & key_ok[None, :]) & (key_bad[None, :] > 0)
         poison = gl.maximum(poison, gl.max(keeps_bad.to(gl.int32), 1))
         if SHARED:
             mbarrier.arrive(nf_bar, count=1)
@@ -242,8 +324,11 @@ if _GLUON:
                   stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
                   stride_lb, stride_lh,
                   qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n, block_width,
+                  COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih, stride_cim,
+                  stride_cik, column_group, column_width,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB_N: gl.constexpr,
-                  STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr, NONFINITE: gl.constexpr):
+                  STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr, NONFINITE: gl.constexpr,
+                  HAS_COLUMNS: gl.constexpr):
         WG_ROWS: gl.constexpr = q_smem.shape[3]
         # SPLIT: this warpgroup's own query barrier pair and ring; else the shared ones.
         RING: gl.constexpr = WG * STAGES if SPLIT else 0
@@ -308,21 +393,61 @@ if _GLUON:
                 b_s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 b_s = warpgroup_mma_wait(0, deps=(b_s,))
                 start_n = _key_start(p_bindex, stride_bik, t, plan_block_n, BLOCK_N, SUB_N)
-                p_op, alpha, m_i, l_i = _softmax(b_s, m_i, l_i, start_n, first_row, o_m, o_n, qk_scale,
-                                                 BLOCK_N, p_layout, dtype)
+                # Sorted causal lists: only a tile whose last key is after the warpgroup's
+                # first row needs the causal mask.
+                if start_n + BLOCK_N - 1 > first_row:
+                    b_s = gl.where((start_n + o_n)[None, :] <= o_m[:, None], b_s, float("-inf"))
+                p_op, alpha, m_i, l_i = _softmax(b_s, m_i, l_i, qk_scale, p_layout, dtype)
                 acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
                 mbarrier.wait(v_ready.index(s), ph)
                 v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
                 if NONFINITE:
                     if start_n + BLOCK_N - 1 > test_row:
                         if _v_nonfinite(v_buf, BLOCK_N, HEAD_DIM, CHUNK, v_layout) != 0:
-                            poison = _v_repair(v_buf, poison, start_n, o_n, o_m, nf_bar, n_rare, BLOCK_N,
-                                               CHUNK, not SPLIT, v_layout, s_layout)
+                            poison = _v_repair(v_buf, poison, start_n + o_n, o_n >= 0, o_m, nf_bar, n_rare,
+                                               BLOCK_N, CHUNK, not SPLIT, v_layout, s_layout)
                             n_rare += 1
                 acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(kv_empty.index(s), count=1)
                 c += 1
+            if HAS_COLUMNS:
+                # The listed columns, gathered by the producer a tile at a time, after the
+                # blocks (the portable kernel's order); each tile masked by the list's count
+                # and causality (key <= row).
+                ccount = 0
+                if list_row0 < seqlen:
+                    ccount = gl.load(COLUMN_COUNT + i_b * stride_ccb + i_h * stride_cch + i_qb * stride_ccm)
+                    ccount = gl.minimum(gl.maximum(ccount, 0), column_width)
+                p_cindex = COLUMN_INDEX + i_b.to(gl.int64) * stride_cib + i_h.to(gl.int64) * stride_cih \
+                    + (i_qb // column_group).to(gl.int64) * stride_cim
+                for c0 in range(0, ccount, BLOCK_N):
+                    s = RING + c % STAGES
+                    ph = (c // STAGES) & 1
+                    o_c = c0 + o_n
+                    m_c = o_c < ccount
+                    i_col = gl.load(p_cindex + o_c * stride_cik, mask=m_c, other=0)
+                    mbarrier.wait(k_ready.index(s), ph)
+                    k_buf = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+                    b_s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    b_s = warpgroup_mma_wait(0, deps=(b_s,))
+                    b_s = gl.where(m_c[None, :] & (i_col[None, :] <= o_m[:, None]), b_s, float("-inf"))
+                    p_op, alpha, m_i, l_i = _softmax(b_s, m_i, l_i, qk_scale, p_layout, dtype)
+                    acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+                    mbarrier.wait(v_ready.index(s), ph)
+                    v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+                    if NONFINITE:
+                        # Rows of the stream skip a listed column only past its first row
+                        # (unlisted slots arrive as zeros).
+                        if gl.max(gl.where(m_c, i_col, -1), 0) > test_row:
+                            if _v_nonfinite(v_buf, BLOCK_N, HEAD_DIM, CHUNK, v_layout) != 0:
+                                poison = _v_repair(v_buf, poison, i_col, m_c, o_m, nf_bar, n_rare, BLOCK_N,
+                                                   CHUNK, not SPLIT, v_layout, s_layout)
+                                n_rare += 1
+                    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    c += 1
             # Every Q Kᵀ of this tile is done: the next tile's query may load (under this
             # tile's last P V); the output is stored from registers.
             mbarrier.arrive(q_empty.index(QB), count=1)
@@ -350,16 +475,22 @@ if _GLUON:
     # handed to the worker partitions: none is specialised.
     @gluon.jit(do_not_specialize=[
         "stride_bcb", "stride_bch", "stride_bcm", "stride_bib", "stride_bih", "stride_bim", "stride_bik",
-        "stride_ob", "stride_oh", "stride_on", "stride_lb", "stride_lh", "seqlen", "q_offset", "num_m", "num_bh",
-        "num_heads", "group", "plan_block_m", "plan_block_n", "block_width"])
+        "stride_ob", "stride_oh", "stride_on", "stride_lb", "stride_lh", "seqlen", "q_offset", "num_m",
+        "num_bh", "num_heads", "group", "plan_block_m", "plan_block_n", "block_width", "stride_kb", "stride_kh",
+        "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ccb", "stride_cch", "stride_ccm",
+        "stride_cib", "stride_cih", "stride_cim", "stride_cik", "column_group", "column_width", "key_len"])
     def _block_hopper_fwd(q_desc, k_desc, v_desc, O, LSE, BLOCK_COUNT, BLOCK_INDEX,
                           stride_bcb, stride_bch, stride_bcm, stride_bib, stride_bih, stride_bim, stride_bik,
                           stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
                           qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, group,
                           plan_block_m, plan_block_n, block_width,
+                          K, V, COLUMN_COUNT, COLUMN_INDEX, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                          stride_vn, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih, stride_cim,
+                          stride_cik, column_group, column_width, key_len,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB_N: gl.constexpr,
                           STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr,
-                          NONFINITE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                          NONFINITE: gl.constexpr, HAS_COLUMNS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         # SPLIT (plan blocks of 64 query rows): each consumer warpgroup reads its own plan
         # row, so each has its own producer warp, ring and query barriers.
@@ -391,23 +522,35 @@ if _GLUON:
                              stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
                              stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
                              plan_block_m, plan_block_n, block_width,
-                             0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE)),
+                             COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih,
+                             stride_cim, stride_cik, column_group, column_width,
+                             0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE,
+                             HAS_COLUMNS)),
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, nf_bar,
                              O, LSE, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
                              stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
                              plan_block_m, plan_block_n, block_width,
-                             1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE)),
+                             COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih,
+                             stride_cim, stride_cik, column_group, column_width,
+                             1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE,
+                             HAS_COLUMNS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                              kv_empty, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik,
                              seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
-                             BLOCK_N, SUB_N, STAGES, SPLIT, 0)),
+                             K, V, COLUMN_COUNT, COLUMN_INDEX, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                             stride_vn, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih, stride_cim,
+                             stride_cik, column_group, column_width, key_len,
+                             BLOCK_N, SUB_N, STAGES, SPLIT, HAS_COLUMNS, 0)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                              kv_empty, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik,
                              seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
-                             BLOCK_N, SUB_N, STAGES, SPLIT, 1)),
+                             K, V, COLUMN_COUNT, COLUMN_INDEX, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                             stride_vn, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih, stride_cim,
+                             stride_cik, column_group, column_width, key_len,
+                             BLOCK_N, SUB_N, STAGES, SPLIT, HAS_COLUMNS, 1)),
             ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -416,18 +559,27 @@ if _GLUON:
                              stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
                              stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
                              plan_block_m, plan_block_n, block_width,
-                             0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE)),
+                             COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih,
+                             stride_cim, stride_cik, column_group, column_width,
+                             0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE,
+                             HAS_COLUMNS)),
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, nf_bar,
                              O, LSE, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik, stride_ob, stride_oh, stride_on,
                              stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
                              plan_block_m, plan_block_n, block_width,
-                             1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE)),
+                             COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih,
+                             stride_cim, stride_cik, column_group, column_width,
+                             1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE,
+                             HAS_COLUMNS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                              kv_empty, BLOCK_COUNT, BLOCK_INDEX, stride_bcb, stride_bch, stride_bcm,
                              stride_bib, stride_bih, stride_bim, stride_bik,
                              seqlen, num_m, num_bh, num_heads, group, plan_block_m, plan_block_n, block_width,
-                             BLOCK_N, SUB_N, STAGES, SPLIT, 0)),
+                             K, V, COLUMN_COUNT, COLUMN_INDEX, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                             stride_vn, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih, stride_cim,
+                             stride_cik, column_group, column_width, key_len,
+                             BLOCK_N, SUB_N, STAGES, SPLIT, HAS_COLUMNS, 0)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -472,12 +624,15 @@ def _is_sm90(device: torch.device) -> bool:
 def eligible(call: Any, plan: Any) -> bool:
     """The dispatch rule's host-only part: the call's features and the plan's shapes.
 
-    Never the method and never a device read: head dim 64 or 128, key blocks only (no
-    column list), `block_m` a multiple of 64 (128: both consumer warpgroups share one key
-    stream; 64: SPLIT, a stream each) and `block_n` of 64, and none of mask, state, block
+    Never the method and never a device read: head dim 64 or 128, `block_m` a multiple
+    of 64 (128: both consumer warpgroups share one key stream; 64: SPLIT, a stream each)
+    and `block_n` of 64, column lists only where disjoint from the blocks (the launcher's
+    `resolve_covered_columns` makes most so; `COLUMNS` on), and none of mask, state, block
     means, key bias, ragged or varlen K/V, row max or a head chunk's destination.
     """
-    if call.q.shape[3] not in (64, 128) or plan.column_index.shape[3] != 0:
+    if call.q.shape[3] not in (64, 128):
+        return False
+    if plan.column_index.shape[3] != 0 and not (COLUMNS and plan.columns_disjoint):
         return False
     if plan.block_m % WG_M != 0 or plan.block_n % 64 != 0:
         return False
@@ -519,7 +674,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     Args:
         q: `[B, Hq, N, D]`; k, v: `[B, Hkv, key_len, D]`; out: `[B, Hq, N, D]` contiguous.
         lse: float32 `[B, Hq, N]` or None.
-        plan: the checked `BlockColumnPlan` (no columns).
+        plan: the checked `BlockColumnPlan` (column lists disjoint from its blocks).
         sm_scale: the softmax scale.
     """
     b, hq, n, d = q.shape
@@ -536,14 +691,18 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     grid = min(num_m * b * hq, _sm_count(q.device))
     lse_arg = lse if lse is not None else out
     lse_strides = tuple(lse.stride()[:2]) if lse is not None else (0, 0)
+    columns = plan.column_index.shape[3] > 0
     ints = (*plan.block_count.stride(), *plan.block_index.stride(), *out.stride()[:3], *lse_strides,
             n, plan.query_offset, num_m, b * hq, hq, hq // k.shape[1], plan.block_m, plan.block_n,
-            plan.block_index.shape[3])
-    pointers = (out, lse_arg, plan.block_count, plan.block_index)
+            plan.block_index.shape[3], *k.stride()[:3], *v.stride()[:3], *plan.column_count.stride(),
+            *plan.column_index.stride(), plan.column_group, plan.column_index.shape[3], k.shape[2])
+    pointers = (out, lse_arg, plan.block_count, plan.block_index, k, v, plan.column_count, plan.column_index)
     while True:
-        constexprs = (block_n, d, plan.block_n // block_n, stages, lse is not None, split, NONFINITE,
-                      CONSUMER_REGS, PRODUCER_REGS)
-        args = (*descs, *pointers, *ints[:12], sm_scale * 1.4426950408889634, *ints[12:], *constexprs)
+        constexprs = (block_n, d, plan.block_n // block_n, stages, lse is not None, split, NONFINITE, columns,
+                      COLUMN_CONSUMER_REGS if columns else CONSUMER_REGS,
+                      COLUMN_PRODUCER_REGS if columns else PRODUCER_REGS)
+        args = (*descs, *pointers[:4], *ints[:12], sm_scale * 1.4426950408889634, *ints[12:21], *pointers[4:],
+                *ints[21:], *constexprs)
         key = _launch_key(device, q.dtype, constexprs, pointers, ints)
         kernel = _COMPILED.get(key)
         if kernel is not None and triton.knobs.runtime.launch_enter_hook is None:
