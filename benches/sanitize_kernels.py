@@ -5,9 +5,9 @@ N not a multiple of any block size), plus the block/column kernel with a start
 state, block means, a key bias and a dense mask. Prints one line per case; exits 1
 if a fast output differs from the float64 reference beyond the tolerance policy.
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python benches/sanitize_kernels.py
+    compute-sanitizer --tool memcheck --error-exitcode 9 python benches/sanitize_kernels.py [--seqlen 1000]
 
-`packed` mode (`python benches/sanitize_kernels.py cuda 1000 packed`): hostile packed
+`--packed` (`python benches/sanitize_kernels.py --packed`): hostile packed
 K/V instead. Valid packings (`fast.delta_pack`, `fast.delta_tile_pack`) edited in place
 after validation, or built invalid and `mark_valid()`-ed (offsets past the end,
 negative or reversed, lengths too long or negative, counts and timestamps at
@@ -110,12 +110,20 @@ def packed_cases(dev: torch.device, n: int) -> int:
     return 0
 
 
-def main() -> int:
-    dev = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
-    if len(sys.argv) > 3 and sys.argv[3] == "packed":
-        return packed_cases(dev, int(sys.argv[2]))
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu runs the same under TRITON_INTERPRET=1")
+    parser.add_argument("--seqlen", type=int, default=1000, help="N, a multiple of no block size (default 1000)")
+    parser.add_argument("--packed", action="store_true", help="the hostile packed K/V cases instead")
+    args = parser.parse_args(argv)
+    dev = torch.device(args.device)
+    if args.packed:
+        return packed_cases(dev, args.seqlen)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    n, bad = int(sys.argv[2]) if len(sys.argv) > 2 else 1000, 0
+    n, bad = args.seqlen, 0
     q = torch.randn(2, 4, n, 64, generator=gen).to(dev, torch.float16)
     k = torch.randn(2, 2, n, 64, generator=gen).to(dev, torch.float16)
     v = torch.randn(2, 2, n, 64, generator=gen).to(dev, torch.float16)

@@ -1,7 +1,11 @@
-"""Kernel benchmarks as a pytest-benchmark suite (GPU only; see conftest.py)."""
+"""Kernel benchmarks as a pytest-benchmark suite (GPU only; see conftest.py).
+
+`BENCH_SEQLENS=8192,32768` (comma-separated) chooses the lengths (default 8K, 32K, 128K).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +15,7 @@ import torch
 from sparseprefill import fast
 from sparseprefill.bench import random_block_plan
 
-SEQLENS = [8192, 32768, 131072]
+SEQLENS = [int(n) for n in os.environ.get("BENCH_SEQLENS", "8192,32768,131072").split(",") if n]
 HQ, HKV, D = 32, 8, 128
 
 

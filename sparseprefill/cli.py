@@ -49,7 +49,8 @@ class Command:
 COMMANDS: tuple[Command, ...] = (
     Command("demo", "run every method on a built-in workload; print a table, save a PNG of the masks",
             "sparseprefill.demo"),
-    Command("bench", "GPU benchmark of the kernels against cuDNN/flash SDPA and FlexAttention",
+    Command("bench", "GPU benchmark suites (kernels, methods, a method, estimates, floor, variants, serving, "
+                     "scale, delta, peers, distributed), every row beside cuDNN SDPA",
             "sparseprefill.bench"),
     Command("search", "offline kernel-aware MInference pattern search (Alg. 1); writes a JSON config",
             "sparseprefill.search"),

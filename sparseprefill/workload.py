@@ -1250,7 +1250,6 @@ def method_curves(
     import time
 
     from . import reference
-    from .compare import sweep
     from .methods import METHODS, MethodView
 
     n = int(q.shape[2])
@@ -1259,7 +1258,7 @@ def method_curves(
     points = []
     for name in methods:
         spec = METHODS[name]
-        for params in sweep(spec, n):
+        for params in spec.sweep_params(n):
             start = time.perf_counter()
             call = spec.call_params(params, q)
             if spec.plan_based:

@@ -378,27 +378,6 @@ def test_registered() -> None:
     assert spec.demo_params(800) == {"step": 1} and spec.demo_params(131072) == {"step": 16}
 
 
-def test_bench_rows_are_well_formed() -> None:
-    """`sparseprefill bench --method anchor_attention` on a CPU: tiny sizes, a fake timer."""
-    from sparseprefill.bench import format_table
-    from sparseprefill.methods.anchor_attention import ANCHOR_PAPER_CLAIM, run_anchor_suite
-
-    rows = run_anchor_suite([128], q_heads=2, kv_heads=1, head_dim=16, dtype=torch.float16,
-                            theta=2.0, step=1, block=32, device="cpu", log=lambda _: None,
-                            timer=lambda fn: (fn(), 2.0)[1])
-    assert [(r.method, r.impl) for r in rows] == [("dense", "cuDNN SDPA"), ("dense", "flash SDPA"),
-                                                 ("anchor_attention", "sparseprefill")]
-    row = rows[-1]
-    assert 0 < row.density < 1 and row.recall_mean is not None and 0.5 < row.recall_mean <= 1
-    assert row.ms == 2.0 and row.estimate_ms == 4.0
-    extra = row.extra
-    assert extra["anchor_ms"] == extra["identification_ms"] == extra["stripe_ms"] == 2.0
-    assert extra["stages_vs_e2e_max_abs_diff"] == 0.0  # the stages are the end-to-end run
-    assert 0 < extra["anchor_density"] < row.density and extra["stripe_width"] > 0
-    assert extra["paper_claim"] == ANCHOR_PAPER_CLAIM and "speedup_vs_flash" in extra
-    assert "anchor_attention" in format_table(rows)
-
-
 def test_transformers_patch() -> None:
     """`patch(model, "anchor_attention")`: theta = inf keeps every key (the logits of SDPA);
     theta = 0 drops some (logits differ)."""

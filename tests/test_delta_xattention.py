@@ -420,36 +420,3 @@ def test_fast_specific_checks() -> None:
         fast.delta_xattention(q, k, v, delta_threshold=0.5, block=24, packed_block=8)
     with pytest.raises(TypeError, match="k must have dtype"):
         fast.delta_tile_pack(k.float(), v.float(), delta_threshold=0.5)
-
-
-# -- the bench suite (CPU, untimed) -------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_bench_suite_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`sparseprefill bench --method delta_xattention` on the CPU with the timer stubbed."""
-    from sparseprefill import bench
-
-    def once(fn: Any) -> float:
-        fn()
-        return 1.0
-
-    monkeypatch.setattr(bench, "bench_ms", once)
-    cases = (("dx cos0.9", {"delta_threshold": 0.9, "metric": "cosine", "threshold": 0.9, "exact_top": 0.1}),)
-    from sparseprefill.methods.delta_xattention import run_delta_xattention_suite
-
-    rows = run_delta_xattention_suite([96], batch=1, q_heads=2, kv_heads=1, head_dim=32,
-                                             dtype=torch.float16, block=32, packed_blocks=(16,), cases=cases,
-                                             device="cpu", log=lambda s: None)
-    names = [r.method for r in rows]
-    assert names[0] == "dense" and "xattention s8 0.9 (same tiles)" in names
-    dx = [r for r in rows if r.method.startswith("dx")]
-    assert len(dx) == 1 and 0 < dx[0].density <= 1
-    for key in ("scoring_ms", "selection_ms", "split_ms", "packing_ms", "plans_ms", "packed_ms", "exact_ms",
-                "kv_reduction", "keep_ratio", "packed_tiles", "xattention_kernel_ms", "skip_kernel_ms",
-                "kernel_vs_xattention", "floor_ms"):
-        assert key in dx[0].extra, key
-    assert 0 <= dx[0].extra["kv_reduction"] < 1
-    parser = __import__("argparse").ArgumentParser()
-    bench.add_arguments(parser)
-    assert parser.parse_args(["--method", "delta_xattention"]).method == "delta_xattention"

@@ -225,7 +225,7 @@ def _errors(rank: int, world: int) -> dict[str, Any]:
 
 def _bench_rows(rank: int, world: int) -> dict[str, Any]:
     """`sparseprefill bench --distributed`'s rows, structurally (gloo, reference, N = 256)."""
-    from sparseprefill.distributed_bench import format_rows, run_rows
+    from sparseprefill.bench.suites.distributed import format_rows, run_rows
 
     rows = run_rows([256], ["dense", "vertical_slash"], modes=["head", "context"], batch=1, q_heads=2 * world,
                     kv_heads=world, head_dim=16, dtype=torch.float16, impl="reference", align=128, reps=1,
@@ -503,7 +503,7 @@ def test_bench_distributed_needs_torchrun(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.delenv(name, raising=False)
     parser = __import__("argparse").ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--distributed", "--seqlens", "256"])
+    args = parser.parse_args(["--distributed", "--dist-modes", "head,context", "--device", "cpu", "--seqlens", "256"])
     with pytest.raises(SystemExit, match="launch it with torchrun"):
         bench.run(args)
 

@@ -155,24 +155,23 @@ def test_toy_in_compare(toy: methods.Method, tmp_path: Path, capsys: pytest.Capt
     assert len(points) == 3 and all(0 < p["density"] <= 1 for p in points)
 
 
-def test_toy_in_bench(toy: methods.Method, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_toy_in_bench(toy: methods.Method) -> None:
     import argparse
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    assert parser.parse_args(["--method", TOY]).method == TOY
-
-    def once(fn: Any) -> float:
-        fn()
-        return 1.0
-
-    monkeypatch.setattr(bench, "bench_ms", once)
-    rows = bench.run_method_suite(TOY, [96], batch=1, q_heads=2, kv_heads=1, head_dim=32, dtype=torch.float16,
-                                  device="cpu", log=lambda s: None)
+    assert parser.parse_args([TOY]).suites == [TOY] and parser.parse_args(["--method", TOY]).method == TOY
+    suite = bench.load_suite(TOY)  # no suite module of its own: the `methods` suite for it alone
+    ctx = bench.Context(device=torch.device("cpu"), batch=1, q_heads=2, kv_heads=1, head_dim=32,
+                        dtype=torch.float16, log=lambda s: None, timer=lambda fn: (fn(), 1.0)[1])
+    rows = bench.run_suite(suite, ctx, [96])
     row = rows[-1]
-    assert (row.method, row.impl) == (TOY, "sparseprefill")
-    assert 0 < row.density < 1 and row.recall_mean is not None and row.estimate_ms == 1.0
-    assert row.extra["kernel_ms"] == 1.0
+    assert (row.method, row.impl, row.suite) == (TOY, "sparseprefill", TOY)
+    assert 0 < row.density < 1 and row.recall_mean is not None and row.plan_ms == row.kernel_ms == 1.0
+    assert row.vs_floor == pytest.approx(1.0 / row.density)
+    ctx.methods = None
+    names = [r.method for r in bench.run_suite(bench.load_suite("estimates"), ctx, [96])]
+    assert TOY in names
 
 
 def test_toy_as_a_custom_op(toy: methods.Method) -> None:
@@ -218,13 +217,21 @@ def test_toy_through_patch(toy: methods.Method) -> None:
 
 # -- no method tables outside the descriptors -------------------------------------------
 
-# The modules of the tools: they read the descriptors and name no method themselves.
+# The modules of the tools: they read the descriptors and name no method themselves. A
+# method's own benchmark suite (`sparseprefill/bench/suites/<method>.py`) may name that
+# method, and only that one (`_own_name`).
 TOOL_MODULES = sorted(
     [p for p in (ROOT / "sparseprefill").glob("*.py")]
     + list((ROOT / "sparseprefill" / "integrations").glob("*.py"))
+    + list((ROOT / "sparseprefill" / "bench").rglob("*.py"))
     + [ROOT / "fast" / "ops.py", ROOT / "conformance" / "__main__.py", ROOT / "conformance" / "properties.py",
        ROOT / "conformance" / "strategies.py", ROOT / "conformance" / "tolerance.py"]
 )
+
+
+def _own_name(path: Path) -> str:
+    """The method a module may name: its own, for a method's suite module."""
+    return path.stem if path.parent.name == "suites" else ""
 
 
 def _method_name_uses(path: Path, names: set[str]) -> list[str]:
@@ -254,7 +261,8 @@ def _method_name_uses(path: Path, names: set[str]) -> list[str]:
 def test_no_method_table_outside_the_descriptors() -> None:
     names = set(methods.METHODS)
     assert TOOL_MODULES and "dense" in names
-    hits = [hit for path in TOOL_MODULES for hit in _method_name_uses(path, names)]
+    assert (ROOT / "sparseprefill" / "bench" / "suites" / "xattention.py") in TOOL_MODULES
+    hits = [hit for path in TOOL_MODULES for hit in _method_name_uses(path, names - {_own_name(path)})]
     assert not hits, "method names in a tool's own table or dispatch (move the fact into the method's " \
                      f"descriptor, sparseprefill/methods/): {hits}"
 

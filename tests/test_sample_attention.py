@@ -407,31 +407,3 @@ def test_patch_loads_tuned_settings(tmp_path: Path) -> None:
         assert attn.calls == {"sparse": 2}
         unpatch(model)
     assert torch.equal(outs[0], outs[1])
-
-
-# -- the benchmark's rows, on the CPU -------------------------------------------------------------
-
-
-def test_bench_suite_rows_are_well_formed() -> None:
-    """`sparseprefill bench --method sample_attention` needs a GPU; its suite runs here on a
-    tiny workload (one untimed call per stage) to check the rows it writes."""
-    import time
-
-    from sparseprefill.bench import format_table
-    from sparseprefill.methods.sample_attention import format_stages, run_sample_attention_suite
-
-    def once(fn: Any) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    rows = run_sample_attention_suite([160], q_heads=2, kv_heads=1, head_dim=32, dtype=torch.float16,
-                                      settings=((0.9, 0.9, 2),), block_size=32,
-                                      device=torch.device("cpu"), time_ms=once, log=lambda line: None)
-    assert [r.method for r in rows] == ["dense", "sample_attention 0.9/0.9/2"]
-    row = rows[1]
-    assert 0 < row.density <= 1 and row.recall_min is not None and 0 <= row.recall_min <= row.recall_mean <= 1
-    for key in ("sampling_ms", "filtering_ms", "kernel_ms", "floor_ms", "kernel_vs_floor", "overhead_vs_dense"):
-        assert math.isfinite(row.extra[key]) and row.extra[key] > 0, key
-    assert row.extra["floor_ms"] == pytest.approx(row.density * rows[0].ms)
-    assert "sample_attention 0.9/0.9/2" in format_table(rows) and "kernel/floor" in format_stages(rows)

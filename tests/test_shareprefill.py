@@ -408,7 +408,6 @@ def test_shareprefill_tie_check() -> None:
         shareprefill_tie_check(q, k, params, plan, wrong)
 
 
-
 def test_column_lists_too_large_to_give_every_query_block_its_own_stay_shared(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Single-line verticals whose per-query-block lists exceed `DISJOINT_COLUMN_BYTES`
@@ -424,38 +423,6 @@ def test_column_lists_too_large_to_give_every_query_block_its_own_stay_shared(
     assert shared.column_index.stride(2) == 0 and int(shared.column_count.max()) > 0
     assert shared.equal(fitting)
     torch.testing.assert_close(fast.sparse_attention(q, k, v, shared), fast.sparse_attention(q, k, v, fitting))
-
-
-# -- the GPU benchmark's rows, checked on the CPU ------------------------------------------------
-
-
-@pytest.mark.slow
-def test_bench_suite_rows_on_cpu() -> None:
-    import time
-
-    from sparseprefill.bench import format_table
-    from sparseprefill.methods.shareprefill import run_shareprefill_suite
-
-    def timer(fn: Any) -> float:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
-    rows = run_shareprefill_suite([48], q_heads=4, kv_heads=2, head_dim=16, dtype=torch.float16, layers=2,
-                                  device="cpu", timer=timer, log=lambda line: None, with_recall=False,
-                                  share_params={"block_m": 16, "block_n": 16})
-    names = [r.method for r in rows]
-    assert names == ["dense L0", "shareprefill L0", "flexprefill_vs L0", "dense L1", "shareprefill L1",
-                     "flexprefill_vs L1", "shareprefill total (2 layers)"]
-    share = [r for r in rows if r.method.startswith("shareprefill L")]
-    for r in share:
-        assert {"decision_ms", "plan_ms", "sparse_heads_ms", "dense_pivots_ms", "pivot_build_ms"} <= set(r.extra)
-        assert r.ms > 0 and 0 < r.density <= 1 and r.speedup_vs_cudnn is not None
-        assert sum(r.extra[p] for p in ("dense", "shared", "vertical_slash")) == 4
-    # The flat head 0 is the pivot in layer 0 and shares it in layer 1.
-    assert share[0].extra["dense"] == 1 and share[1].extra["shared"] >= 1
-    assert math.isnan(rows[0].ms)
-    assert "shareprefill L1" in format_table(rows)
 
 
 def test_nan_input_decides_vertical_slash_and_keeps_valid_plans() -> None:

@@ -63,8 +63,8 @@ from ._common import (
     tma_ok,
 )
 from ._common import dot as _dot
-from . import block_column_hopper, own_columns
-from .own_columns import resolve_covered_columns
+from .block_column_hopper import launch as hopper_launch, supports as hopper_supports
+from .own_columns import covered_column_settings, resolve_covered_columns
 
 
 @triton.jit
@@ -564,12 +564,12 @@ def _tile_config(plan_block_m: int, plan_block_n: int, head_dim: int) -> tuple[i
     """Return (BLOCK_M, BLOCK_N, num_warps, num_stages) for a plan's block sizes.
 
     Kernel tiles must divide the plan's blocks. Measured on an H200 (triton 3.6, bf16,
-    d=128, 128K tokens, `benches/tune_kernel.py`): 128x128 tiles, 8 warps, 3 stages
+    d=128, 128K tokens, `sparseprefill bench variants --tiles`): 128x128 tiles, 8 warps, 3 stages
     reach 532 TFLOP/s on a dense plan, 128x64 465, 64x64 with 4 warps 473; 4 warps on
     128-row tiles fall to ~300. Head dims above 128 take smaller tiles to fit registers.
     """
     if head_dim <= 64:
-        # D <= 64 (H200, bf16, 32K, B=2, 14/2 heads, benches/serving_shapes.py --sweep):
+        # D <= 64 (H200, bf16, 32K, B=2, 14/2 heads, `bench serving` / `bench variants --tiles`):
         # 64x128 tiles with 4 warps 9.95 ms (0.84x cuDNN), 128x128 with 8 warps 10.69.
         block_m = math.gcd(plan_block_m, 64)
         block_n = math.gcd(plan_block_n, 128)
@@ -622,12 +622,12 @@ _COL_TILE = int(os.environ.get("SPARSEPREFILL_COL_TILE", "0"))
 # forces it: `SPARSEPREFILL_COL_SPLIT=1` always, `0` never (None: the rule).
 _COL_SPLIT: bool | None = {"1": True, "0": False}.get(os.environ.get("SPARSEPREFILL_COL_SPLIT", "auto"))
 # The rule's threshold: the split's copy of the kernel runs where the query blocks list on
-# average at least this many column tiles (docs/plan-and-kernels.md, session 5).
+# average at least this many column tiles (measured: docs/plan-and-kernels.md).
 SPLIT_MIN_COLUMN_TILES = 2
 # Grid order (a tuning switch): query tiles on the slow axis, so programs start longest
 # first over all heads, not head after head (docs/plan-and-kernels.md, short prompts).
 _TILE_MAJOR = os.environ.get("SPARSEPREFILL_TILE_MAJOR", "0") == "1"
-# Benchmarking switches only (benches/guard_cost.py): `SPARSEPREFILL_GUARD=0` drops the
+# Benchmarking switches only (`sparseprefill bench variants`): `SPARSEPREFILL_GUARD=0` drops the
 # clamps of loaded plan entries, `SPARSEPREFILL_NONFINITE=0` the masked-tile step that
 # keeps NaN values out of rows that do not keep their key. Never turn them off in use.
 _GUARD = os.environ.get("SPARSEPREFILL_GUARD", "1") == "1"
@@ -1049,15 +1049,16 @@ def _head_chunk(plan: BlockColumnPlan, call: _KernelCall) -> int:
     resolved or not shared, a call with a mask, state, block means, key bias, ragged or
     varlen K / V, or one head's lists alone past the budget).
     """
+    resolve_covered, budget = covered_column_settings()
     if (plan.column_index.shape[3] == 0 or plan.columns_disjoint or plan.column_group != 1
-            or not own_columns.RESOLVE_COVERED or call.mask is not None or call.state is not None
+            or not resolve_covered or call.mask is not None or call.state is not None
             or call.block_mean_out is not None or call.key_bias is not None or call.kv_offsets is not None
             or call.varlen is not None or call.dest is not None or call.row_max is not None):
         return 0
     b, hq = call.q.shape[:2]
     group = hq // call.k.shape[1]
     per_head = b * plan.num_query_blocks * plan.column_index.shape[3] * 4
-    fit = own_columns.DISJOINT_COLUMN_BYTES // max(1, per_head)
+    fit = budget // max(1, per_head)
     return 0 if fit < 1 or fit >= hq else head_group(hq, group, int(fit))
 
 
@@ -1094,12 +1095,12 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     # shared lists too large for that, a few heads at a time (`_head_chunk`).
     plan = resolve_covered_columns(call.plan)
     b, hq, n, d = q.shape
-    if block_column_hopper.supports(call, plan):
+    if hopper_supports(call, plan):
         # The Hopper path takes the whole call in one launch, non-finite V included
         # (docs/hopper-path.md); nothing of the portable launcher's work below is needed.
         out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
         lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if call.return_lse else None
-        block_column_hopper.launch(q, k, v, out, lse, plan, call.sm_scale)
+        hopper_launch(q, k, v, out, lse, plan, call.sm_scale)
         return out, lse
     chunk = _head_chunk(plan, call)
     if chunk:

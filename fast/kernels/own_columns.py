@@ -35,6 +35,12 @@ DISJOINT_COLUMN_BYTES = 512 << 20
 RESOLVE_COVERED = True
 
 
+def covered_column_settings() -> tuple[bool, int]:
+    """`(RESOLVE_COVERED, DISJOINT_COLUMN_BYTES)` as they are now (read at each launch, since
+    conformance, tests and benchmarks change them between calls)."""
+    return RESOLVE_COVERED, DISJOINT_COLUMN_BYTES
+
+
 @triton.jit
 def _own_columns_kernel(
     BLOCK_COUNT, BLOCK_INDEX, COLUMN_COUNT, COLUMN_INDEX, OUT_COUNT, OUT_INDEX,

@@ -58,12 +58,12 @@ from ...reference.plan import BlockColumnPlan, cdiv
 from ..capture import static_widths_active
 
 # Lines handled per vector step, and warps per program (H200, 128K, 32 heads: 256 x 4
-# warps 3.49 ms, 128 x 4 3.81 ms, 8 warps no faster at any chunk; benches/tune_index_chunk.py).
+# warps 3.49 ms, 128 x 4 3.81 ms, 8 warps no faster at any chunk; measured by a one-off sweep).
 _CHUNK = 256
 _NUM_WARPS = 4
 # Start each query block's walk at its first reaching slash (a bisection of the sorted
 # offsets) rather than at the largest offset: the same plan, fewer chunks for the early
-# query blocks (fifth session; False is the fourth session's walk, kept for the timing).
+# query blocks (False: the walk from the largest offset, kept to time the two).
 SKIP_UNREACHED = True
 # How the slash part's block lists are built: "walk" (Alg. 4, O(k_s) a query block), "blocks"
 # (the band kernel's key-block walk with bands of one offset, O(Kb) a query block: a block is

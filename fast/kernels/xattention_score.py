@@ -224,7 +224,7 @@ def check_xattention_inputs(
 
 
 # (query groups per program, key groups per step, warps, pipeline stages) of
-# `_row_tile_lse_kernel` on a GPU; benches/estimator_stages.py sweeps it. The first that
+# `_row_tile_lse_kernel` on a GPU (`sparseprefill bench estimates` times it). The first that
 # fits the shared memory at the head dim is taken (`score_config`): the 128 x 128 tiles
 # measured fastest at D = 128 need 3 x (128 + 128) x D x 2 bytes of pipeline buffers,
 # 384 KiB at D = 256, more than a Hopper SM has (227 KiB; the GPU conformance run of

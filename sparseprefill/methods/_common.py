@@ -61,7 +61,7 @@ def shape_only_estimate(name: str) -> Any:
     """A `DistributedEstimate.build` for a plan that depends on N alone: every rank runs the
     method's own estimator on stand-in tensors of the global shape (no traffic)."""
     def build(shard: Any, params: dict[str, Any], impl: str, scale: float | None, comm: Any) -> Any:
-        from . import get
+        from ._core import get
 
         q, k = shard.standins()
         return get(name).plan_fn(impl)(q, k, **params)

@@ -1,11 +1,13 @@
 """The method descriptor (`Method`) and the registry every tool reads.
 
 One `Method` holds every fact about one method: its reference and fast functions,
-defaults, parameter check, compare sweep, chunked-prefill behaviour, capture safety,
-distributed estimate and benchmark suite. The CLI, demo, bench, compare, eval,
-`patch`, `fast.ops` and `distributed` read these descriptors and keep no table of
-method names of their own. Test knowledge (Hypothesis strategies, tie rules, the
-tolerance policy) stays in `sparseprefill.conformance`, looked up by method name.
+defaults, parameter check, compare sweep and ablation grids, chunked-prefill behaviour,
+capture safety, distributed estimate and per-head knobs. The CLI, demo, bench, compare,
+eval, `patch`, `fast.ops` and `distributed` read these descriptors and keep no table of
+method names of their own. How to benchmark a method lives in `sparseprefill.bench`
+(its own suite, if any, in `sparseprefill/bench/suites/<name>.py`); test knowledge
+(Hypothesis strategies, tie rules, the tolerance policy) in `sparseprefill.conformance`,
+looked up by method name.
 
 Nothing here imports Hypothesis: serving a model needs none.
 """
@@ -103,46 +105,6 @@ class DistributedEstimate:
 
 
 @dataclass(frozen=True)
-class BenchArgument:
-    """A command-line option of a method's benchmark suite (`sparseprefill bench`).
-
-    Attributes:
-        flag: the option, e.g. "--theta".
-        dest: the suite's keyword argument it fills.
-        type: int, float or str.
-        default: its value when not given.
-        help: one line.
-    """
-
-    flag: str
-    dest: str
-    type: Callable[[str], Any]
-    default: Any
-    help: str
-
-
-@dataclass(frozen=True)
-class BenchSuite:
-    """A method's own GPU benchmark (`sparseprefill bench --method <name>`).
-
-    Attributes:
-        about: what it measures, one line (the `--help` text).
-        seqlens: the default sequence lengths.
-        run: `(seqlens, *, batch, q_heads, kv_heads, head_dim, dtype, with_recall,
-            flex, log, **arguments) -> list[bench.Row]`; every row is measured in the
-            same run as cuDNN SDPA.
-        arguments: its extra command-line options.
-        summary: `rows -> text` printed after the table (a stage split), or None.
-    """
-
-    about: str
-    seqlens: tuple[int, ...]
-    run: Callable[..., list[Any]]
-    arguments: tuple[BenchArgument, ...] = ()
-    summary: Callable[[list[Any]], str] | None = None
-
-
-@dataclass(frozen=True)
 class Ablation:
     """A named grid of extra points for `sparseprefill compare --ablations`: a paper's ablation
     or a wider grid of a knob, measured beside the sweep (the evidence of docs/<method>.md).
@@ -201,10 +163,6 @@ class Method:
             the layers of one forward pass (SharePrefill). `new_state(params)` makes one
             prefill's state; `*_layer(q, k, v, state, *, layer, scale) -> out` runs one
             layer with it. `patch` uses them when set.
-        bench: its own benchmark suite; None: the generic one (plan / kernel / end to
-            end beside cuDNN).
-        random_params: the parameters on random, unstructured inputs (the distributed
-            bench), where the defaults would not behave as on real heads; None: `defaults`.
         ablations: extra grids `sparseprefill compare --ablations` measures beside the sweep
             (`Ablation`: a paper's ablation, a wider grid, a yardstick's budget grid).
         extras: `(impl_name, q, k, v, params, view) -> {name: float}`, numbers `compare`
@@ -246,8 +204,6 @@ class Method:
     new_state: Callable[[Mapping[str, Any]], Any] | None = None
     reference_layer: Callable[..., torch.Tensor] | None = None
     fast_layer: Callable[..., torch.Tensor] | None = None
-    bench: BenchSuite | None = None
-    random_params: Callable[[int], Params] | None = None
     ablations: tuple[Ablation, ...] = ()
     extras: Callable[..., dict[str, float]] | None = None
     calibration: Callable[[int], list[Params]] | None = None
@@ -315,10 +271,6 @@ class Method:
     def demo_params(self, seqlen: int) -> Params:
         """The default parameters at prompt length `seqlen` (a new dict)."""
         return dict(self.defaults(seqlen))
-
-    def params_on_random(self, seqlen: int) -> Params:
-        """The parameters on random inputs at `seqlen` (`random_params`, else the defaults)."""
-        return dict(self.random_params(seqlen)) if self.random_params is not None else self.demo_params(seqlen)
 
     def sweep_params(self, seqlen: int) -> list[Params]:
         """The knob grid at `seqlen` (`sweep`, else the defaults alone)."""

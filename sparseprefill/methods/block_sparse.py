@@ -18,7 +18,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     """Alg. 3 with the sequence split over ranks: each rank pools the blocks it holds
     (`mean_pooling`), the pooled keys are all-gathered, and each rank scores and selects
     its own query blocks with the method's steps (`block_scores`, `argtopk_blocks`)."""
-    from .. import distributed as D
+    from .. import sharding as D
     from ..reference._checks import check_block_size, is_per_head, per_head
     from ..reference.block_sparse import argtopk_blocks, block_scores, check_top_k, mean_pooling
 

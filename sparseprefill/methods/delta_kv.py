@@ -1,16 +1,15 @@
-"""Delta-KV (DeltaAttention thesis) as a method descriptor, with its report view and benchmark suite."""
+"""Delta-KV (DeltaAttention thesis) as a method descriptor, with its report view."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .. import bench, fast, reference
+from .. import fast, reference
 from ..reference._checks import check_knob
 from ..reference.delta_kv import check_metric, check_threshold, kv_threshold
-from ._core import Ablation, BenchSuite, Method, MethodView, SyncStatus, register
+from ._core import Ablation, Method, MethodView, SyncStatus, register
 
 
 # The parameters of stage 1 (the keep mask).
@@ -79,84 +78,6 @@ ABLATIONS = (
 )
 
 
-DELTA_KV_THRESHOLDS = (0.9, 0.83, 0.78)
-
-
-def run_delta_kv_suite(
-    seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
-    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, with_recall: bool = True,
-    log: Callable[[str], None] = print, thresholds: tuple[float, ...] = DELTA_KV_THRESHOLDS,
-    device: str = "cuda",
-) -> list[bench.Row]:
-    """Delta-KV (issue 12) end to end on the demo's workload, cosine thresholds of the thesis.
-
-    Split: keep mask, packing, phase 1 (packed anchors), phase 2 (critical diagonal);
-    cuDNN SDPA in the same run; density is the score entries both phases compute, so
-    `density x cuDNN` is the floor; the keep ratio is reported beside it.
-    """
-    from .. import fast
-    from ..workload import Shape, bench_qkv as synthetic_qkv
-    from ..fast.kernels import block_column_attention
-    from ..fast.kernels.block_column import ragged_block_column_attention
-    from ..fast.kernels.delta_pack import keep_mask, pack
-    from ..reference.attention import AttentionState
-
-    dev = torch.device(device)
-    rows: list[bench.Row] = []
-    for n in seqlens:
-        q, k, v = synthetic_qkv(Shape(batch, q_heads, kv_heads, n, head_dim, dtype), device=dev)
-        base = bench.cudnn_row(q, k, v, log=log)
-        rows.append(base)
-        for threshold in thresholds:
-            def mask() -> Any:
-                return keep_mask(k, threshold=threshold, cosine=True, chunk=512)
-
-            keep, chunk_counts = mask()
-            packed = pack(k, v, keep, chunk_counts, chunk=512, block=64)
-            plan1, plan2 = fast.delta_kv_plans(q, packed, block_m=64)
-            bias = torch.log(packed.counts.to(torch.float32))
-            offsets = packed.offsets[:-1].contiguous()
-
-            def phase1() -> Any:
-                state = AttentionState.like(q)
-                ragged_block_column_attention(q, packed.k, packed.v, offsets, plan1, key_bias=bias, state=state)
-                return state
-
-            state = phase1()
-
-            def phase2() -> Any:
-                return block_column_attention(q, k, v, plan2, state=state.clone(), validate_plan=False)
-
-            def e2e() -> Any:
-                return fast.delta_kv(q, k, v, threshold=threshold, metric="cosine")
-
-            split = {"keep_mask_ms": bench.bench_ms(mask),
-                     "pack_ms": bench.bench_ms(lambda: pack(k, v, keep, chunk_counts, chunk=512, block=64)),
-                     "plans_ms": bench.bench_ms(lambda: fast.delta_kv_plans(q, packed, block_m=64)),
-                     "phase1_ms": bench.bench_ms(phase1), "phase2_ms": bench.bench_ms(phase2),
-                     "keep_ratio": float(packed.keep_ratio().mean()), "threshold": threshold}
-            ms = bench.bench_ms(e2e)
-            dens = float(fast.delta_kv_density(q, packed, block_m=64).mean())
-            out = e2e()
-            exact = block_column_attention(q, k, v, fast.dense_plan(q, k), validate_plan=False)[0]
-            split["rel_err_vs_dense"] = float((out.float() - exact.float()).norm() / exact.float().norm())
-            split["floor_ms"] = dens * base.ms
-            rows.append(bench.Row(f"delta_kv cos {threshold}", "sparseprefill", n, dens, None, None, ms,
-                            split["keep_mask_ms"] + split["pack_ms"] + split["plans_ms"],
-                            4 * head_dim * dens * batch * q_heads * n * (n + 1) / 2 / ms / 1e9,
-                            base.ms / ms, split))
-            log(f"N={n}: delta_kv cos {threshold} {ms:.2f} ms {split}")
-            del keep, packed, plan1, plan2, state
-        del q, k, v
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
-
-
-def _suite(seqlens: list[int], *, flex: bool = True, **kwargs: Any) -> list[bench.Row]:
-    return run_delta_kv_suite(seqlens, **kwargs)
-
-
 METHOD = register(Method(
     name="delta_kv",
     notes="Delta-KV: anchors of similar-key runs packed with counts; exact critical diagonal",
@@ -179,5 +100,4 @@ METHOD = register(Method(
         capture_safe=False,
         note="the packed keys' count is data-dependent; a static variant would size the buffer "
              "for no compression (B * Hkv * N keys)"),
-    bench=BenchSuite(about="keep mask, packing and the two phases", seqlens=(32768, 131072, 262144), run=_suite),
 ))

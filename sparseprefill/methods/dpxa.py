@@ -11,7 +11,6 @@ from ..reference.dpxa import check_dpxa_params
 from ..reference.plan import BlockColumnPlan, cdiv
 from ._common import EVIDENCE_BLOCK, TILE_CALIBRATION, TILE_SWEEP, keyword_check, tile_block, tile_grid, tiles_computed
 from ._core import Ablation, Method, MethodView, SyncStatus, register
-from .xattention import tile_suite
 
 
 def grid_anchor_plan(q: torch.Tensor, k: torch.Tensor, *, anchor_period: int, threshold: float,
@@ -67,7 +66,6 @@ METHOD = register(Method(
     extras=extras,
     chunked="as xattention: the chunk's own tiles",
     sync=SyncStatus(syncs=("tiles to plan: as xattention",), static_bound="as xattention",
-                    note="the anchor kernel's threshold is filled on the device; before issue 22, "
-                         "`out[0] = x` made dpxa_static synchronise and fail capture"),
-    bench=tile_suite("dpxa"),
+                    note="the anchor kernel's threshold is filled on the device (a host write "
+                         "`out[0] = x` would synchronise and fail capture)"),
 ))

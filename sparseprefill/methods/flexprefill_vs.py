@@ -17,7 +17,7 @@ from ._core import DistributedEstimate, Method, SyncStatus, register
 
 def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: float | None,
                              comm: Any) -> BlockColumnPlan:
-    from .. import distributed as D
+    from .. import sharding as D
     from ..reference._checks import check_count, per_head
     from ..reference.flexprefill_vs import GAMMA, LINE_BLOCK, check_flexprefill_vs_params, check_gamma, cover_bands
 

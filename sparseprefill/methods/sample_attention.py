@@ -1,5 +1,4 @@
-"""SampleAttention (Zhu et al.) as a method descriptor, with its distributed estimate and
-benchmark suite."""
+"""SampleAttention (Zhu et al.) as a method descriptor, with its distributed estimate."""
 
 from __future__ import annotations
 
@@ -9,17 +8,17 @@ from typing import Any
 
 import torch
 
-from .. import bench, fast, reference
+from .. import fast, reference
 from ..reference._checks import check_block_size
 from ..reference.plan import BlockColumnPlan, cdiv
 from ..reference.sample_attention import check_alpha_c, check_alpha_s
 from ._common import MASS_CALIBRATION, knob_check
-from ._core import Ablation, BenchSuite, DistributedEstimate, Method, MethodView, SyncStatus, register
+from ._core import Ablation, DistributedEstimate, Method, MethodView, SyncStatus, register
 
 
 def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: float | None,
                                comm: Any) -> BlockColumnPlan:
-    from .. import distributed as D
+    from .. import sharding as D
     from ..reference._checks import per_head
     from ..reference.sample_attention import arg_topk, check_alpha_c, check_alpha_s, find_k, merge_index
     from ..reference.sample_attention import resolve_params, sampled_rows
@@ -70,131 +69,6 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     return plan
 
 
-
-SAMPLE_ATTENTION_SETTINGS: tuple[tuple[float, float, int], ...] = (
-    (0.95, 0.95, 1), (0.95, 0.95, 2), (0.9, 0.9, 1), (0.98, 0.98, 4))
-
-
-def run_sample_attention_suite(
-    seqlens: list[int], *, batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
-    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, with_recall: bool = True,
-    settings: tuple[tuple[float, float, int], ...] = SAMPLE_ATTENTION_SETTINGS, block_size: int = 128,
-    device: torch.device | None = None, time_ms: Callable[[Callable[[], Any]], float] | None = None,
-    log: Callable[[str], None] = print,
-) -> list[bench.Row]:
-    """SampleAttention benchmark (issue 10) on the demo's structured workload.
-
-    For each N: cuDNN SDPA (causal, dense) first, then for each `(alpha_c, alpha_s,
-    chunk_n)` the time split into sampling (`sample_attention_scores`: the Triton
-    estimate and its float64 block sums), filtering (`find_k` + `arg_topk` on the
-    device and the Triton merge index, its one host sync included), the kernel
-    (`block_column_attention` on that plan) and `fast.sample_attention` end to end.
-    `extra` holds the stage times, the kernel's floor `density x cuDNN` and the
-    ratios the issue's targets are stated in: (sampling + filtering) / cuDNN (target
-    <= 5% at 128K) and kernel / floor (target <= 1.25).
-
-    Args:
-        device: where to run (default cuda); `time_ms` times a callable (default:
-            `triton.testing.do_bench` median). On a CPU (tests, under the interpreter)
-            the dense baseline is PyTorch's default SDPA instead of cuDNN.
-    """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-
-    from .. import fast
-    from ..workload import Shape, bench_qkv as synthetic_qkv
-    from ..fast.kernels import block_column_attention
-    from ..fast.kernels.sample_index import sample_attention_index
-    from ..fast.sample_attention import sample_attention_scores
-    from ..reference.sample_attention import arg_topk, find_k
-
-    dev = device or torch.device("cuda")
-    timer = time_ms or bench.bench_ms
-    rows: list[bench.Row] = []
-    for n in seqlens:
-        q, k, v = synthetic_qkv(Shape(batch, q_heads, kv_heads, n, head_dim, dtype), device=dev)
-        causal_pairs = batch * q_heads * n * (n + 1) / 2
-        g = q_heads // kv_heads
-        dense_ms = float("nan")
-        impl = "cuDNN SDPA" if dev.type == "cuda" else "SDPA"
-        try:
-            ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-
-            def dense() -> Any:
-                if dev.type != "cuda":
-                    return F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
-
-            dense_ms = timer(dense)
-            del ke, ve
-        except (RuntimeError, torch.OutOfMemoryError) as exc:
-            log(f"{impl} failed at N={n}: {exc}")
-        rows.append(bench.Row("dense", impl, n, 1.0, 1.0, 1.0, dense_ms, None,
-                        4 * head_dim * causal_pairs / dense_ms / 1e9, 1.0))
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        for alpha_c, alpha_s, chunk_n in settings:
-            params: dict[str, Any] = {"alpha_c": alpha_c, "alpha_s": alpha_s, "chunk_n": chunk_n,
-                                      "block_size": block_size}
-
-            def sampling() -> tuple[torch.Tensor, torch.Tensor]:
-                return sample_attention_scores(q, k, chunk_n=chunk_n, block_size=block_size)
-
-            column, slash = sampling()
-
-            def filtering() -> BlockColumnPlan:
-                cols = arg_topk(column, find_k(column, alpha_c))
-                slashes = arg_topk(slash, find_k(slash, alpha_s))
-                return sample_attention_index(cols, slashes, seqlen=n, block_size=block_size)
-
-            plan = filtering()
-            sample_ms, filter_ms = timer(sampling), timer(filtering)
-            kernel_ms = timer(lambda: block_column_attention(q, k, v, plan, validate_plan=False))
-            e2e_ms = timer(lambda: fast.sample_attention(q, k, v, **params))
-            dens = float(fast.density(plan).mean())
-            rec_mean = rec_min = None
-            if with_recall:
-                rec = fast.recall(q, k, plan)
-                rec_mean, rec_min = float(rec.mean()), float(rec.min())
-            floor_ms = dens * dense_ms
-            extra = {"alpha_c": alpha_c, "alpha_s": alpha_s, "chunk_n": chunk_n, "block_size": block_size,
-                     "sampling_ms": sample_ms, "filtering_ms": filter_ms, "kernel_ms": kernel_ms,
-                     "floor_ms": floor_ms, "kernel_vs_floor": kernel_ms / floor_ms if floor_ms else None,
-                     "overhead_vs_dense": (sample_ms + filter_ms) / dense_ms,
-                     "block_width": int(plan.block_index.shape[3]), "plan_mb": plan.nbytes() / 2**20}
-            name = f"sample_attention {alpha_c:g}/{alpha_s:g}/{chunk_n}"
-            rows.append(bench.Row(name, "sparseprefill", n, dens, rec_mean, rec_min, e2e_ms, sample_ms + filter_ms,
-                            4 * head_dim * dens * causal_pairs / e2e_ms / 1e9, dense_ms / e2e_ms, extra))
-            log(f"N={n}: {name} {e2e_ms:.2f} ms (sampling {sample_ms:.2f}, filtering {filter_ms:.2f}, "
-                f"kernel {kernel_ms:.2f}; floor {floor_ms:.2f}) density {dens:.4f}")
-            del plan, column, slash
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        del q, k, v
-    return rows
-
-
-def format_stages(rows: list[bench.Row]) -> str:
-    """SampleAttention's stage split against the issue's targets, one line per setting."""
-    head = (f"{'setting':<28} {'N':>7} {'sampling':>9} {'filtering':>9} {'kernel':>9} {'floor':>9} "
-            f"{'kernel/floor':>12} {'(s+f)/dense':>11}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        x = r.extra
-        if "sampling_ms" not in x:
-            continue
-        ratio = "-" if x["kernel_vs_floor"] is None else f"{x['kernel_vs_floor']:.2f}"
-        lines.append(f"{r.method:<28} {r.seqlen:>7} {x['sampling_ms']:>9.2f} {x['filtering_ms']:>9.2f} "
-                     f"{x['kernel_ms']:>9.2f} {x['floor_ms']:>9.2f} {ratio:>12} "
-                     f"{x['overhead_vs_dense']:>10.1%}")
-    return "\n".join(lines)
-
-
-def _suite(seqlens: list[int], *, flex: bool = True, **kwargs: Any) -> list[bench.Row]:
-    return run_sample_attention_suite(seqlens, **kwargs)
-
-
 def extras(impl_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, Any],
            view: MethodView) -> dict[str, float]:
     """The heads (over batch rows) whose stage 2 keeps no slash block on the diagonal."""
@@ -241,6 +115,4 @@ METHOD = register(Method(
         "from their holders); per-row softmax max and sum (two all-reduces of `[B, Hq, R]`); one "
         "all-reduce of the float64 column and block-diagonal scores `[2, B, Hq, N / block_size]`",
         distributed_estimate),
-    bench=BenchSuite(about="SampleAttention split into sampling / filtering / kernel", seqlens=(32768, 131072),
-                     run=_suite, summary=format_stages),
 ))

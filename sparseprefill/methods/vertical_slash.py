@@ -19,7 +19,7 @@ def distributed_estimate(shard: Any, params: dict[str, Any], impl: str, scale: f
     """Alg. 2 with the keys split over ranks: the last queries' softmax over every rank's
     keys, vertical and slash scores reduced where they are complete, the method's own
     index builder on the global lines."""
-    from .. import distributed as D
+    from .. import sharding as D
     from ..reference.vertical_slash import line_counts
     from ..reference.vertical_slash import vertical_slash_index as reference_index
 
@@ -88,12 +88,6 @@ METHOD = register(Method(
         syncs=("counting pass: the widest block list of each head (block_count.amax().tolist())",),
         static_bound="min(Kb, slash_size * ((block_m - 1) // block_n + 2)) key blocks per query block",
         note="static plan: 4 * B * Hq * Qb * bound bytes (heads planned in groups above 1 GB)"),
-    # Random q and k have flat slash scores, so vertical-slash would keep scattered diagonals,
-    # unlike real long-context heads, whose slashes sit near the diagonal (and whose plans
-    # stay narrow, docs/minference.md): MInference's budgets with the 6096 nearest diagonals
-    # forced, the lines of the one-GPU MInference bench (`bench.minference_anchor_lines`).
-    random_params=lambda n: {**vertical_slash_defaults(n), "vertical_size": 1000, "slash_size": 6096,
-                             "local_diagonals": 6096},
     distributed=DistributedEstimate(
         "native",
         "the last `last_q` queries (broadcast from the rank holding the sequence's end); "
