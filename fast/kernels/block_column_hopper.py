@@ -1,9 +1,10 @@
 """Hopper (sm90) path of the block/column kernel: warp-specialised, persistent, in Gluon.
 
 A sibling of the portable kernel (`block_column.py`), for the calls it supports
-(`eligible`): a `BlockColumnPlan` with key blocks only (no columns), `block_m` and
-`block_n` multiples of 64, head dim 64 or 128, no dense mask, state, block means, key
-bias, ragged or varlen K/V, and K/V tiles that TMA can read. Anything else runs the
+(`eligible`): a `BlockColumnPlan` with key blocks (and, with `COLUMNS` on, column lists
+disjoint from them), `block_m` and `block_n` multiples of 64, head dim 64 or 128, no
+dense mask, state, block means, key bias, ragged or varlen K/V, and K/V tiles that TMA
+can read. Anything else runs the
 portable kernel, which stays the reference this path is checked against (tests, the
 CPU interpreter, other GPUs). docs/hopper-path.md has the picture and the figures.
 
@@ -13,7 +14,9 @@ tiles there) and splits into partitions (`gl.warp_specialize`):
 
 * producer warps that issue TMA copies: the query tile's two 64-row halves, then the
   listed key tiles' K and V into a ring of `STAGES` shared-memory slots, each with a
-  "ready" mbarrier per operand and one "empty" mbarrier;
+  "ready" mbarrier per operand and one "empty" mbarrier; then the listed columns' K and V
+  rows, gathered into the same ring with 16-byte `cp.async` copies (TMA has no row gather
+  on sm90), each slot released a tile late (`wait_group`, proxy fence, mbarrier);
 * two consumer warpgroups, each owning 64 query rows (the default partition and one
   worker), that run S = Q Kᵀ and O += P V on the tensor cores (`wgmma`, P from registers)
   with the online softmax in registers, and release a slot once their P V is done. The
@@ -28,13 +31,14 @@ Only the last listed key tiles of a sorted causal list can cross the diagonal: a
 masked (key <= row) only where its last key is after the warpgroup's first row.
 
 Non-finite V, the portable kernel's rule (a row that keeps a NaN / inf value reads NaN,
-a row that skips its key does not): in the tiles some rows skip, the consumers test the
-value tile in shared memory (one multiply-add per value); a tile that holds one has its
-bad values zeroed in place and the rows that keep one of its keys poisoned (`_v_repair`).
-No flag, no second kernel, no host synchronisation.
+a row that skips its key does not): one pass over V before the kernel (`_nonfinite_parts`,
+one word per program, no zeroed flag) says whether V holds one at all; only then do the
+consumers test the value tiles some rows skip, in shared memory (one multiply-add per
+value), and a tile that holds one has its bad values zeroed in place and the rows that keep
+one of its keys poisoned (`_v_repair`). No portable copy, no host synchronisation.
 
 The launcher keeps each compiled kernel and launches it directly (`CompiledKernel.run`),
-so a call costs its TMA descriptors and one launch, not Triton's argument binding.
+so a call costs its TMA descriptors and two launches, not Triton's argument binding.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ._common import _capability, tma_ok
@@ -79,8 +84,10 @@ STAGES = int(os.environ.get("SPARSEPREFILL_HOPPER_STAGES", "0"))
 # Benchmarking switch only (as the portable kernel's `SPARSEPREFILL_NONFINITE`): `0` drops
 # the test of value tiles for NaN / inf. Never turn it off in use.
 NONFINITE = os.environ.get("SPARSEPREFILL_NONFINITE", "1") == "1"
-# Column plans on this path (`0`: they run the portable kernel, for timing the two).
-COLUMNS = os.environ.get("SPARSEPREFILL_HOPPER_COLUMNS", "1") == "1"
+# Column plans on this path (`1`), bit-identical to the portable kernel on the H200 but
+# slower there on vertical_slash's default plan at 32K (22.65 against 21.11 ms,
+# benches/results/hopper-path-h200.json): off, the portable kernel runs them.
+COLUMNS = os.environ.get("SPARSEPREFILL_HOPPER_COLUMNS", "0") == "1"
 # Registers per thread: every thread's cap at entry (3 warpgroups share 64K), then the
 # consumer worker's and the producer's after reallocation (`setmaxnreg`).
 # The three warpgroups' counts sum to 3 x MAXNREG (the register file). With column lists
@@ -94,6 +101,10 @@ COLUMN_PRODUCER_REGS = 3 * MAXNREG - 2 * COLUMN_CONSUMER_REGS
 
 WG_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 BLOCK_M = 2 * WG_M
+# Programs of the one pass over V that says whether it holds a NaN / inf (`_nonfinite_parts`):
+# each writes one word, which every program of the Hopper kernel reads (a 1024-wide load).
+MAX_PARTS = 1024
+_NONFINITE_BLOCK = 4096
 
 
 def apply_switches(sets: dict[str, str]) -> None:
@@ -102,17 +113,31 @@ def apply_switches(sets: dict[str, str]) -> None:
     Keys (absent: the default): `HOPPER` 1 / 0 (the path on or off: the same call timed on
     the portable kernel), `HOPPER_STAGES` (slots per ring, 0: by shared memory),
     `HOPPER_NONFINITE` 1 / 0 (the value tiles' NaN / inf test; timing only), `HOPPER_COLUMNS`
-    1 / 0 (column plans on this path or the portable kernel). Each setting
+    1 / 0 (column plans on this path, or the portable kernel: the default). Each setting
     is a constexpr of the kernel or a host decision, so variants compile their own kernels.
     """
     global ENABLED, STAGES, NONFINITE, COLUMNS
     ENABLED = sets.get("HOPPER", "1") == "1"
-    COLUMNS = sets.get("HOPPER_COLUMNS", "1") == "1"
+    COLUMNS = sets.get("HOPPER_COLUMNS", "0") == "1"
     STAGES = int(sets.get("HOPPER_STAGES", "0"))
     NONFINITE = sets.get("HOPPER_NONFINITE", "1") == "1"
 
 
+@triton.jit(do_not_specialize=["numel"])
+def _nonfinite_parts(X, PARTS, numel, BLOCK: tl.constexpr):
+    """`PARTS[p]` = 1 where program p's share of the `numel` values at X holds a NaN or an
+    infinity, else 0: no zeroed flag to launch first, no atomics."""
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+        o_x = tl.arange(0, BLOCK).to(tl.int64) + start  # numel may pass 2**31 (V at 1M tokens)
+        # Compared in fp32: Triton's CPU interpreter holds bf16 as raw bits.
+        b_x = tl.load(X + o_x, mask=o_x < numel, other=0.0).to(tl.float32)
+        bad = bad | ((b_x != b_x) | (tl.abs(b_x) == float("inf"))).to(tl.int32)
+    tl.store(PARTS + tl.program_id(0), tl.max(bad, 0))
+
+
 if _GLUON:
+    _K_MAX_PARTS = gl.constexpr(MAX_PARTS)
 
     @gluon.jit
     def _tile_of(it, num_bh, num_m):
@@ -325,7 +350,7 @@ if _GLUON:
                   stride_lb, stride_lh,
                   qk_scale, seqlen, q_offset, num_m, num_bh, num_heads, plan_block_m, plan_block_n, block_width,
                   COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih, stride_cim,
-                  stride_cik, column_group, column_width,
+                  stride_cik, column_group, column_width, V_BAD_PARTS, v_bad_parts,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB_N: gl.constexpr,
                   STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr, NONFINITE: gl.constexpr,
                   HAS_COLUMNS: gl.constexpr):
@@ -353,6 +378,14 @@ if _GLUON:
         o_r = gl.arange(0, WG_ROWS, layout=row_layout)
         o_ro = gl.arange(0, WG_ROWS, layout=o_row_layout)
         o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        # Does V hold a NaN / inf at all (the launcher's one pass, one word per program of it)?
+        # Only then are value tiles tested; read once, the same answer in every partition.
+        v_bad = 0
+        if NONFINITE:
+            p_layout_1d: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32],
+                                                         warps_per_cta=[4], order=[0])
+            o_p = gl.arange(0, _K_MAX_PARTS, layout=p_layout_1d)
+            v_bad = gl.max(gl.load(V_BAD_PARTS + o_p, mask=o_p < v_bad_parts, other=0), 0)
         c = 0
         n_iter = 0
         n_rare = 0
@@ -402,7 +435,7 @@ if _GLUON:
                 mbarrier.wait(v_ready.index(s), ph)
                 v_buf = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
                 if NONFINITE:
-                    if start_n + BLOCK_N - 1 > test_row:
+                    if v_bad != 0 and start_n + BLOCK_N - 1 > test_row:
                         if _v_nonfinite(v_buf, BLOCK_N, HEAD_DIM, CHUNK, v_layout) != 0:
                             poison = _v_repair(v_buf, poison, start_n + o_n, o_n >= 0, o_m, nf_bar, n_rare,
                                                BLOCK_N, CHUNK, not SPLIT, v_layout, s_layout)
@@ -439,7 +472,7 @@ if _GLUON:
                     if NONFINITE:
                         # Rows of the stream skip a listed column only past its first row
                         # (unlisted slots arrive as zeros).
-                        if gl.max(gl.where(m_c, i_col, -1), 0) > test_row:
+                        if v_bad != 0 and gl.max(gl.where(m_c, i_col, -1), 0) > test_row:
                             if _v_nonfinite(v_buf, BLOCK_N, HEAD_DIM, CHUNK, v_layout) != 0:
                                 poison = _v_repair(v_buf, poison, i_col, m_c, o_m, nf_bar, n_rare, BLOCK_N,
                                                    CHUNK, not SPLIT, v_layout, s_layout)
@@ -478,7 +511,8 @@ if _GLUON:
         "stride_ob", "stride_oh", "stride_on", "stride_lb", "stride_lh", "seqlen", "q_offset", "num_m",
         "num_bh", "num_heads", "group", "plan_block_m", "plan_block_n", "block_width", "stride_kb", "stride_kh",
         "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ccb", "stride_cch", "stride_ccm",
-        "stride_cib", "stride_cih", "stride_cim", "stride_cik", "column_group", "column_width", "key_len"])
+        "stride_cib", "stride_cih", "stride_cim", "stride_cik", "column_group", "column_width", "key_len",
+        "v_bad_parts"])
     def _block_hopper_fwd(q_desc, k_desc, v_desc, O, LSE, BLOCK_COUNT, BLOCK_INDEX,
                           stride_bcb, stride_bch, stride_bcm, stride_bib, stride_bih, stride_bim, stride_bik,
                           stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
@@ -486,7 +520,7 @@ if _GLUON:
                           plan_block_m, plan_block_n, block_width,
                           K, V, COLUMN_COUNT, COLUMN_INDEX, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                           stride_vn, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih, stride_cim,
-                          stride_cik, column_group, column_width, key_len,
+                          stride_cik, column_group, column_width, key_len, V_BAD_PARTS, v_bad_parts,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SUB_N: gl.constexpr,
                           STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, SPLIT: gl.constexpr,
                           NONFINITE: gl.constexpr, HAS_COLUMNS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -523,7 +557,7 @@ if _GLUON:
                              stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
                              plan_block_m, plan_block_n, block_width,
                              COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih,
-                             stride_cim, stride_cik, column_group, column_width,
+                             stride_cim, stride_cik, column_group, column_width, V_BAD_PARTS, v_bad_parts,
                              0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE,
                              HAS_COLUMNS)),
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, nf_bar,
@@ -532,7 +566,7 @@ if _GLUON:
                              stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
                              plan_block_m, plan_block_n, block_width,
                              COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih,
-                             stride_cim, stride_cik, column_group, column_width,
+                             stride_cim, stride_cik, column_group, column_width, V_BAD_PARTS, v_bad_parts,
                              1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE,
                              HAS_COLUMNS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
@@ -560,7 +594,7 @@ if _GLUON:
                              stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
                              plan_block_m, plan_block_n, block_width,
                              COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih,
-                             stride_cim, stride_cik, column_group, column_width,
+                             stride_cim, stride_cik, column_group, column_width, V_BAD_PARTS, v_bad_parts,
                              0, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE,
                              HAS_COLUMNS)),
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, nf_bar,
@@ -569,7 +603,7 @@ if _GLUON:
                              stride_lb, stride_lh, qk_scale, seqlen, q_offset, num_m, num_bh, num_heads,
                              plan_block_m, plan_block_n, block_width,
                              COLUMN_COUNT, COLUMN_INDEX, stride_ccb, stride_cch, stride_ccm, stride_cib, stride_cih,
-                             stride_cim, stride_cik, column_group, column_width,
+                             stride_cim, stride_cik, column_group, column_width, V_BAD_PARTS, v_bad_parts,
                              1, BLOCK_N, HEAD_DIM, SUB_N, STAGES, RETURN_LSE, SPLIT, NONFINITE,
                              HAS_COLUMNS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
@@ -626,8 +660,8 @@ def eligible(call: Any, plan: Any) -> bool:
 
     Never the method and never a device read: head dim 64 or 128, `block_m` a multiple
     of 64 (128: both consumer warpgroups share one key stream; 64: SPLIT, a stream each)
-    and `block_n` of 64, column lists only where disjoint from the blocks (the launcher's
-    `resolve_covered_columns` makes most so; `COLUMNS` on), and none of mask, state, block
+    and `block_n` of 64, column lists only with `COLUMNS` on and where disjoint from the
+    blocks (the launcher's `resolve_covered_columns` makes most so), and none of mask, state, block
     means, key bias, ragged or varlen K/V, row max or a head chunk's destination.
     """
     if call.q.shape[3] not in (64, 128):
@@ -667,6 +701,35 @@ def _launch_key(device: int, dtype: torch.dtype, constexprs: tuple[Any, ...], po
     return (device, dtype, constexprs, aligned, wide)
 
 
+def _direct(jit_fn: Any, key: tuple[Any, ...], grid: int, device: int, args: tuple[Any, ...], **options: Any) -> None:
+    """Launch `jit_fn` on `grid` programs: the kernel compiled for `key` directly, else through
+    Triton's JIT (which compiles it) and keep what it returns for the next call."""
+    kernel = _COMPILED.get(key)
+    if kernel is not None and triton.knobs.runtime.launch_enter_hook is None:
+        kernel.run(grid, 1, 1, triton.runtime.driver.active.get_current_stream(device), kernel.function,
+                   kernel.packed_metadata, None, None, None, *args)
+        return
+    _COMPILED[key] = jit_fn[(grid,)](*args, **options)
+
+
+def nonfinite_parts(v: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The "V holds a NaN / inf" words the Hopper kernel reads: (int32 `[P]`, P), no host sync.
+
+    One pass over a contiguous V (`_nonfinite_parts`, one launch, no zeroed flag); any other
+    layout gets a single word 1, so the kernel tests its value tiles everywhere (correct,
+    slower).
+    """
+    if not v.is_contiguous():
+        return torch.ones(1, dtype=torch.int32, device=v.device), 1
+    device = v.device.index if v.device.index is not None else torch.cuda.current_device()
+    programs = max(1, min(triton.cdiv(v.numel(), _NONFINITE_BLOCK), 4 * _sm_count(v.device), MAX_PARTS))
+    parts = torch.empty(programs, dtype=torch.int32, device=v.device)
+    flat = v.reshape(-1)
+    key = ("parts", device, v.dtype, _launch_key(device, v.dtype, (), (flat,), (v.numel(),)))
+    _direct(_nonfinite_parts, key, programs, device, (flat, parts, v.numel(), _NONFINITE_BLOCK), num_warps=8)
+    return parts, programs
+
+
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
            plan: Any, sm_scale: float) -> None:
     """Launch the Hopper kernel on inputs `supports` accepted; it writes `out` (and `lse`).
@@ -696,21 +759,18 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             n, plan.query_offset, num_m, b * hq, hq, hq // k.shape[1], plan.block_m, plan.block_n,
             plan.block_index.shape[3], *k.stride()[:3], *v.stride()[:3], *plan.column_count.stride(),
             *plan.column_index.stride(), plan.column_group, plan.column_index.shape[3], k.shape[2])
-    pointers = (out, lse_arg, plan.block_count, plan.block_index, k, v, plan.column_count, plan.column_index)
+    parts, n_parts = nonfinite_parts(v) if NONFINITE else (plan.block_count, 0)
+    ints = (*ints, n_parts)
+    pointers = (out, lse_arg, plan.block_count, plan.block_index, k, v, plan.column_count, plan.column_index, parts)
     while True:
         constexprs = (block_n, d, plan.block_n // block_n, stages, lse is not None, split, NONFINITE, columns,
                       COLUMN_CONSUMER_REGS if columns else CONSUMER_REGS,
                       COLUMN_PRODUCER_REGS if columns else PRODUCER_REGS)
-        args = (*descs, *pointers[:4], *ints[:12], sm_scale * 1.4426950408889634, *ints[12:21], *pointers[4:],
-                *ints[21:], *constexprs)
+        args = (*descs, *pointers[:4], *ints[:12], sm_scale * 1.4426950408889634, *ints[12:21], *pointers[4:8],
+                *ints[21:37], parts, n_parts, *constexprs)
         key = _launch_key(device, q.dtype, constexprs, pointers, ints)
-        kernel = _COMPILED.get(key)
-        if kernel is not None and triton.knobs.runtime.launch_enter_hook is None:
-            kernel.run(grid, 1, 1, triton.runtime.driver.active.get_current_stream(device), kernel.function,
-                       kernel.packed_metadata, None, None, None, *args)
-            return
         try:
-            _COMPILED[key] = _block_hopper_fwd[(grid,)](*args, num_warps=4, maxnreg=MAXNREG)
+            _direct(_block_hopper_fwd, key, grid, device, args, num_warps=4, maxnreg=MAXNREG)
             return
         except OutOfResources:
             if stages <= 2:

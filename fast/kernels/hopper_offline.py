@@ -102,7 +102,7 @@ def compile_sm90(d: int, block_n: int, split: bool, stages: int, columns: bool =
             *count.stride(), *index.stride(), *out.stride()[:3], *lse.stride()[:2],
             0.1, n, 0, n // hop.BLOCK_M, hq, hq, hq // hkv, plan_m, 128, 4,
             k, k, ccount, cindex, *k.stride()[:3], *k.stride()[:3], *ccount.stride(), *cindex.stride(),
-            1, cindex.shape[3], n,
+            1, cindex.shape[3], n, torch.zeros(4, dtype=torch.int32), 4,
             BLOCK_N=block_n, HEAD_DIM=d, SUB_N=128 // block_n, STAGES=stages, RETURN_LSE=True, SPLIT=split,
             NONFINITE=hop.NONFINITE, HAS_COLUMNS=columns,
             CONSUMER_REGS=hop.COLUMN_CONSUMER_REGS if columns else hop.CONSUMER_REGS,
