@@ -19,11 +19,12 @@ copies of the kernel, with and without that step: the programs of the copy that 
 not match the flag return at once. Grouped-query attention maps query head `h` to KV head `h // G`; K
 and V are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
 
-On sm90 GPUs the launcher hands the calls its rule takes (key blocks only, 64-multiple
-blocks, D 64 / 128, none of the extras) to the warp-specialised Gluon sibling,
-`block_column_hopper` (docs/hopper-path.md); this kernel runs everything else, every
-call on other GPUs and in the CPU interpreter, and is the reference that path is
-checked against.
+On sm90 GPUs the launcher first hands the calls its rule takes (key blocks, and disjoint
+columns where that path's switch is on; 64-multiple blocks, D 64 / 128, none of the
+extras; NaN / inf handled there) to the warp-specialised Gluon sibling,
+`block_column_hopper` (docs/hopper-path.md), before any of its own bookkeeping; this
+kernel runs everything else, every call on other GPUs and in the CPU interpreter, and is
+the reference that path is checked against.
 
 Layout: kernel -> launcher (`block_column_attention`), which checks everything
 the kernel assumes.
@@ -1095,6 +1096,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     # shared lists too large for that, a few heads at a time (`_head_chunk`).
     plan = resolve_covered_columns(call.plan)
     b, hq, n, d = q.shape
+    lse: torch.Tensor | None
     if hopper_supports(call, plan):
         # The Hopper path takes the whole call in one launch, non-finite V included
         # (docs/hopper-path.md); nothing of the portable launcher's work below is needed.
@@ -1108,7 +1110,6 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     ragged = call.kv_offsets is not None
     group = hq // (call.kv_offsets.shape[0] // b if call.kv_offsets is not None else k.shape[1])
     head_dim = max(16, triton.next_power_of_2(d))
-    lse: torch.Tensor | None
     if call.varlen is not None:
         cu_arg, out, lse = call.varlen
     elif call.dest is not None:
