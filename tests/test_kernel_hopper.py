@@ -64,16 +64,27 @@ def test_rule_leaves_every_other_feature_to_the_portable_kernel() -> None:
                                    block_index=plan.block_index,
                                    column_count=torch.zeros(b, h, plan.num_query_blocks, dtype=torch.int32),
                                    column_index=torch.zeros(b, h, plan.num_query_blocks, 1, dtype=torch.int32))
-    assert not hop.eligible(call, with_columns)
+    # Column lists run here only with the switch on (off by default: slower on the H200 at
+    # 32K) and only where disjoint from the blocks (no in-kernel covered test).
+    disjoint = replace(with_columns, columns_disjoint=True)
+    saved = hop.COLUMNS
+    try:
+        hop.apply_switches({"HOPPER_COLUMNS": "0"})
+        assert not hop.eligible(call, disjoint) and hop.eligible(call, plan)
+        hop.apply_switches({"HOPPER_COLUMNS": "1"})
+        assert hop.eligible(call, disjoint) and not hop.eligible(call, with_columns)
+    finally:
+        hop.apply_switches({})
+        hop.COLUMNS = saved
 
 
 def test_nothing_but_an_sm90_gpu_takes_the_path() -> None:
     call, plan = _call()
-    assert not hop.supports(call, plan, True)  # CPU tensors
+    assert not hop.supports(call, plan)  # CPU tensors
     saved = hop.ENABLED
     try:
         hop.ENABLED = False
-        assert not hop.supports(call, plan, True)
+        assert not hop.supports(call, plan)
     finally:
         hop.ENABLED = saved
 
@@ -102,9 +113,34 @@ def test_kernel_compiles_for_sm90_into_warp_specialised_wgmma() -> None:
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)
-    assert [r["variant"] for r in rows] == [f"d{d}_bn{bn}_{'split' if sp else 'shared'}_s{st}"
-                                            for d, bn, sp, st in hopper_offline.VARIANTS]
+    assert [r["variant"] for r in rows] == [hopper_offline.variant_tag(*v) for v in hopper_offline.VARIANTS]
     for r in rows:
         assert r["num_warps"] == 12, r  # two consumer warpgroups and the producer warp(s), padded
         assert r["shared"] <= 227 * 1024, r
         assert r["HGMMA"] > 0 and r["USETMAXREG"] > 0 and r["UTMALDG"] > 0 and r["SYNCS"] > 0, r
+        # Column lists: the producer gathers their rows with cp.async (LDGSTS); block plans never.
+        assert (r["LDGSTS"] > 0) == r["variant"].endswith("_columns"), r
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nonfinite_parts_find_every_nan_and_inf(dtype: torch.dtype) -> None:
+    """The one pass the Hopper path gates its value-tile test on: each program's word is 1
+    exactly where its share of V holds a NaN or an infinity (CPU interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+    v = torch.randn(2, 3, 50, 16).to(dtype)  # 4800 values: shares of 256 over 4 programs
+    flat = v.reshape(-1)
+    block, programs = 256, 4
+
+    def parts(x: torch.Tensor) -> list[int]:
+        out = torch.full((programs,), -1, dtype=torch.int32)
+        hop._nonfinite_parts[(programs,)](x, out, x.numel(), BLOCK=block)
+        return out.tolist()
+
+    assert parts(flat) == [0] * programs
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 255, 256, 1500, 4799):
+            w = flat.clone()
+            w[at] = bad
+            owner = (at // block) % programs  # program p reads blocks p, p + 4, ...
+            assert parts(w) == [int(p == owner) for p in range(programs)], (bad, at)

@@ -92,6 +92,24 @@ def check_head_dim(d: int) -> None:
         raise ValueError(f"head dim D must be <= {MAX_HEAD_DIM} for the fast kernels, got {d}")
 
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+
+    _HOST_DESCRIPTORS = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _HOST_DESCRIPTORS = False
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, read once per device (launchers ask on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """True if Hopper tensor descriptors can load these tensors' tiles.
 
@@ -102,11 +120,7 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     if os.environ.get("SPARSEPREFILL_TMA", "1") == "0" or interpreter_active():
         return False
     t0 = tensors[0]
-    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
+    if t0.device.type != "cuda" or _capability(t0.device)[0] < 9 or not _HOST_DESCRIPTORS:
         return False
     for t in tensors:
         size = t.element_size()

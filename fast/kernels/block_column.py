@@ -19,11 +19,12 @@ copies of the kernel, with and without that step: the programs of the copy that 
 not match the flag return at once. Grouped-query attention maps query head `h` to KV head `h // G`; K
 and V are never copied. `log2(e)` is folded into the scale so the loop uses `exp2`.
 
-On sm90 GPUs the launcher hands the calls its rule takes (key blocks only, 64-multiple
-blocks, D 64 / 128, none of the extras) to the warp-specialised Gluon sibling,
-`block_column_hopper` (docs/hopper-path.md); this kernel runs everything else, every
-call on other GPUs and in the CPU interpreter, and is the reference that path is
-checked against.
+On sm90 GPUs the launcher first hands the calls its rule takes (key blocks, and disjoint
+columns where that path's switch is on; 64-multiple blocks, D 64 / 128, none of the
+extras; NaN / inf handled there) to the warp-specialised Gluon sibling,
+`block_column_hopper` (docs/hopper-path.md), before any of its own bookkeeping; this
+kernel runs everything else, every call on other GPUs and in the CPU interpreter, and is
+the reference that path is checked against.
 
 Layout: kernel -> launcher (`block_column_attention`), which checks everything
 the kernel assumes.
@@ -1094,14 +1095,21 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     # Covered columns resolved once per plan (cached on it), not in every column tile;
     # shared lists too large for that, a few heads at a time (`_head_chunk`).
     plan = resolve_covered_columns(call.plan)
+    b, hq, n, d = q.shape
+    lse: torch.Tensor | None
+    if hopper_supports(call, plan):
+        # The Hopper path takes the whole call in one launch, non-finite V included
+        # (docs/hopper-path.md); nothing of the portable launcher's work below is needed.
+        out = torch.empty(b, hq, n, d, dtype=q.dtype, device=q.device)
+        lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device) if call.return_lse else None
+        hopper_launch(q, k, v, out, lse, plan, call.sm_scale)
+        return out, lse
     chunk = _head_chunk(plan, call)
     if chunk:
         return _launch_head_chunks(call, plan, chunk)
-    b, hq, n, d = q.shape
     ragged = call.kv_offsets is not None
     group = hq // (call.kv_offsets.shape[0] // b if call.kv_offsets is not None else k.shape[1])
     head_dim = max(16, triton.next_power_of_2(d))
-    lse: torch.Tensor | None
     if call.varlen is not None:
         cu_arg, out, lse = call.varlen
     elif call.dest is not None:
@@ -1169,13 +1177,6 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         copies, selector = [(False, split), (True, split)], v_bad
     else:
         copies = [(_NONFINITE, split)]
-    first_copy = 0
-    if call.row_max is None and hopper_supports(call, plan, use_tma):
-        # The Hopper path computes unless V holds a NaN / inf; the portable kernel's copy
-        # (COPY 1 of the selector) computes exactly then (block_column_hopper's docstring).
-        flag = call.v_nonfinite if call.v_nonfinite is not None else _nonfinite_flag(v)
-        hopper_launch(q, k, v, out, lse, flag, plan, call.sm_scale)
-        copies, selector, first_copy = [(True, False)], flag, 1
 
     def launch_copy(nonfinite: bool, col_split: bool, copy: int, launched: bool) -> bool:
         """Launch one compiled copy (`NONFINITE=nonfinite`, `COL_SPLIT=col_split`, `COPY=copy`),
@@ -1262,7 +1263,7 @@ def _launch(call: _KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
             return True
 
     launched = False
-    for copy, (nonfinite, col_split) in enumerate(copies, first_copy):
+    for copy, (nonfinite, col_split) in enumerate(copies):
         launched = launch_copy(nonfinite, col_split, copy, launched)
     if state is not None and work is not state:
         assert work is not None

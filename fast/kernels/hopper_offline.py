@@ -31,10 +31,12 @@ import torch
 
 from . import block_column_hopper as hop
 
-# (head dim, key tile, SPLIT, stages): the shapes the launcher picks for 128- and 64-row plans.
-VARIANTS: tuple[tuple[int, int, bool, int], ...] = ((128, 128, False, 3), (128, 64, True, 3), (64, 128, False, 4),
-                                                    (64, 64, True, 4))
-COUNTED = ("HGMMA", "LDL", "STL", "USETMAXREG", "UTMALDG", "BAR.SYNC", "SYNCS")
+# (head dim, key tile, SPLIT, stages, columns): the shapes the launcher picks for 128- and
+# 64-row plans, with and without column lists.
+VARIANTS: tuple[tuple[int, int, bool, int, bool], ...] = (
+    (128, 128, False, 3, False), (128, 64, True, 3, False), (64, 128, False, 4, False), (64, 64, True, 4, False),
+    (128, 128, False, 3, True), (128, 64, True, 3, True), (64, 64, True, 4, True))
+COUNTED = ("HGMMA", "LDL", "STL", "USETMAXREG", "UTMALDG", "LDGSTS", "BAR.SYNC", "SYNCS")
 
 
 class _OfflineDriver:
@@ -78,7 +80,7 @@ def _offline() -> Iterator[None]:
         driver._active = saved
 
 
-def compile_sm90(d: int, block_n: int, split: bool, stages: int) -> Any:
+def compile_sm90(d: int, block_n: int, split: bool, stages: int, columns: bool = False) -> Any:
     """The compiled kernel (Triton's `CompiledKernel`) for one shape, with the module's switches."""
     if not hop._GLUON:
         raise RuntimeError("this Triton has no Gluon warp_specialize")
@@ -91,14 +93,20 @@ def compile_sm90(d: int, block_n: int, split: bool, stages: int) -> Any:
     qb = n // plan_m
     count = torch.ones(1, hq, qb, dtype=torch.int32)
     index = torch.zeros(1, hq, qb, 4, dtype=torch.int32)
-    descs = hop.descriptors(q, k, k, out, block_n)
+    ccount = torch.ones(1, hq, qb, dtype=torch.int32)
+    cindex = torch.zeros(1, hq, qb, 8 if columns else 0, dtype=torch.int32)
+    descs = hop.descriptors(q, k, k, block_n)
     with _offline():
         return hop._block_hopper_fwd.warmup(
-            *descs, out, lse, torch.zeros(1, dtype=torch.int32), count, index,
+            *descs, out, lse, count, index,
             *count.stride(), *index.stride(), *out.stride()[:3], *lse.stride()[:2],
             0.1, n, 0, n // hop.BLOCK_M, hq, hq, hq // hkv, plan_m, 128, 4,
-            BLOCK_N=block_n, HEAD_DIM=d, SUB_N=128 // block_n, STAGES=stages, PIPE=hop.PIPE, EARLY_Q=hop.EARLY_Q,
-            RETURN_LSE=True, SPLIT=split, CONSUMER_REGS=hop.CONSUMER_REGS, PRODUCER_REGS=hop.PRODUCER_REGS,
+            k, k, ccount, cindex, *k.stride()[:3], *k.stride()[:3], *ccount.stride(), *cindex.stride(),
+            1, cindex.shape[3], n, torch.zeros(4, dtype=torch.int32), 4,
+            BLOCK_N=block_n, HEAD_DIM=d, SUB_N=128 // block_n, STAGES=stages, RETURN_LSE=True, SPLIT=split,
+            NONFINITE=hop.NONFINITE, HAS_COLUMNS=columns,
+            CONSUMER_REGS=hop.COLUMN_CONSUMER_REGS if columns else hop.CONSUMER_REGS,
+            PRODUCER_REGS=hop.COLUMN_PRODUCER_REGS if columns else hop.PRODUCER_REGS,
             grid=(132,), num_warps=4, maxnreg=hop.MAXNREG)
 
 
@@ -128,6 +136,10 @@ def summary(kern: Any, dump: str = "", tag: str = "") -> dict[str, Any]:
     return out
 
 
+def variant_tag(d: int, block_n: int, split: bool, stages: int, columns: bool) -> str:
+    return f"d{d}_bn{block_n}_{'split' if split else 'shared'}_s{stages}{'_columns' if columns else ''}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dump", default="", help="folder for each variant's PTX and SASS")
@@ -136,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         print("run without TRITON_INTERPRET=1 (the interpreter cannot compile Gluon)", file=sys.stderr)
         return 2
     rows = []
-    for d, block_n, split, stages in VARIANTS:
-        tag = f"d{d}_bn{block_n}_{'split' if split else 'shared'}_s{stages}"
-        rows.append({"variant": tag, **summary(compile_sm90(d, block_n, split, stages), args.dump, tag)})
+    for d, block_n, split, stages, columns in VARIANTS:
+        tag = variant_tag(d, block_n, split, stages, columns)
+        rows.append({"variant": tag, **summary(compile_sm90(d, block_n, split, stages, columns), args.dump, tag)})
     print(json.dumps(rows, indent=1))
     return 0
 
