@@ -100,6 +100,21 @@ def test_equal_rows_stack_and_without_heads() -> None:
     assert torch.equal(mixed.to_dense_mask()[B:], plan.to_dense_mask())
 
 
+def test_launcher_reads_a_marked_plan_as_its_lists() -> None:
+    """The block/column launcher reads lists alone, so it writes the marks into them:
+    a marked plan given straight to it (a benchmark timing the kernel part) computes the
+    marked heads densely, bit-equal to `with_dense_lists()`."""
+    from sparseprefill.fast.kernels import block_column_attention
+
+    q, k, v = qkv()
+    marked = streaming(q, k).without_heads([1]).with_dense_heads([1, 3])
+    out, lse = block_column_attention(q, k, v, marked, return_lse=True)
+    want, want_lse = block_column_attention(q, k, v, marked.with_dense_lists(), return_lse=True)
+    assert torch.equal(out, want) and lse is not None and want_lse is not None and torch.equal(lse, want_lse)
+    ref = reference.sparse_attention(q.float(), k.float(), v.float(), marked)
+    assert float((out.float() - ref).abs().max()) < 2e-3
+
+
 @pytest.mark.parametrize("heads", [(0, 1, 2, 3), (1,), (0, 1), (1, 3), (0, 2, 3)])
 def test_dense_heads_attention_groups_by_kv_head(heads: tuple[int, ...]) -> None:
     q, k, v = qkv(dtype=torch.float32)

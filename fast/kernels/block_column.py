@@ -682,8 +682,13 @@ class _KernelCall:
 def _front_door(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, *, head_dim: int,
     scale: float | None,
-) -> float:
-    """The checks every launcher shares, after its own layout checks; returns the scale.
+) -> tuple[float, BlockColumnPlan]:
+    """The checks every launcher shares, after its own layout checks.
+
+    Returns:
+        (the softmax scale, the plan as lists: a plan whose `dense_heads` are marked gets
+        them written into its lists, since the kernel reads the lists alone; the fast
+        methods send marked heads to SDPA before they get here, `fast.attention.run_plan`).
 
     Raises:
         TypeError, ValueError: a device the kernels cannot run on, an input needing a
@@ -696,7 +701,7 @@ def _front_door(
     if not isinstance(plan, BlockColumnPlan):
         raise TypeError(f"plan must be a BlockColumnPlan, got {type(plan).__name__}")
     check_kernel_block_sizes(plan.block_m, plan.block_n, prefix="plan.")
-    return sm_scale
+    return sm_scale, plan.with_dense_lists() if plan.dense_heads else plan
 
 
 def _check_tensors(**tensors: object) -> None:
@@ -745,7 +750,7 @@ def block_column_attention(
     offset = plan.query_offset if isinstance(plan, BlockColumnPlan) else 0
     shape = check_qkv(q, k, v, dtypes=HALF_DTYPES, query_offset=offset)
     b, hq, n, d = shape.batch, shape.q_heads, shape.seqlen, shape.head_dim
-    sm_scale = _front_door(q, k, v, plan, head_dim=d, scale=scale)
+    sm_scale, plan = _front_door(q, k, v, plan, head_dim=d, scale=scale)
     if validate_plan:
         check_plan(plan, b, hq, n, q.device)
     if mask is not None and offset:
@@ -794,7 +799,7 @@ def block_column_row_max(
     offset = plan.query_offset if isinstance(plan, BlockColumnPlan) else 0
     shape = check_qkv(q, k, k, dtypes=HALF_DTYPES, query_offset=offset)
     b, hq, n = shape.batch, shape.q_heads, shape.seqlen
-    sm_scale = _front_door(q, k, k, plan, head_dim=shape.head_dim, scale=scale)
+    sm_scale, plan = _front_door(q, k, k, plan, head_dim=shape.head_dim, scale=scale)
     if validate_plan:
         check_plan(plan, b, hq, n, q.device)
     row_max = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
@@ -852,7 +857,7 @@ def ragged_block_column_attention(
                          f"{k.dtype} and {tuple(v.shape)} {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"k and v must be on q's device ({q.device})")
-    sm_scale = _front_door(q, k, v, plan, head_dim=d, scale=scale)
+    sm_scale, plan = _front_door(q, k, v, plan, head_dim=d, scale=scale)
     if not isinstance(kv_offsets, torch.Tensor) or kv_offsets.dtype != torch.int64 or kv_offsets.dim() != 1:
         raise TypeError("kv_offsets must be an int64 [B * Hkv] tensor")
     hkv = kv_offsets.shape[0] // b if b else 0
@@ -940,7 +945,7 @@ def varlen_block_column_attention(
     check_plan(plan, seqs, hq, max_seqlen, q.device)
     if plan.query_offset:
         raise ValueError("a varlen plan must have query_offset 0")
-    sm_scale = _front_door(q, k, v, plan, head_dim=d, scale=scale)
+    sm_scale, plan = _front_door(q, k, v, plan, head_dim=d, scale=scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(hq, total, dtype=torch.float32, device=q.device) if return_lse else None
 
