@@ -77,7 +77,9 @@ METHOD = register(Method(
     sweep=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (32, 16, 8, 4, 2)],
     calibration=lambda n: [{"top_k": max(2, -(-n // 64) // f)} for f in (64, 32, 24, 16, 12, 8, 6, 4, 3, 2)],
     chunked="each query block's pooled queries against the pooled keys: the chunk's own blocks",
-    sync=SyncStatus(note="top-k width min(top_k, Qb) from the parameters"),
+    sync=SyncStatus(note="top-k width min(top_k, Qb) from the parameters; dense fallback: outside CUDA-graph "
+                         "capture, one read of the break-even rule's [Hq] flags (off during capture, so "
+                         "the op stays capture-safe)"),
     distributed=DistributedEstimate(
         "native",
         "the mean-pooled keys of every rank (all-gather of `[B, Hkv, N / block_size, D]` float64)",

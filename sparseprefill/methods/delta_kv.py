@@ -92,7 +92,10 @@ METHOD = register(Method(
     extras=extras,
     view=view,
     sync=SyncStatus(
-        syncs=("packing: the packed buffer's size (offsets[-1].item())",
+        syncs=("dense fallback (CUDA, on by default): the [Hkv] flags of the KV heads whose keep ratio passes "
+               "break-even (keep_dense_kv_heads: flags.nonzero().tolist()), one read after the keep mask, "
+               "before packing",
+               "packing: the packed buffer's size (offsets[-1].item())",
                "packing: repeat_interleave of segment ids (output size read back)",
                "phase 2: the block-list width (count2.max().item())",
                "phase 1: whether any query block reads packed keys (bool(...any()))",

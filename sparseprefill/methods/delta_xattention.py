@@ -105,7 +105,10 @@ METHOD = register(Method(
     extras=extras,
     view=view,
     sync=SyncStatus(
-        syncs=("exact tiles to plan: as xattention",
+        syncs=("dense fallback (CUDA, on by default): the [Hq] flags of the heads whose exact and packed pairs "
+               "do not beat dense (dense_query_heads: flags.nonzero().tolist()), one read after the tiles and "
+               "the keep mask, before packing",
+               "exact tiles to plan: as xattention",
                "packing: each group's packed buffer size (offsets[-1].item()) and repeat_interleave of segment "
                "ids; merging groups (int(p.offsets[-1]))",
                "packed plan: the widest packed region (int(ends[..., -1].max())), the list width (mask_to_list)",

@@ -65,7 +65,9 @@ METHOD = register(Method(
     ),
     extras=extras,
     chunked="as xattention: the chunk's own tiles",
-    sync=SyncStatus(syncs=("tiles to plan: as xattention",), static_bound="as xattention",
+    sync=SyncStatus(syncs=("dense fallback: as xattention (the early exit's [Hq] flags, the rule's [Hq] "
+                           "flags; one read each)",
+                           "tiles to plan: as xattention"), static_bound="as xattention",
                     note="the anchor kernel's threshold is filled on the device (a host write "
                          "`out[0] = x` would synchronise and fail capture)"),
 ))

@@ -75,7 +75,10 @@ METHOD = register(Method(
     calibration=lambda n: [{"gamma": g} for g in MASS_CALIBRATION],
     chunked="the chunk's last `last_q` queries (capped at the chunk's length), as vertical-slash",
     sync=SyncStatus(
-        syncs=("line lists: the most kept verticals and slashes of a head (padded_lines, .max().item()); "
+        syncs=("dense fallback (off in flexprefill_vs_static): the early exit's [Hq] flags from the "
+               "last-64-row gamma probe (early_dense_heads) and the rule's [Hq] flags (break_even_heads), one "
+               "read each",
+               "line lists: the most kept verticals and slashes of a head (padded_lines, .max().item()); "
                "not with line_block a multiple of block_n (the default): band_index takes the bands",
                "counting pass: as vertical_slash (band_index's own with whole-block bands)"),
         static_bound="N lines per head, then min(Kb, N * ...) = Kb key blocks per query block",

@@ -69,7 +69,9 @@ METHOD = register(Method(
     chunked="per head, its pattern's reading (vertical-slash: the chunk's last queries; A-shape: none; "
             "block-sparse: the chunk's blocks)",
     sync=SyncStatus(
-        syncs=("vertical-slash heads: as vertical_slash",),
+        syncs=("dense fallback: the break-even rule's [Hq] flags of the merged plan, one read (off in the "
+               "static op)",
+               "vertical-slash heads: as vertical_slash",),
         static_bound="vertical-slash heads: as vertical_slash_static",
         note="mixed layers merge their head plans slice by slice on the device "
              "(reference.minference.merge_head_plans); vertical-slash heads need the static op"),

@@ -104,7 +104,8 @@ METHOD = register(Method(
     ablations=ABLATIONS,
     extras=extras,
     sync=SyncStatus(
-        syncs=("merge index: the most kept column + slash blocks ((...).max().item())",),
+        syncs=("dense fallback: the break-even rule's [Hq] flags, one read (off in sample_attention_static)",
+               "merge index: the most kept column + slash blocks ((...).max().item())",),
         static_bound="Kb key blocks per query block (every block)",
         note="stage 1's sampled-row tile table depends on parameters only: built once and kept "
              "(sampled_scores.tile_table); during a capture without a kept one it is built on the device "

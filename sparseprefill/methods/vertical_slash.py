@@ -85,7 +85,9 @@ METHOD = register(Method(
     chunked="the chunk's last `last_q` queries (capped at the chunk's length) against every key of the "
             "prefix and the chunk",
     sync=SyncStatus(
-        syncs=("counting pass: the widest block list of each head (block_count.amax().tolist())",),
+        syncs=("dense fallback (off in vertical_slash_static): the break-even rule's [Hq] flags "
+               "(break_even_heads: flags.nonzero().tolist()), one read per head group of the run",
+               "counting pass: the widest block list of each head (block_count.amax().tolist())",),
         static_bound="min(Kb, slash_size * ((block_m - 1) // block_n + 2)) key blocks per query block",
         note="static plan: 4 * B * Hq * Qb * bound bytes (heads planned in groups above 1 GB)"),
     distributed=DistributedEstimate(

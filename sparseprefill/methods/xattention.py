@@ -129,7 +129,10 @@ METHOD = register(Method(
     extras=extras,
     chunked="each query tile's antidiagonal scores against the keys: the chunk's own tiles",
     sync=SyncStatus(
-        syncs=("tiles to plan: the widest row of the selection kernel's lists (count.max().item()); the "
+        syncs=("dense fallback (CUDA, on by default; off during capture and in xattention_static): the early "
+               "exit's [Hq] flags from the last-64-row probe (early_dense_heads: flags.nonzero().tolist()) and "
+               "the break-even rule's [Hq] flags (break_even_heads), one read each",
+               "tiles to plan: the widest row of the selection kernel's lists (count.max().item()); the "
                "torch path (T > 4096 or CPU) uses mask_to_list",),
         static_bound="T = ceil(N / block) key blocks per query block"),
 ))
