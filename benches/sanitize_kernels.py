@@ -206,7 +206,58 @@ def main(argv: list[str] | None = None) -> int:
     bad += err > 2e-2
     _sync(dev)
     print(f"state / block means / key bias / dense mask ran; mask max err {err:.2e}", flush=True)
+    if dev.type == "cuda":
+        bad += hopper_cases(dev, n)
     return 1 if bad else 0
+
+
+def hopper_cases(dev: torch.device, n: int) -> int:
+    """The Hopper path (`fast.kernels.block_column_hopper`, sm90 only): block plans of
+    128- and 64-row blocks at D 128 and 64, a dense plan resumed at a query offset, NaN in
+    V, and a column plan with the path's columns switched on; each against the portable
+    kernel on the same call. Returns the number of mismatches."""
+    from sparseprefill.bench.common import random_block_plan
+    from sparseprefill.fast.kernels import block_column_attention, block_column_hopper as hop
+
+    if torch.cuda.get_device_capability(dev)[0] != 9 or not hop._GLUON:
+        print("hopper path: not on this GPU (sm90 with Gluon only)", flush=True)
+        return 0
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    bad = 0
+
+    def both(label: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: reference.BlockColumnPlan,
+             columns: bool = False) -> None:
+        nonlocal bad
+        outs = []
+        for on in ("1", "0"):
+            hop.apply_switches({"HOPPER": on, "HOPPER_COLUMNS": "1" if columns else "0"})
+            out, lse = block_column_attention(q, k, v, plan, return_lse=True)
+            _sync(dev)
+            outs.append((out, lse))
+        hop.apply_switches({})
+        (a, la), (b, lb) = outs
+        same = torch.equal(a.isnan(), b.isnan())
+        err = float((a.float() - b.float()).nan_to_num().abs().max())
+        if la is not None and lb is not None:
+            err = max(err, float((la - lb).nan_to_num().abs().max()))
+        bad += (not same) or err > 2e-2
+        print(f"hopper {label:48s} max |hopper - portable| (out, lse) {err:.2e}, NaN places equal {same}",
+              flush=True)
+
+    for d, bm, bn in ((128, 128, 128), (128, 64, 64), (64, 128, 64)):
+        q = torch.randn(2, 4, n, d, generator=gen).to(dev, torch.bfloat16)
+        k = torch.randn(2, 2, n, d, generator=gen).to(dev, torch.bfloat16)
+        v = torch.randn(2, 2, n, d, generator=gen).to(dev, torch.bfloat16)
+        plan = random_block_plan(2, 4, n, density=0.3, block_m=bm, block_n=bn, device=dev, seed=d + bm)
+        both(f"random 30% {bm}x{bn} D {d}", q, k, v, plan)
+        v_nan = v.clone()
+        v_nan[0, 1, n // 3, 5] = float("nan")
+        v_nan[1, 0, n - 2, 0] = float("inf")
+        both(f"random 30% {bm}x{bn} D {d}, NaN / inf in V", q, k, v_nan, plan)
+    both("dense at query offset 300, D 64", q[:, :, 300:], k, v, fast.dense_plan(q[:, :, 300:], k))
+    cols = fast.vertical_slash_plan(q, k, vertical_size=64, slash_size=64, last_q=64, block_m=64, block_n=64)
+    both("vertical_slash plan, columns on the path", q, k, v, cols, columns=True)
+    return bad
 
 
 if __name__ == "__main__":
