@@ -69,10 +69,15 @@ from .tolerance import (
     check_attention,
     check_output,
     golden_attention,
+    nan_poisoned_empty,
 )
 
+# One method example as the properties draw it: (q, k, v, parameters, context, limits).
+MethodInputs = Callable[[Draw, Caps, MethodSpec],
+                        tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any], str, Any]]
+
 __all__ = ["BAND", "CUTOFFS", "RULE_METHODS", "SUMMARY", "applies", "check_delta_kv_marks",
-           "check_delta_xattention_marks", "check_plan_marks", "forcing_table", "in_band", "prop_dense_fallback",
+           "check_delta_xattention_marks", "check_plan_marks", "dense_fallback_property", "forcing_table", "in_band",
            "rule_off"]
 
 P = ParamSpec("P")
@@ -207,8 +212,6 @@ def check_plan_marks(spec: MethodSpec, q: torch.Tensor, k: torch.Tensor, v: torc
         AssertionError: marks that disagree outside the band, a package that does not follow
             its rule, an output off its own marks.
     """
-    from .properties import nan_poisoned_empty
-
     with dense_fallback(False):
         ref_off = spec.plan_fn("reference")(q, k, **params)
         fast_off = spec.plan_fn("fast")(q, k, **params)
@@ -257,8 +260,6 @@ def _check_outputs(spec: MethodSpec, q: torch.Tensor, k: torch.Tensor, v: torch.
                    context: str) -> float:
     """Each package's run under `table` against the method's golden with its own marked heads
     replaced by full causal attention."""
-    from .properties import nan_poisoned_empty
-
     assert spec.golden is not None
     with dense_fallback(rates=table):
         with nan_poisoned_empty():
@@ -337,22 +338,26 @@ def check_delta_xattention_marks(spec: MethodSpec, q: torch.Tensor, k: torch.Ten
     return _check_outputs(spec, q, k, v, params, table, marks_ref, marks_fast, context=context)
 
 
-def prop_dense_fallback(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
-    """The "dense_fallback" property: a method example, a drawn cutoff and dense path, then
-    the check of the method's kind (plan-based, Delta-KV, DeltaXAttention)."""
-    from .properties import _method_inputs
+def dense_fallback_property(method_inputs: MethodInputs) -> Callable[[Draw, Caps, MethodSpec | None], float]:
+    """The "dense_fallback" property over `method_inputs` (the properties' own draw of one
+    method example: inputs, parameters, context, limits), so this module reads nothing of
+    `properties`: a method example, a drawn cutoff and dense path, then the check of the
+    method's kind (plan-based, Delta-KV, DeltaXAttention)."""
 
-    if spec is None:
-        raise ValueError("this property runs per method; pass a MethodSpec")
-    q, k, v, params, context, limits = _method_inputs(draw, caps, spec)
-    where = str(draw(st.sampled_from(CUTOFFS)))
-    index = int(draw(st.integers(min_value=0, max_value=63)))
-    sdpa = bool(draw(st.booleans()))
-    check: Callable[..., float] = check_plan_marks
-    if spec.name == "delta_kv":
-        check = check_delta_kv_marks
-    elif spec.name == "delta_xattention":
-        check = check_delta_xattention_marks
-    with limits:
-        ratio = check(spec, q, k, v, params, where=where, index=index, sdpa=sdpa, context=context)
-    return ratio if math.isfinite(ratio) else 0.0
+    def prop_dense_fallback(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+        if spec is None:
+            raise ValueError("this property runs per method; pass a MethodSpec")
+        q, k, v, params, context, limits = method_inputs(draw, caps, spec)
+        where = str(draw(st.sampled_from(CUTOFFS)))
+        index = int(draw(st.integers(min_value=0, max_value=63)))
+        sdpa = bool(draw(st.booleans()))
+        check: Callable[..., float] = check_plan_marks
+        if spec.name == "delta_kv":
+            check = check_delta_kv_marks
+        elif spec.name == "delta_xattention":
+            check = check_delta_xattention_marks
+        with limits:
+            ratio = check(spec, q, k, v, params, where=where, index=index, sdpa=sdpa, context=context)
+        return ratio if math.isfinite(ratio) else 0.0
+
+    return prop_dense_fallback

@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 
 from .. import fast, reference
 from ..reference.plan import BlockColumnPlan
-from .dense_fallback import SUMMARY as DENSE_FALLBACK, applies as applies_dense_fallback, prop_dense_fallback, rule_off
+from .dense_fallback import SUMMARY as DENSE_FALLBACK
+from .dense_fallback import applies as applies_dense_fallback, dense_fallback_property, rule_off
 from .registry import MethodSpec
 from .strategies import (
     Caps,
@@ -54,6 +55,7 @@ from .strategies import (
 )
 from .tolerance import (
     baseline_attention,
+    nan_poisoned_empty,
     check_attention,
     check_block_means,
     check_estimate,
@@ -61,28 +63,6 @@ from .tolerance import (
     check_recall,
     golden_attention,
 )
-
-
-@contextmanager
-def nan_poisoned_empty() -> Iterator[None]:
-    """Make `torch.empty` return NaN-filled float tensors inside the block.
-
-    The fast launchers allocate outputs with `torch.empty`; poisoning them makes an
-    unwritten output element (or lse entry) NaN, which no property lets pass.
-    """
-    real = torch.empty
-
-    def poisoned(*args: Any, **kwargs: Any) -> torch.Tensor:
-        t = real(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(math.nan)
-        return t
-
-    setattr(torch, "empty", poisoned)
-    try:
-        yield
-    finally:
-        setattr(torch, "empty", real)
 
 
 def _fail(context: str, message: str) -> AssertionError:
@@ -991,7 +971,8 @@ PROPERTIES: tuple[Property, ...] = tuple(replace(p, run=rule_off(p.run)) for p i
     Property("plan_validation", False, _prop_plan_validation,
              "plans that break one invariant (order, range, causality, counts, disjointness, "
              "dtype, shape) are refused by validate() and both packages before any launch"),
-)) + (Property("dense_fallback", True, prop_dense_fallback, DENSE_FALLBACK, applies=applies_dense_fallback),)
+)) + (Property("dense_fallback", True, dense_fallback_property(_method_inputs), DENSE_FALLBACK,
+                applies=applies_dense_fallback),)
 
 
 def properties() -> dict[str, Property]:

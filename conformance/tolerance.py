@@ -77,7 +77,10 @@ prints the largest error / allowed ratio of every property).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -485,3 +488,25 @@ def check_estimate(
                              f"worst at {where}: got {got64[where].item():.8g}, reference "
                              f"{want64[where].item():.8g}")
     return cmp
+
+
+@contextmanager
+def nan_poisoned_empty() -> Iterator[None]:
+    """Make `torch.empty` return NaN-filled float tensors inside the block.
+
+    The fast launchers allocate outputs with `torch.empty`; poisoning them makes an
+    unwritten output element (or lse entry) NaN, which no property lets pass.
+    """
+    real = torch.empty
+
+    def poisoned(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(math.nan)
+        return t
+
+    setattr(torch, "empty", poisoned)
+    try:
+        yield
+    finally:
+        setattr(torch, "empty", real)

@@ -13,7 +13,7 @@ import torch
 
 from sparseprefill import fast, reference
 from sparseprefill.conformance import tolerance
-from sparseprefill.conformance.properties import nan_poisoned_empty
+from sparseprefill.conformance.tolerance import nan_poisoned_empty
 from sparseprefill.conformance.registry import METHODS
 from sparseprefill.conformance.ties import anchor_attention_tie_check
 from sparseprefill.fast.kernels.anchor_stripes import search_width_bound, stripe_index

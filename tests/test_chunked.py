@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from conftest import EXAMPLES
 from sparseprefill import fast, reference
 from sparseprefill.conformance import METHODS
-from sparseprefill.conformance.properties import nan_poisoned_empty
+from sparseprefill.conformance.tolerance import nan_poisoned_empty
 from sparseprefill.conformance.tolerance import baseline_attention, check_attention, golden_attention
 from sparseprefill.reference import BlockColumnPlan
 from sparseprefill.reference.chunked import WHOLE_PROMPT, chunk_inputs

@@ -23,7 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
 from sparseprefill import reference  # noqa: E402
-from sparseprefill.conformance.properties import nan_poisoned_empty  # noqa: E402
+from sparseprefill.conformance.tolerance import nan_poisoned_empty  # noqa: E402
 from sparseprefill.conformance.registry import METHODS  # noqa: E402
 from sparseprefill.integrations.transformers import (  # noqa: E402
     SparsePrefillAttention,

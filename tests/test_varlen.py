@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparseprefill import fast, reference
-from sparseprefill.conformance.properties import nan_poisoned_empty
+from sparseprefill.conformance.tolerance import nan_poisoned_empty
 from sparseprefill.conformance.tolerance import baseline_attention, check_attention, golden_attention
 
 LENGTHS = [37, 130, 1, 96]
