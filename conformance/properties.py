@@ -1027,13 +1027,14 @@ class _Call:
 
 
 def _fits(caps: Caps, shape: Any, blocks: tuple[int, int], min_heads: int) -> bool:
-    """Whether `shape` stays within `caps.max_tile_steps` at plan blocks `blocks`."""
+    """Whether `shape` kept for a call at plan blocks `blocks` stays within twice the
+    sequence's `caps.max_tile_steps` (the cap of a single call: `_sequence_caps` halves it)."""
     from .strategies import interpreter_work, kernel_tiles
 
     if caps.max_tile_steps is None:
         return True
     work = interpreter_work(shape.seqlen, shape.head_dim, kernel_tiles(*blocks, shape.head_dim))
-    return shape.batch * shape.q_heads * work <= max(caps.max_tile_steps, min_heads * work)
+    return shape.batch * shape.q_heads * work <= max(2 * caps.max_tile_steps, min_heads * work)
 
 
 def _draw_call(draw: Draw, caps: Caps, spec: MethodSpec, n: int, prev: _Call | None,

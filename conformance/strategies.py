@@ -360,18 +360,19 @@ def _late_peaks(gen: torch.Generator, q: torch.Tensor, k: torch.Tensor, group: i
     u = torch.randn(b, hkv, 1, d, generator=gen)
     u = u / u.norm(dim=-1, keepdim=True).clamp(min=1e-6)
     # Every query of a KV head's group leans on u, so a key along u is a peak for all of them.
-    q.view(b, hkv, group, n, d).add_(1.5 * u.unsqueeze(2))
+    q.view(b, hkv, group, n, d).add_(3.0 * u.unsqueeze(2))
     early = int(torch.randint(0, max(1, n // 4), (1,), generator=gen))
     late_edges = [p for p in edges if p >= n // 2] or [n - 1]
     late = late_edges[int(torch.randint(0, len(late_edges), (1,), generator=gen))]
-    k[:, :, early] += 2.0 * root * u[:, :, 0] / 1.5
-    k[:, :, late] += 5.0 * root * u[:, :, 0] / 1.5
+    # Scaled logits about 4.5 (early) and 9 (late) above the noise's 0 +- 1.
+    k[:, :, early] += 1.5 * root * u[:, :, 0]
+    k[:, :, late] += 3.0 * root * u[:, :, 0]
     diagonal = bool(torch.rand(1, generator=gen) < 0.5)
     if diagonal:
-        # q_r . k_r large for every row r: each row's strongest key is its last.
+        # q_r . k_r about 8 more for every row r: a row's own key, its last, is a peak too.
         w = torch.randn(b, hkv, n, d, generator=gen) / root
         q.view(b, hkv, group, n, d).add_(2.0 * w.unsqueeze(2))
-        k += 3.0 * root * w
+        k += 4.0 * root * w
     return f"late peaks (early {early}, late {late}, diagonal {diagonal})"
 
 
