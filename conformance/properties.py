@@ -651,9 +651,18 @@ def _need(spec: MethodSpec | None) -> MethodSpec:
     return spec
 
 
+def _estimator_caps(caps: Caps) -> Caps:
+    """Caps of the properties that run a method's estimator but not the attention kernel
+    (plan, estimate): twice the interpreter's tile steps (the cap counts attention tile
+    steps), so the shapes carry more batch rows and heads: different content per batch
+    row and per-head knobs that differ between heads of several batch rows."""
+    steps = None if caps.max_tile_steps is None else 2 * caps.max_tile_steps
+    return replace(caps, max_tile_steps=steps)
+
+
 def _prop_method_plan(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
-    q, k, v, params, context, limits = _method_inputs(draw, caps, s)
+    q, k, v, params, context, limits = _method_inputs(draw, _estimator_caps(caps), s)
     with limits:
         if s.plan_based:
             check_method_plan(s, q, k, params, context=context)
@@ -668,7 +677,7 @@ def _prop_method_plan(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
 
 def _prop_method_estimate(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
-    q, k, _, params, context, limits = _method_inputs(draw, caps, s)
+    q, k, _, params, context, limits = _method_inputs(draw, _estimator_caps(caps), s)
     with limits:
         return check_method_estimate(s, q, k, params, context=context)
 

@@ -189,12 +189,18 @@ def draw_shape(
         hkv = int(draw(st.integers(2, max(2, min(caps.max_kv_heads, heads_budget // 2)))))
         g = int(draw(st.integers(2, max(2, min(caps.max_group, heads_budget // hkv)))))
         b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget // (hkv * g))))))
+        if b == 1 and 2 * hkv * g <= heads_budget and caps.max_batch >= 2 and draw(st.booleans()):
+            b = 2
         return Shape(batch=b, kv_heads=hkv, group=g, seqlen=n, head_dim=d)
     b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget)))))
     hkv = int(draw(st.integers(1, max(1, min(caps.max_kv_heads, heads_budget // b)))))
     g = int(draw(st.integers(1, max(1, min(caps.max_group, heads_budget // (b * hkv))))))
     if hkv * g < min_heads:
         g = -(-min_heads // hkv)
+    if b == 1 and 2 * hkv * g <= heads_budget and min(caps.max_batch, 2) == 2 and draw(st.booleans()):
+        # A second batch row of other content where it still fits: code that reads batch
+        # row 0's values (or strides) for every row shows only with two.
+        b = 2
     return Shape(batch=b, kv_heads=hkv, group=g, seqlen=n, head_dim=d)
 
 
@@ -824,29 +830,37 @@ def draw_column_path(draw: Draw, caps: Caps) -> tuple[Any, str]:
     """A context manager that picks how the block/column kernel reads a plan's columns, and
     a description.
 
-    Two choices, each off in most examples: covered columns (columns inside a listed
+    Three choices, each off in most examples: covered columns (columns inside a listed
     block) left to the kernel's own column-in-block test instead of resolved at plan
     time (`own_columns.RESOLVE_COVERED`; in production only large shared lists take that
-    path, so at N <= 200 it would run on few plans), and column tiles of 16 keys
+    path, so at N <= 200 it would run on few plans); else, a third of the time, the
+    kernel's copy that runs whole column tiles before a query tile without masks
+    (`block_column._COL_SPLIT`; its rule picks it only where query blocks list many
+    columns, which N <= 200 rarely reaches); and column tiles of 16 keys
     (`block_column._COL_TILE`, a tuning switch), so that the short column lists of small
     N still span several column tiles and the kernel's per-tile bookkeeping (the block
-    list window, the covered test across a tile edge, the masked tail) runs at every
-    edge. With `caps.scaled_limits` False nothing changes.
+    list window, the covered test across a tile edge, the masked tail, the split between
+    unmasked and masked tiles) runs at every edge. With `caps.scaled_limits` False nothing
+    changes.
     """
     import importlib
 
     if not caps.scaled_limits:
         return _patched([]), ""
     in_kernel = bool(draw(st.booleans()))
+    split = not in_kernel and bool(draw(st.sampled_from([True, False, False])))
     col_tile = int(draw(st.sampled_from([0, 16, 0])))
     changes: list[tuple[Any, str, Any]] = []
+    block_column = importlib.import_module("sparseprefill.fast.kernels.block_column")
     if in_kernel:
         changes.append((importlib.import_module("sparseprefill.fast.kernels.own_columns"),
                         "RESOLVE_COVERED", False))
+    if split:
+        changes.append((block_column, "_COL_SPLIT", True))
     if col_tile:
-        changes.append((importlib.import_module("sparseprefill.fast.kernels.block_column"),
-                        "_COL_TILE", col_tile))
-    what = (" covered-in-kernel" if in_kernel else "") + (f" col_tile={col_tile}" if col_tile else "")
+        changes.append((block_column, "_COL_TILE", col_tile))
+    what = (" covered-in-kernel" if in_kernel else "") + (" col-split" if split else "") + \
+        (f" col_tile={col_tile}" if col_tile else "")
     return _patched(changes), what.strip()
 
 

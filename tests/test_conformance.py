@@ -308,22 +308,24 @@ def test_draw_column_path_sets_and_restores() -> None:
     from sparseprefill.conformance.strategies import draw_column_path
     from sparseprefill.fast.kernels import block_column, own_columns
 
-    real = (own_columns.RESOLVE_COVERED, block_column._COL_TILE)
+    real = (own_columns.RESOLVE_COVERED, block_column._COL_TILE, block_column._COL_SPLIT)
 
-    @settings(max_examples=20)
+    @settings(max_examples=40)
     @given(data=st.data())
     def check(data: Any) -> None:
         path, what = draw_column_path(data.draw, Caps())
         with path:
-            inside = (own_columns.RESOLVE_COVERED, block_column._COL_TILE)
-        assert (own_columns.RESOLVE_COVERED, block_column._COL_TILE) == real
+            inside = (own_columns.RESOLVE_COVERED, block_column._COL_TILE, block_column._COL_SPLIT)
+        assert (own_columns.RESOLVE_COVERED, block_column._COL_TILE, block_column._COL_SPLIT) == real
         assert inside[0] == ("covered-in-kernel" not in what)
         assert (inside[1] == 16) == ("col_tile=16" in what)
+        assert (inside[2] is True) == ("col-split" in what)
+        assert not (inside[2] is True and not inside[0])  # the split needs resolved (disjoint) columns
         seen.add(inside)
 
-    seen: set[tuple[bool, int]] = set()
+    seen: set[tuple[bool, int, bool | None]] = set()
     check()
-    assert len(seen) == 4
+    assert len(seen) == 6
     assert draw_column_path(lambda s: True, Caps(scaled_limits=False))[1] == ""
 
 
