@@ -628,13 +628,20 @@ def _method_inputs(
     """Inputs and parameters of one method example, with the `draw_limits` context to run in."""
     n = draw_seqlen(draw, caps)
     params = draw_method_params(draw, spec, n)
+    if bool(draw(st.booleans())):
+        finer = _finer_until(params, n, 3)
+        try:
+            spec.method.check_params(finer)
+            params = finer
+        except (TypeError, ValueError):
+            pass
     blocks = method_blocks(params)
     n = edge_seqlen(draw, caps, n, _block_params(params))
     shape = draw_shape(draw, caps, seqlen=n, blocks=blocks, min_heads=spec.min_heads)
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=spec.input_kinds,
                                 blocks=blocks)
     params, per_head_what = draw_per_head_knobs(draw, spec, params, n, q.shape[1], k.shape[1])
-    limits, limits_what = draw_limits(draw, caps)
+    limits, limits_what = draw_limits(draw, caps, head_groups=bool(per_head_what) and q.shape[1] > 1)
     return (q, k, v, spec.call_params(params, q),
             f"{spec.name} {what} params={params}{per_head_what} {limits_what}", limits)
 
@@ -998,6 +1005,17 @@ def _sequence_caps(caps: Caps) -> Caps:
     return replace(caps, max_seqlen=min(caps.max_seqlen, max(200, caps.max_seqlen // 4)), max_tile_steps=steps)
 
 
+def _finer_until(params: dict[str, Any], n: int, count: int) -> dict[str, Any]:
+    """`params` with its block sizes halved (each down to 16) until N = n spans at least
+    `count` blocks of the largest: with one or two blocks a sparse method has nothing to
+    choose (its plan is dense, its per-head values and head groups change nothing), so
+    half the examples of every method property draw enough blocks for a choice."""
+    while count * max(_block_params(params) or [1]) > n and _refinable(params):
+        params = {key: (val // 2 if "block" in key and isinstance(val, int) and not isinstance(val, bool)
+                        and val >= 32 and (val // 2) % 16 == 0 else val) for key, val in params.items()}
+    return params
+
+
 def _refinable(params: dict[str, Any]) -> bool:
     """Whether some block size among `params` can be halved (to a multiple of 16)."""
     return any("block" in key and isinstance(v, int) and not isinstance(v, bool) and v >= 32 and (v // 2) % 16 == 0
@@ -1275,11 +1293,13 @@ def _prop_method_layers(draw: Draw, caps: Caps, spec: MethodSpec | None) -> floa
     n = draw_seqlen(draw, caps)
     params = draw_method_params(draw, s, n)
     n = edge_seqlen(draw, caps, n, _block_params(params))
+    # A pivot of few key blocks is the diagonal alone whatever gamma a head has: at least
+    # four blocks of each size, by longer N, then by finer blocks.
+    n = max(n, min(caps.max_seqlen, 4 * max(method_blocks(params)) + 1))
+    params = _finer_until(params, n, 4)
     blocks = method_blocks(params)
-    # At least two blocks of each size: a pivot of one block is the diagonal alone, the same
-    # whatever a layer decides.
-    n = max(n, min(caps.max_seqlen, 2 * max(blocks) + 1))
-    shape = draw_shape(draw, caps, seqlen=n, blocks=blocks, min_heads=s.min_heads)
+    # Two query heads at least: a pivot made by a head other than the first.
+    shape = draw_shape(draw, caps, seqlen=n, blocks=blocks, min_heads=max(2, s.min_heads))
     if shape.batch == 1 and bool(draw(st.booleans())):
         # Pivots are kept per batch row: two rows of different content.
         shape = replace(shape, batch=2)
@@ -1304,14 +1324,18 @@ def _prop_method_layers(draw: Draw, caps: Caps, spec: MethodSpec | None) -> floa
 
 def _layers_layout(params: dict[str, Any], layers: int) -> dict[str, Any]:
     """A parameter set's one-layer cluster layout extended to `layers` layers: layer `l`
-    rolls the first layer's row by `l` heads, so the heads of a cluster change from layer
-    to layer (a pivot made by one head is shared with others)."""
+    keeps the first layer's clusters on every other head (rolled by `l`, so a pivot made by
+    one head is offered to others) and gives the remaining heads clusters first seen at
+    layer `l` (so later layers make pivots too, from heads other than the first)."""
     layout = params.get("layout")
     if layout is None or not hasattr(layout, "clusters"):
         return dict(params)
     row = tuple(layout.clusters[0])
-    rows = tuple(row[-l:] + row[:-l] if l else row for l in range(layers))
-    return {**params, "layout": type(layout)(rows)}
+    rows = []
+    for l in range(layers):
+        rolled = row[-l:] + row[:-l] if l else row
+        rows.append(tuple(c if c < 0 or l == 0 or h % 2 == 0 else c + 100 * l for h, c in enumerate(rolled)))
+    return {**params, "layout": type(layout)(tuple(rows))}
 
 
 def _prop_sequence_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:

@@ -595,7 +595,7 @@ def draw_method_params(draw: Draw, spec: MethodSpec, seqlen: int) -> dict[str, A
 def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], seqlen: int,
                         heads: int, kv_heads: int | None = None, *,
                         often: bool = False) -> tuple[dict[str, Any], str]:
-    """Some of the time, give each of the method's per-head knobs (`Method.knobs`) one value
+    """Most of the time, give each of the method's per-head knobs (`Method.knobs`) one value
     per query head, as a list, a tuple or a float64/int64 tensor. A knob that acts on the
     keys (`Method.kv_knobs`) is drawn once per KV head (`kv_heads`, default `heads`) and
     repeated over the KV head's query heads.
@@ -610,14 +610,15 @@ def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], se
     A head's value that the method refuses beside the other parameters (a Delta-KV
     threshold below 0 under the Euclidean metric) falls back to the drawn scalar.
 
-    With `often`, three draws in four are per head (else one in two), and every knob is
-    made per head.
+    Three draws in four are per head (the newest code and the head-group paths read
+    per-head values; a scalar is filled per head by the same code in most methods); with
+    several knobs, each is made per head half the time, every one with `often`.
 
     Returns:
         (the parameters, a note for the failure message: the knobs made per head).
     """
     knobs = [name for name in spec.method.knobs if params.get(name) is not None]
-    if not knobs or int(draw(st.integers(0, 3))) < (1 if often else 2):
+    if not knobs or int(draw(st.integers(0, 3))) == 0:
         return params, ""
     out = dict(params)
     redraws = [spec.params(draw, seqlen) for _ in range(max(heads, 3))]
@@ -707,10 +708,10 @@ _LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     # Block-sparse pooled scores built a chunk of query blocks at a time.
     ("sparseprefill.fast.block_sparse", "_SCORE_BYTES", (1, 4096)),
     # Vertical-slash plans and runs heads in groups past this size (1: a head or a divisor
-    # of G at a time; 4096: a few heads at a time at N <= 200).
-    ("sparseprefill.fast.vertical_slash", "PLAN_BYTES", (1, 4096)),
+    # of G at a time; 1024: a few heads at a time at N <= 200).
+    ("sparseprefill.fast.vertical_slash", "PLAN_BYTES", (1, 1024)),
     # AnchorAttention plans and runs heads in groups past this size (per-head theta sliced).
-    ("sparseprefill.fast.anchor_attention", "PLAN_BYTES", (1, 4096)),
+    ("sparseprefill.fast.anchor_attention", "PLAN_BYTES", (1, 1024)),
     # The vertical-slash index by key blocks (the band kernel) from this many key blocks.
     ("sparseprefill.fast.kernels.vertical_slash_index", "_BLOCKS_MIN_KB", (1,)),
     # XAttention scores heads in groups whose lse scratch fits this (1: a head at a time).
@@ -798,9 +799,15 @@ class _patched:
 # Limits whose lowered value switches off a table kept between calls (a sequence of calls,
 # which looks for what such tables get wrong, keeps them on).
 _STATE_SWITCHES = {("sparseprefill.fast.kernels.sampled_scores", "TILE_TABLE")}
+# Limits past which query heads are planned and run in groups: the code that slices
+# per-head values (and the KV heads of a group) for each group.
+_HEAD_GROUPS = {("sparseprefill.fast.vertical_slash", "PLAN_BYTES"),
+                ("sparseprefill.fast.anchor_attention", "PLAN_BYTES"),
+                ("sparseprefill.fast.kernels.xattention_score", "_SCRATCH_BYTES")}
 
 
-def draw_limits(draw: Draw, caps: Caps, *, keep_state: bool = False) -> tuple[Any, str]:
+def draw_limits(draw: Draw, caps: Caps, *, keep_state: bool = False,
+                head_groups: bool = False) -> tuple[Any, str]:
     """A context manager that lowers some of the fast code's size limits, and a description.
 
     Long inputs take paths that N <= 200 never reaches with the real limits: several key
@@ -809,7 +816,9 @@ def draw_limits(draw: Draw, caps: Caps, *, keep_state: bool = False) -> tuple[An
     instead of disjoint columns, the reference's row chunks. Each limit keeps its real
     value in about half the examples and takes a small one otherwise (`_LIMITS`); with
     `caps.scaled_limits` False nothing changes. With `keep_state`, switches that turn off a
-    table kept between calls are left on (`_STATE_SWITCHES`).
+    table kept between calls are left on (`_STATE_SWITCHES`); with `head_groups` (the
+    example gives its heads different knob values), heads always run in groups
+    (`_HEAD_GROUPS`), so each group's slice of the per-head values is checked.
     """
     import importlib
 
@@ -819,7 +828,8 @@ def draw_limits(draw: Draw, caps: Caps, *, keep_state: bool = False) -> tuple[An
     for module_name, name, values in _LIMITS:
         if keep_state and (module_name, name) in _STATE_SWITCHES:
             continue
-        value = draw(st.sampled_from([None, None, *values]))
+        grouped = head_groups and (module_name, name) in _HEAD_GROUPS
+        value = draw(st.sampled_from([*values] if grouped else [None, None, *values]))
         if value is not None:
             changes.append((importlib.import_module(module_name), name, value))
     what = " ".join(f"{m.__name__.rsplit('.', 1)[-1]}.{n}={v}" for m, n, v in changes)
