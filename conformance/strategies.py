@@ -817,7 +817,7 @@ def draw_limits(draw: Draw, caps: Caps, *, keep_state: bool = False,
     value in about half the examples and takes a small one otherwise (`_LIMITS`); with
     `caps.scaled_limits` False nothing changes. With `keep_state`, switches that turn off a
     table kept between calls are left on (`_STATE_SWITCHES`); with `head_groups` (the
-    example gives its heads different knob values), heads always run in groups
+    example gives its heads different knob values), heads always run in groups of one
     (`_HEAD_GROUPS`), so each group's slice of the per-head values is checked.
     """
     import importlib
@@ -829,7 +829,9 @@ def draw_limits(draw: Draw, caps: Caps, *, keep_state: bool = False,
         if keep_state and (module_name, name) in _STATE_SWITCHES:
             continue
         grouped = head_groups and (module_name, name) in _HEAD_GROUPS
-        value = draw(st.sampled_from([*values] if grouped else [None, None, *values]))
+        # Grouped: the smallest limit, a head (or a divisor of G) a group, so every group
+        # after the first reads its own slice of the per-head values.
+        value = values[0] if grouped else draw(st.sampled_from([None, None, *values]))
         if value is not None:
             changes.append((importlib.import_module(module_name), name, value))
     what = " ".join(f"{m.__name__.rsplit('.', 1)[-1]}.{n}={v}" for m, n, v in changes)

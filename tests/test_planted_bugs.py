@@ -72,6 +72,7 @@ def test_each_bug_selects_its_own_properties() -> None:
     tool = _tool()
     assert tool.target_select("kernel") == "test_kernel_property"
     assert tool.target_select("a_shape") == "test_method_property and a_shape"
+    assert tool.target_select("xattention") == "test_method_property and xattention and not delta_xattention"
     assert tool.target_select("kernel", "delta_kv") == \
         "test_kernel_property or (test_method_property and (delta_kv))"
     for bug in tool.BUGS:

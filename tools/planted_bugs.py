@@ -56,7 +56,15 @@ def target_select(target: str, also: str = "") -> str:
     """The pytest -k expression of a bug's own properties: the kernel properties for the
     shared mechanism, else the target method's properties (ids `[<method>-<property>]`),
     plus the properties of the methods in `also`."""
-    own = "test_kernel_property" if target in SHARED_TARGETS else f"(test_method_property and {target})"
+    if target in SHARED_TARGETS:
+        own = "test_kernel_property"
+    else:
+        # pytest -k matches substrings: leave out the methods whose names contain the target's
+        # (`xattention` in `delta_xattention`).
+        from sparseprefill.conformance import METHODS
+
+        longer = sorted(m for m in METHODS if target in m and m != target)
+        own = f"(test_method_property and {target}{''.join(f' and not {m}' for m in longer)})"
     methods = [m for m in also.split(",") if m]
     if not methods:
         return own.strip("()")
