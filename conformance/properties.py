@@ -50,6 +50,7 @@ from .strategies import (
     draw_seqlen,
     draw_shape,
     draw_tiles,
+    edge_seqlen,
     forced_tiles,
     method_blocks,
 )
@@ -608,14 +609,28 @@ def _method_inputs(
     """Inputs and parameters of one method example, with the `draw_limits` context to run in."""
     n = draw_seqlen(draw, caps)
     params = draw_method_params(draw, spec, n)
+    if bool(draw(st.booleans())):
+        finer = _finer_until(params, n, 3)
+        try:
+            spec.method.check_params(finer)
+            params = finer
+        except (TypeError, ValueError):
+            pass
     blocks = method_blocks(params)
+    n = edge_seqlen(draw, caps, n, _block_params(params))
     shape = draw_shape(draw, caps, seqlen=n, blocks=blocks, min_heads=spec.min_heads)
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=spec.input_kinds,
                                 blocks=blocks)
     params, per_head_what = draw_per_head_knobs(draw, spec, params, n, q.shape[1], k.shape[1])
-    limits, limits_what = draw_limits(draw, caps)
+    limits, limits_what = draw_limits(draw, caps, head_groups=bool(per_head_what) and q.shape[1] > 1)
     return (q, k, v, spec.call_params(params, q),
             f"{spec.name} {what} params={params}{per_head_what} {limits_what}", limits)
+
+
+def _block_params(params: dict[str, Any]) -> list[int]:
+    """The block sizes among a method's parameters (every int parameter named `*block*`)."""
+    return sorted({int(v) for key, v in params.items()
+                   if "block" in key and isinstance(v, int) and not isinstance(v, bool) and v > 1})
 
 
 def _need(spec: MethodSpec | None) -> MethodSpec:
@@ -624,9 +639,18 @@ def _need(spec: MethodSpec | None) -> MethodSpec:
     return spec
 
 
+def _estimator_caps(caps: Caps) -> Caps:
+    """Caps of the properties that run a method's estimator but not the attention kernel
+    (plan, estimate): twice the interpreter's tile steps (the cap counts attention tile
+    steps), so the shapes carry more batch rows and heads: different content per batch
+    row and per-head knobs that differ between heads of several batch rows."""
+    steps = None if caps.max_tile_steps is None else 2 * caps.max_tile_steps
+    return replace(caps, max_tile_steps=steps)
+
+
 def _prop_method_plan(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
-    q, k, v, params, context, limits = _method_inputs(draw, caps, s)
+    q, k, v, params, context, limits = _method_inputs(draw, _estimator_caps(caps), s)
     with limits:
         if s.plan_based:
             check_method_plan(s, q, k, params, context=context)
@@ -641,7 +665,7 @@ def _prop_method_plan(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
 
 def _prop_method_estimate(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
     s = _need(spec)
-    q, k, _, params, context, limits = _method_inputs(draw, caps, s)
+    q, k, _, params, context, limits = _method_inputs(draw, _estimator_caps(caps), s)
     with limits:
         return check_method_estimate(s, q, k, params, context=context)
 
@@ -677,6 +701,7 @@ def _random_plan_inputs(
     `draw_column_path`)."""
     n = draw_seqlen(draw, caps)
     bm, bn = draw_block_sizes(draw)
+    n = edge_seqlen(draw, caps, n, (bm, bn))
     tiles = draw_tiles(draw, caps, bm, bn)
     shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn), tiles=tiles)
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=_KERNEL_INPUTS,
@@ -941,6 +966,414 @@ def _prop_recall_random(draw: Draw, caps: Caps, spec: MethodSpec | None) -> floa
         return check_recall_density(q, k, mask, scale=scale, context=f"{context} as mask scale={scale}")
 
 
+# -- sequences of calls in one process -------------------------------------------------
+#
+# Every other property checks one call on fresh draws. State kept between calls (a host-side
+# table keyed by some of a call's parameters, a plan object's cached resolution, a launch
+# configuration remembered per signature, the pivots a stateful method carries from layer to
+# layer) is wrong only for a later call that shares part of the key with an earlier one. The
+# properties below make calls in a row that differ in one thing at a time, at one N.
+
+# What changes from one call of a sequence to the next.
+SEQUENCE_CHANGES = ("blocks", "blocks", "blocks", "params", "seqlen", "shape", "dtype", "content", "knobs")
+
+
+def _sequence_caps(caps: Caps) -> Caps:
+    """Sizes for sequences (several calls an example; what they look for is kept between
+    calls, not found at long N): N up to a quarter of the cap but at least 200 (the CPU
+    cap), half the interpreter's tile steps a call."""
+    steps = None if caps.max_tile_steps is None else max(1, caps.max_tile_steps // 2)
+    return replace(caps, max_seqlen=min(caps.max_seqlen, max(200, caps.max_seqlen // 4)), max_tile_steps=steps)
+
+
+def _finer_until(params: dict[str, Any], n: int, count: int) -> dict[str, Any]:
+    """`params` with its block sizes halved (each down to 16) until N = n spans at least
+    `count` blocks of the largest: with one or two blocks a sparse method has nothing to
+    choose (its plan is dense, its per-head values and head groups change nothing), so
+    half the examples of every method property draw enough blocks for a choice."""
+    while count * max(_block_params(params) or [1]) > n and _refinable(params):
+        params = {key: (val // 2 if "block" in key and isinstance(val, int) and not isinstance(val, bool)
+                        and val >= 32 and (val // 2) % 16 == 0 else val) for key, val in params.items()}
+    return params
+
+
+def _refinable(params: dict[str, Any]) -> bool:
+    """Whether some block size among `params` can be halved (to a multiple of 16)."""
+    return any("block" in key and isinstance(v, int) and not isinstance(v, bool) and v >= 32 and (v // 2) % 16 == 0
+               for key, v in params.items())
+
+
+def _neighbour_blocks(draw: Draw, params: dict[str, Any], *, finer: bool = False) -> dict[str, Any]:
+    """`params` with each block size halved (mostly; always with `finer`) or doubled, where
+    the result is still a multiple of 16 in [16, 256]: the same problem on a finer or
+    coarser grid. A structure built for the coarser grid and kept is wrong on the finer one
+    (the other way round it often still fits)."""
+    out = dict(params)
+    for key, value in params.items():
+        if "block" not in key or not isinstance(value, int) or isinstance(value, bool):
+            continue
+        steps = (value // 2,) if finer else (value // 2, value // 2, value // 2, value * 2)
+        options = [x for x in steps if x % 16 == 0 and 16 <= x <= 256 and x != value]
+        if options:
+            out[key] = int(draw(st.sampled_from(options)))
+    return out
+
+
+@dataclass
+class _Call:
+    """The draws of one call of a sequence: raw parameters, shape, dtype and inputs."""
+
+    params: dict[str, Any]
+    shape: Any
+    dtype: torch.dtype
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    what: str
+    call_params: dict[str, Any]
+    knobs_what: str
+
+
+def _fits(caps: Caps, shape: Any, blocks: tuple[int, int], min_heads: int) -> bool:
+    """Whether `shape` kept for a call at plan blocks `blocks` stays within twice the
+    sequence's `caps.max_tile_steps` (the cap of a single call: `_sequence_caps` halves it)."""
+    from .strategies import interpreter_work, kernel_tiles
+
+    if caps.max_tile_steps is None:
+        return True
+    work = interpreter_work(shape.seqlen, shape.head_dim, kernel_tiles(*blocks, shape.head_dim))
+    return shape.batch * shape.q_heads * work <= max(2 * caps.max_tile_steps, min_heads * work)
+
+
+def _draw_call(draw: Draw, caps: Caps, spec: MethodSpec, n: int, prev: _Call | None,
+               change: str) -> _Call:
+    """The next call of a sequence at N = n: fresh draws (no `prev`), or `prev` with one
+    thing changed (`SEQUENCE_CHANGES`): the block sizes, the other parameters, the shape
+    (batch, heads, D), the dtype, the tensor values, or the per-head knobs."""
+    if prev is None or change in ("blocks", "finer", "params"):
+        fresh = draw_method_params(draw, spec, n)
+        if prev is None:
+            params = fresh
+        else:
+            is_block = {key for key in {*fresh, *prev.params} if "block" in key}
+            keep = (lambda key: key not in is_block) if change != "params" else (lambda key: key in is_block)
+            params = {**{key: val for key, val in fresh.items() if not keep(key)},
+                      **{key: val for key, val in prev.params.items() if keep(key)}}
+            if change == "finer" or (change == "blocks" and bool(draw(st.booleans()))):
+                params = _neighbour_blocks(draw, prev.params, finer=change == "finer")
+            try:
+                spec.method.check_params(params)
+            except (TypeError, ValueError):
+                params = fresh
+    else:
+        params = prev.params
+    blocks = method_blocks(params)
+    shape = prev.shape if prev is not None and change not in ("shape", "seqlen") else None
+    if shape is None or not _fits(caps, shape, blocks, spec.min_heads):
+        shape = draw_shape(draw, caps, seqlen=n, blocks=blocks, min_heads=spec.min_heads)
+    if prev is not None and change == "dtype":
+        # The same values in the other dtype: only the dtype differs from the call before.
+        dtype = torch.bfloat16 if prev.dtype == torch.float16 else torch.float16
+        q, k, v = (t.to(dtype) for t in (prev.q, prev.k, prev.v))
+        what = f"{prev.what} as {str(dtype).removeprefix('torch.')}"
+    elif prev is not None and shape is prev.shape and change != "content":
+        dtype, q, k, v, what = prev.dtype, prev.q, prev.k, prev.v, prev.what
+    else:
+        dtype = prev.dtype if prev is not None and change == "content" else draw_dtype(draw)
+        q, k, v, what = draw_inputs(draw, shape, dtype, caps.device, kinds=spec.input_kinds, blocks=blocks)
+    if prev is not None and params is prev.params and change != "knobs" and shape is prev.shape:
+        raw, knobs_what = _raw_knobs(prev), prev.knobs_what
+    else:
+        raw, knobs_what = draw_per_head_knobs(draw, spec, params, n, q.shape[1], k.shape[1])
+    knobbed = {**spec.call_params(raw, q), "__raw__": raw}
+    return _Call(params, shape, dtype, q, k, v, what, knobbed, knobs_what)
+
+
+def _raw_knobs(call: _Call) -> dict[str, Any]:
+    """A call's parameters with its per-head knobs, before `call_params`."""
+    raw: dict[str, Any] = call.call_params.get("__raw__", call.params)
+    return raw
+
+
+def _params_of(call: _Call) -> dict[str, Any]:
+    return {key: val for key, val in call.call_params.items() if key != "__raw__"}
+
+
+def _check_call(spec: MethodSpec, call: _Call, check: str, context: str) -> float:
+    """One call of a sequence against the reference: its estimate (before any top-k), its
+    plan (or a plan-less method's structures), or end to end."""
+    params = _params_of(call)
+    if check == "estimate" and spec.estimate is not None:
+        return check_method_estimate(spec, call.q, call.k, params, context=context)
+    if check == "end_to_end":
+        return check_method_end_to_end(spec, call.q, call.k, call.v, params, context=context)
+    if spec.plan_based:
+        check_method_plan(spec, call.q, call.k, params, context=context)
+        return 0.0
+    assert spec.structure_check is not None
+    try:
+        spec.structure_check(call.q, call.k, call.v, params)
+    except AssertionError as err:
+        raise _fail(context, str(err)) from err
+    return 0.0
+
+
+def _prop_method_sequence(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    """Three to five calls of the method in one process, each differing from the one before
+    in one thing: the second call the first on a finer block grid (each block size halved,
+    where the method has one that can be), later ones a change drawn from
+    `SEQUENCE_CHANGES` (block sizes (new, or halved or doubled), other parameters, N, shape, dtype,
+    values, per-head knobs), every call checked against the reference: the estimate
+    (cheap, no tie forgiven) where the method has one, the last call's plan (or a plan-less
+    method's structures, or end to end a quarter of the time). Between calls, a third of
+    the time, a call of another registered method on the same inputs, checked too."""
+    from .registry import METHODS
+
+    s = _need(spec)
+    caps = _sequence_caps(caps)
+    n = draw_seqlen(draw, caps)
+    limits, limits_what = draw_limits(draw, caps, keep_state=True)
+    calls = int(draw(st.integers(3, 5)))
+    others = [name for name in METHODS if name != s.name]
+    ratio = 0.0
+    history: list[str] = []
+    prev: _Call | None = None
+    with limits:
+        for i in range(calls):
+            if prev is None:
+                change = "first"
+            elif i == 1 and _refinable(prev.params):
+                # The second call: the same problem on a finer block grid, every time.
+                change = "finer"
+            else:
+                change = str(draw(st.sampled_from(SEQUENCE_CHANGES)))
+            if change == "seqlen":
+                n = draw_seqlen(draw, caps)
+            call = _draw_call(draw, caps, s, n, prev, change)
+            if i + 1 < calls:
+                check = "estimate" if s.estimate is not None else "plan"
+            else:
+                check = "end_to_end" if int(draw(st.integers(0, 3))) == 0 else "plan"
+            history.append(f"call {i} ({change}, {check}): {call.what} params={call.params}{call.knobs_what}")
+            context = f"{s.name} sequence {limits_what}; " + "; ".join(history)
+            ratio = max(ratio, _check_call(s, call, check, context))
+            if others and i + 1 < calls and int(draw(st.integers(0, 2))) == 0:
+                other = METHODS[str(draw(st.sampled_from(others)))]
+                if call.q.shape[1] >= other.min_heads:
+                    o_params = draw_method_params(draw, other, n)
+                    o_call = _Call(o_params, call.shape, call.dtype, call.q, call.k, call.v, call.what,
+                                   other.call_params(o_params, call.q), "")
+                    history.append(f"between: {other.name} params={o_params}")
+                    _check_call(other, o_call, "estimate" if other.estimate is not None else "plan",
+                                f"{s.name} sequence {limits_what}; " + "; ".join(history))
+            prev = call
+    return ratio
+
+
+def check_layer_step(
+    spec: MethodSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ref_state: Any,
+    fast_state: Any,
+    *,
+    layer: int,
+    scale: float | None = None,
+    context: str = "",
+) -> tuple[float, Any]:
+    """One layer of a stateful method (`Method.new_state`: SharePrefill), each package from its
+    own state carried over the earlier layers; both states advance in place.
+
+    The fast decisions must be ones the reference's float64 distances allow (modulo
+    `ties.DISTANCE_MARGIN`); with equal decisions the plans must be equal; the fast output
+    must meet the tolerance policy against the golden of its own plan, the reference's
+    against its own; with equal decisions both packages must record pivots for the same
+    (cluster, batch row) keys, and every new pivot of either package must be a valid
+    Alg. 2 selection (modulo ties) of the float64 block means of its head and batch row,
+    at that head's gamma.
+
+    A difference the margins allow (a decision within the margin, a pivot mask decided by
+    a tie) makes the two states legitimately different; the fast state then continues
+    from a copy of the reference's, so later layers still compare like with like.
+
+    Returns:
+        (the fast output's error / allowance ratio, the fast state to carry on with).
+
+    Raises:
+        AssertionError: naming the layer.
+    """
+    from .ties import DISTANCE_MARGIN, check_decisions_modulo_margin, check_pivot_modulo_ties
+
+    where = f"{context} layer {layer}"
+    ref_plan, ref_decision = getattr(reference, f"{spec.name}_layer_plan")(q, k, ref_state.clone(), layer=layer,
+                                                                          scale=scale)
+    fast_plan, fast_decision = getattr(fast, f"{spec.name}_layer_plan")(q, k, fast_state.clone(), layer=layer,
+                                                                       scale=scale)
+    _check_valid(fast_plan, "fast", where)
+    try:
+        check_decisions_modulo_margin(ref_state, fast_decision.pattern, ref_decision.d_sparse,
+                                      ref_decision.d_sim, layer=layer)
+        gap = float((fast_decision.d_sparse.cpu() - ref_decision.d_sparse.cpu()).abs().max())
+        if gap >= DISTANCE_MARGIN / 10:
+            raise AssertionError(f"d_sparse differs by {gap:.3g} (allowed {DISTANCE_MARGIN / 10:.3g})")
+    except AssertionError as err:
+        raise _fail(where, f"decisions: {err}") from err
+    same = torch.equal(fast_decision.pattern.cpu(), ref_decision.pattern.cpu())
+    if same:
+        check_plans_equal(ref_plan, fast_plan, context=where)
+    ref_before, fast_before = dict(ref_state.pivots), dict(fast_state.pivots)
+    with nan_poisoned_empty():
+        out = spec.fast_layer(q, k, v, fast_state, layer=layer, scale=scale)
+    mask = fast_plan.to_dense_mask()
+    golden = golden_attention(q, k, v, mask, scale=scale)
+    baseline = baseline_attention(q, k, v, mask, scale=scale)
+    ratio = check_output(out, golden[0], baseline[0], context=f"{where} fast").ratio
+    ref_out = spec.reference_layer(q, k, v, ref_state, layer=layer, scale=scale)
+    if not ref_plan.equal(fast_plan.to(ref_plan.device)):
+        ref_mask = ref_plan.to_dense_mask()
+        golden = golden_attention(q, k, v, ref_mask, scale=scale)
+        baseline = baseline_attention(q, k, v, ref_mask, scale=scale)
+    check_output(ref_out, golden[0], baseline[0], context=f"{where} reference")
+    new = {name: {key: p for key, p in state.pivots.items() if before.get(key) is not p}
+           for name, state, before in (("fast", fast_state, fast_before), ("reference", ref_state, ref_before))}
+    if same and set(new["fast"]) != set(new["reference"]):
+        raise _fail(where, f"new pivots (cluster, batch row): fast {sorted(new['fast'])}, reference "
+                           f"{sorted(new['reference'])}")
+    diverged = not same
+    if new["fast"] or new["reference"]:
+        b, hq = q.shape[:2]
+        means = torch.empty(b, hq, ref_plan.num_query_blocks, ref_plan.num_key_blocks, device=q.device)
+        dense = reference.dense_plan(q, k, block_m=ref_state.block_m, block_n=ref_state.block_n)
+        q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+        reference.sparse_attention(q64, k64, v64, dense, scale=scale, block_mean_out=means)
+        for name, pivots in new.items():
+            for (cluster, row), pivot in pivots.items():
+                what = f"{name} pivot of cluster {cluster}, batch row {row} (head {pivot.head})"
+                try:
+                    check_pivot_modulo_ties(means[row, pivot.head].cpu(), pivot,
+                                            gamma=ref_state.head_value("gamma", pivot.head), seqlen=q.shape[2],
+                                            block_m=ref_state.block_m, block_n=ref_state.block_n, what=what)
+                except AssertionError as err:
+                    raise _fail(where, str(err)) from err
+                if pivot.layer != layer:
+                    raise _fail(where, f"{what} says layer {pivot.layer}")
+        for key, pivot in new["fast"].items():
+            other = new["reference"].get(key)
+            diverged |= other is None or not torch.equal(pivot.mask.cpu(), other.mask.cpu())
+    return ratio, (ref_state.clone() if diverged else fast_state)
+
+
+def _prop_method_layers(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    """Two or three layers of one prefill of a stateful method: a state per package, made by
+    the method's `new_state` and carried from layer to layer (`check_layer_step`), batch
+    rows that decide apart, per-head knobs, a cluster layout over every layer."""
+    s = _need(spec)
+    assert s.new_state is not None
+    caps = _sequence_caps(caps)
+    n = draw_seqlen(draw, caps)
+    params = draw_method_params(draw, s, n)
+    n = edge_seqlen(draw, caps, n, _block_params(params))
+    # A pivot of few key blocks is the diagonal alone whatever gamma a head has: at least
+    # four blocks of each size, by longer N, then by finer blocks.
+    n = max(n, min(caps.max_seqlen, 4 * max(method_blocks(params)) + 1))
+    params = _finer_until(params, n, 4)
+    blocks = method_blocks(params)
+    # Two query heads at least: a pivot made by a head other than the first.
+    shape = draw_shape(draw, caps, seqlen=n, blocks=blocks, min_heads=max(2, s.min_heads))
+    if shape.batch == 1 and bool(draw(st.booleans())):
+        # Pivots are kept per batch row: two rows of different content.
+        shape = replace(shape, batch=2)
+    dtype = draw_dtype(draw)
+    layers = int(draw(st.integers(2, 3)))
+    raw, knobs_what = draw_per_head_knobs(draw, s, params, n, shape.q_heads, shape.kv_heads, often=True)
+    raw = _layers_layout(raw, layers)
+    scale = raw.pop("scale", None)
+    ref_state = s.new_state({key: val for key, val in raw.items() if key != "layer"})
+    fast_state = ref_state.clone()
+    ratio = 0.0
+    seen: list[str] = []
+    for layer in range(layers):
+        q, k, v, what = draw_inputs(draw, shape, dtype, caps.device, kinds=s.input_kinds, blocks=blocks)
+        seen.append(what)
+        context = f"{s.name} layers params={params}{knobs_what} scale={scale}; inputs " + "; ".join(seen)
+        step, fast_state = check_layer_step(s, q, k, v, ref_state, fast_state, layer=layer, scale=scale,
+                                            context=context)
+        ratio = max(ratio, step)
+    return ratio
+
+
+def _layers_layout(params: dict[str, Any], layers: int) -> dict[str, Any]:
+    """A parameter set's one-layer cluster layout extended to `layers` layers: layer `l`
+    keeps the first layer's clusters on every other head (rolled by `l`, so a pivot made by
+    one head is offered to others) and gives the remaining heads clusters first seen at
+    layer `l` (so later layers make pivots too, from heads other than the first)."""
+    layout = params.get("layout")
+    if layout is None or not hasattr(layout, "clusters"):
+        return dict(params)
+    row = tuple(layout.clusters[0])
+    rows = []
+    for l in range(layers):
+        rolled = row[-l:] + row[:-l] if l else row
+        rows.append(tuple(c if c < 0 or l == 0 or h % 2 == 0 else c + 100 * l for h, c in enumerate(rolled)))
+    return {**params, "layout": type(layout)(tuple(rows))}
+
+
+def _prop_sequence_attention(draw: Draw, caps: Caps, spec: MethodSpec | None) -> float:
+    """Two or three `fast.sparse_attention` calls at one N, each differing from the one before
+    in one thing: the plan, the block sizes, the shape, the dtype or the values (the same
+    plan object kept where it still fits, so what a plan caches is reused), the forced
+    tiles or the column path, the scale. Each against the float64 golden."""
+    caps = _sequence_caps(caps)
+    n = draw_seqlen(draw, caps)
+    bm, bn = draw_block_sizes(draw)
+    n = edge_seqlen(draw, caps, n, (bm, bn))
+    tiles = draw_tiles(draw, caps, bm, bn)
+    shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn), tiles=tiles)
+    dtype = draw_dtype(draw)
+    q, k, v, what = draw_inputs(draw, shape, dtype, caps.device, kinds=_KERNEL_INPUTS, blocks=(bm, bn))
+    plan, plan_what = draw_plan(draw, shape, block_m=bm, block_n=bn, device=caps.device)
+    columns, columns_what = draw_column_path(draw, caps)
+    scale = draw_scale(draw)
+    calls = int(draw(st.integers(2, 3)))
+    ratio = 0.0
+    history: list[str] = []
+    for i in range(calls):
+        change = "first"
+        if i > 0:
+            change = str(draw(st.sampled_from(["plan", "blocks", "shape", "dtype", "content", "tiles",
+                                               "columns", "scale"])))
+            if change == "blocks":
+                bm, bn = draw_block_sizes(draw)
+                tiles = draw_tiles(draw, caps, bm, bn)
+                if not _fits(caps, shape, (bm, bn), 1):
+                    shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn), tiles=tiles)
+                    q, k, v, what = draw_inputs(draw, shape, dtype, caps.device, kinds=_KERNEL_INPUTS,
+                                                blocks=(bm, bn))
+            if change == "shape":
+                shape = draw_shape(draw, caps, seqlen=n, blocks=(bm, bn), tiles=tiles)
+            if change in ("shape", "content"):
+                q, k, v, what = draw_inputs(draw, shape, dtype, caps.device, kinds=_KERNEL_INPUTS, blocks=(bm, bn))
+            if change == "dtype":
+                dtype = torch.bfloat16 if dtype == torch.float16 else torch.float16
+                q, k, v = (t.to(dtype) for t in (q, k, v))
+                what = f"{what} as {str(dtype).removeprefix('torch.')}"
+            if change in ("plan", "blocks", "shape"):
+                plan, plan_what = draw_plan(draw, shape, block_m=bm, block_n=bn, device=caps.device)
+            if change == "tiles":
+                tiles = draw_tiles(draw, caps, bm, bn)
+            if change == "columns":
+                columns, columns_what = draw_column_path(draw, caps)
+            if change == "scale":
+                scale = draw_scale(draw)
+        tiles_what = f" tiles={tiles[0]}x{tiles[1]}" if tiles else ""
+        history.append(f"call {i} ({change}): {what} {plan_what}{tiles_what} {columns_what} scale={scale}")
+        with forced_tiles(tiles), columns:
+            ratio = max(ratio, check_sparse_attention(q, k, v, plan, scale=scale,
+                                                      context=f"sequence at N={n}; " + "; ".join(history)))
+    return ratio
+
+
 # The rule off for these (conformance.dense_fallback says why); "dense_fallback" checks the rule.
 PROPERTIES: tuple[Property, ...] = tuple(replace(p, run=rule_off(p.run)) for p in (
     Property("plan", True, _prop_method_plan,
@@ -968,6 +1401,19 @@ PROPERTIES: tuple[Property, ...] = tuple(replace(p, run=rule_off(p.run)) for p i
              "fast block_mean_out (mean scaled logit per listed block) vs reference"),
     Property("nonfinite", False, _prop_nonfinite,
              "NaN/inf in q, k or v reach exactly the same rows in fast and reference"),
+    Property("sequence", True, _prop_method_sequence,
+             "three to five calls of the method in one process, each differing from the one "
+             "before in one thing (block sizes, parameters, N, shape, dtype, values, per-head "
+             "knobs), sometimes another method's call between them; each checked against the "
+             "reference (estimate, plan or end to end): state kept between calls"),
+    Property("layers", True, _prop_method_layers,
+             "two or three layers of one prefill of a stateful method, each package carrying its "
+             "own state: decisions, plans, outputs and recorded pivots against the reference",
+             applies=lambda spec: spec.new_state is not None),
+    Property("sequence_attention", False, _prop_sequence_attention,
+             "two or three fast.sparse_attention calls at one N, each differing from the one "
+             "before in one thing (plan, block sizes, shape, dtype, values, tiles, column path, "
+             "scale; the same plan object kept where it fits), each vs the float64 golden"),
     Property("plan_validation", False, _prop_plan_validation,
              "plans that break one invariant (order, range, causality, counts, disjointness, "
              "dtype, shape) are refused by validate() and both packages before any launch"),

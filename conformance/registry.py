@@ -673,8 +673,10 @@ def _sample_attention_params(draw: Callable[[Any], Any], seqlen: int) -> dict[st
     return {
         "alpha_c": draw(alpha),
         "alpha_s": draw(alpha),
-        # seqlen + 5 chunks: more chunks than rows, so every row is sampled.
-        "chunk_n": draw(st.sampled_from([1, 2, 3, 4, 7, seqlen + 5])),
+        # seqlen + 5 chunks: more chunks than rows; ceil(N / 16) chunks: none longer than the
+        # smallest block. Either way every row is sampled, whatever the block size (the sampled
+        # rows then stay the same when only the block size changes).
+        "chunk_n": draw(st.sampled_from([1, 2, 3, 4, 7, seqlen + 5, seqlen + 5, -(-seqlen // 16)])),
         "block_size": draw(st.sampled_from([16, 32, 48, 64, 128])),
         "scale": _scale(draw),
     }

@@ -189,12 +189,18 @@ def draw_shape(
         hkv = int(draw(st.integers(2, max(2, min(caps.max_kv_heads, heads_budget // 2)))))
         g = int(draw(st.integers(2, max(2, min(caps.max_group, heads_budget // hkv)))))
         b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget // (hkv * g))))))
+        if b == 1 and 2 * hkv * g <= heads_budget and caps.max_batch >= 2 and draw(st.booleans()):
+            b = 2
         return Shape(batch=b, kv_heads=hkv, group=g, seqlen=n, head_dim=d)
     b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget)))))
     hkv = int(draw(st.integers(1, max(1, min(caps.max_kv_heads, heads_budget // b)))))
     g = int(draw(st.integers(1, max(1, min(caps.max_group, heads_budget // (b * hkv))))))
     if hkv * g < min_heads:
         g = -(-min_heads // hkv)
+    if b == 1 and 2 * hkv * g <= heads_budget and min(caps.max_batch, 2) == 2 and draw(st.booleans()):
+        # A second batch row of other content where it still fits: code that reads batch
+        # row 0's values (or strides) for every row shows only with two.
+        b = 2
     return Shape(batch=b, kv_heads=hkv, group=g, seqlen=n, head_dim=d)
 
 
@@ -342,6 +348,40 @@ def _shifted_inputs(gen: torch.Generator, shape: Shape, magnitude: float) -> tup
     return q, k, f"shift {sign * 4:+.0f}"
 
 
+def _late_peaks(gen: torch.Generator, q: torch.Tensor, k: torch.Tensor, group: int,
+                edges: Sequence[int]) -> str:
+    """Add, in place, logits that raise a row's running max late in its key order: a
+    moderate vertical early, a strong one on a late block edge (every later row meets its
+    largest logit only in a late key tile), and half the time each row's own key strongest
+    of all (its max changes at the diagonal, the last tile it reads). Online-softmax code
+    that forgets to rescale what it summed before then errs by a factor `exp(gap)`.
+
+    Args:
+        q: float32 `[B, Hq, N, D]`, k: float32 `[B, Hkv, N, D]` (changed in place).
+        group: query heads per KV head. edges: block-edge positions (`block_edges`).
+    """
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    root = math.sqrt(d)
+    u = torch.randn(b, hkv, 1, d, generator=gen)
+    u = u / u.norm(dim=-1, keepdim=True).clamp(min=1e-6)
+    # Every query of a KV head's group leans on u, so a key along u is a peak for all of them.
+    q.view(b, hkv, group, n, d).add_(3.0 * u.unsqueeze(2))
+    early = int(torch.randint(0, max(1, n // 4), (1,), generator=gen))
+    late_edges = [p for p in edges if p >= n // 2] or [n - 1]
+    late = late_edges[int(torch.randint(0, len(late_edges), (1,), generator=gen))]
+    # Scaled logits about 4.5 (early) and 9 (late) above the noise's 0 +- 1.
+    k[:, :, early] += 1.5 * root * u[:, :, 0]
+    k[:, :, late] += 3.0 * root * u[:, :, 0]
+    diagonal = bool(torch.rand(1, generator=gen) < 0.5)
+    if diagonal:
+        # q_r . k_r about 8 more for every row r: a row's own key, its last, is a peak too.
+        w = torch.randn(b, hkv, n, d, generator=gen) / root
+        q.view(b, hkv, group, n, d).add_(2.0 * w.unsqueeze(2))
+        k += 4.0 * root * w
+    return f"late peaks (early {early}, late {late}, diagonal {diagonal})"
+
+
 def draw_inputs(
     draw: Draw,
     shape: Shape,
@@ -364,6 +404,9 @@ def draw_inputs(
     * "runs": runs of keys starting at block edges whose members sit exactly at a
       Euclidean distance of 0, 0.5, 1 or 2, or a cosine of 1/2, from the run's first key;
     * "shifted": q and k share a direction, every scaled logit about +-4 plus noise.
+
+    A quarter of the "normal", "lines" and "shifted" draws also get late peaks
+    (`_late_peaks`): logits that raise rows' running max late in their key order.
 
     Layouts are contiguous, `[B, N, H, D]` transposed views, or views into a wider,
     NaN-filled head dimension.
@@ -393,6 +436,9 @@ def draw_inputs(
     else:
         q = torch.randn(b, hq, n, d, generator=gen) * magnitude
         k = torch.randn(b, hkv, n, d, generator=gen)
+    if kind in ("normal", "lines", "shifted") and int(draw(st.integers(0, 3))) == 0:
+        peaks = _late_peaks(gen, q, k, hq // hkv, edges)
+        detail = f"{detail}; {peaks}" if detail else peaks
     v = torch.randn(b, hkv, n, d, generator=gen)
     q, k, v = (_layout(t.to(dtype).to(device), layout) for t in (q, k, v))
     what = (f"{shape} {str(dtype).removeprefix('torch.')} seed={seed} {kind}"
@@ -547,38 +593,63 @@ def draw_method_params(draw: Draw, spec: MethodSpec, seqlen: int) -> dict[str, A
 
 
 def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], seqlen: int,
-                        heads: int, kv_heads: int | None = None) -> tuple[dict[str, Any], str]:
-    """Some of the time, give each of the method's per-head knobs (`Method.knobs`) one value
-    per query head: values the method's own strategy draws (`spec.params`, once per head),
-    the drawn scalar among them, as a list, a tuple or a float64/int64 tensor. A knob that
-    acts on the keys (`Method.kv_knobs`) is drawn once per KV head (`kv_heads`, default
-    `heads`) and repeated over the KV head's query heads.
+                        heads: int, kv_heads: int | None = None, *,
+                        often: bool = False) -> tuple[dict[str, Any], str]:
+    """Most of the time, give each of the method's per-head knobs (`Method.knobs`) one value
+    per query head, as a list, a tuple or a float64/int64 tensor. A knob that acts on the
+    keys (`Method.kv_knobs`) is drawn once per KV head (`kv_heads`, default `heads`) and
+    repeated over the KV head's query heads.
+
+    The values come from the method's own strategy (`spec.params`, redrawn), the drawn
+    scalar among them, in one of three spreads: each head its own redraw; the two
+    extremes of the redraws alternating head by head (neighbours differ); or the
+    extremes alternating by KV group (the query heads of one KV head agree, the groups
+    differ). So code that reads one head's value for another (the first head's, the KV
+    head's, another batch row's) meets values as different as the method allows.
 
     A head's value that the method refuses beside the other parameters (a Delta-KV
     threshold below 0 under the Euclidean metric) falls back to the drawn scalar.
+
+    Three draws in four are per head (the newest code and the head-group paths read
+    per-head values; a scalar is filled per head by the same code in most methods); with
+    several knobs, each is made per head half the time, every one with `often`.
 
     Returns:
         (the parameters, a note for the failure message: the knobs made per head).
     """
     knobs = [name for name in spec.method.knobs if params.get(name) is not None]
-    if not knobs or not draw(st.booleans()):
+    if not knobs or int(draw(st.integers(0, 3))) == 0:
         return params, ""
     out = dict(params)
-    redraws = [spec.params(draw, seqlen) for _ in range(heads)]
+    redraws = [spec.params(draw, seqlen) for _ in range(max(heads, 3))]
+    spread = str(draw(st.sampled_from(["each", "extremes", "groups"])))
+    group = max(1, heads // max(1, kv_heads or heads))
     for name in knobs:
-        if not draw(st.booleans()) and len(knobs) > 1:
+        if not often and not draw(st.booleans()) and len(knobs) > 1:
             continue
         units = kv_heads if kv_heads is not None and name in spec.method.kv_knobs else heads
-        values = [r.get(name) for r in redraws[:units]]
-        for h, value in enumerate(values):
+        candidates = []
+        for r in redraws:
+            value = r.get(name)
             if value is None or isinstance(value, bool) or type(value) is not type(params[name]):
-                values[h] = params[name]
                 continue
             try:
                 spec.method.check_params({**params, name: value})
             except (TypeError, ValueError):
-                values[h] = params[name]
-        values[draw(st.integers(0, units - 1))] = params[name]
+                continue
+            candidates.append(value)
+        candidates.append(params[name])
+        if spread == "each":
+            values = [candidates[h % len(candidates)] for h in range(units)]
+            values[draw(st.integers(0, units - 1))] = params[name]
+        else:
+            low, high = min(candidates), max(candidates)
+            if spread == "extremes" or units != heads:
+                values = [high if h % 2 else low for h in range(units)]
+            else:
+                values = [high if (h // group) % 2 else low for h in range(units)]
+            if bool(draw(st.booleans())):
+                values.reverse()
         values = [x for x in values for _ in range(heads // units)]
         form = draw(st.sampled_from(["list", "tuple", "tensor"]))
         if form == "tensor":
@@ -587,7 +658,22 @@ def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], se
         else:
             out[name] = values if form == "list" else tuple(values)
     changed = {name: out[name] for name in knobs if out[name] is not params[name]}
-    return out, (f" per-head {changed}" if changed else "")
+    return out, (f" per-head ({spread}) {changed}" if changed else "")
+
+
+def edge_seqlen(draw: Draw, caps: Caps, seqlen: int, sizes: Sequence[int]) -> int:
+    """A third of the time, N moved to the nearest edge of one of `sizes` (the plan's block
+    sizes): a multiple of it, one below or one above; a sixth of those is a single block
+    (N = size or size - 1). Else `seqlen` unchanged. Parameters drawn for `seqlen` stay
+    valid: counts past N mean "everything" in every method.
+    """
+    sizes = [int(x) for x in sizes if int(x) > 0]
+    if not sizes or int(draw(st.integers(0, 2))) != 0:
+        return seqlen
+    size = int(draw(st.sampled_from(sizes)))
+    blocks = 1 if int(draw(st.integers(0, 5))) == 0 else max(1, round(seqlen / size))
+    shift = int(draw(st.sampled_from([-1, 0, 1])))
+    return max(1, min(caps.max_seqlen, blocks * size + shift))
 
 
 def method_blocks(params: dict[str, Any]) -> tuple[int, int]:
@@ -621,8 +707,31 @@ _LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("sparseprefill.fast.kernels.sample_index", "_CHUNK", (16,)),
     # Block-sparse pooled scores built a chunk of query blocks at a time.
     ("sparseprefill.fast.block_sparse", "_SCORE_BYTES", (1, 4096)),
-    # Vertical-slash plans and runs heads in groups past this size.
-    ("sparseprefill.fast.vertical_slash", "PLAN_BYTES", (1,)),
+    # Vertical-slash plans and runs heads in groups past this size (1: a head or a divisor
+    # of G at a time; 1024: a few heads at a time at N <= 200).
+    ("sparseprefill.fast.vertical_slash", "PLAN_BYTES", (1, 1024)),
+    # AnchorAttention plans and runs heads in groups past this size (per-head theta sliced).
+    ("sparseprefill.fast.anchor_attention", "PLAN_BYTES", (1, 1024)),
+    # The vertical-slash index by key blocks (the band kernel) from this many key blocks.
+    ("sparseprefill.fast.kernels.vertical_slash_index", "_BLOCKS_MIN_KB", (1,)),
+    # XAttention scores heads in groups whose lse scratch fits this (1: a head at a time).
+    ("sparseprefill.fast.kernels.xattention_score", "_SCRATCH_BYTES", (1,)),
+    # XAttention's torch selection works a chunk of rows at a time.
+    ("sparseprefill.fast.xattention", "_SELECT_ELEMENTS", (1,)),
+    # On a GPU, rows longer than this take the torch selection instead of the kernel.
+    ("sparseprefill.fast.kernels.tile_select", "MAX_KERNEL_TILES", (1,)),
+    # DeltaXAttention ranks and builds its packed mask a chunk of rows / heads at a time.
+    ("sparseprefill.fast.delta_xattention", "_RANK_ELEMENTS", (1,)),
+    ("sparseprefill.fast.delta_xattention", "_MASK_ELEMENTS", (1,)),
+    # DPXA's scoring halves its query tiles a program while the launch has fewer programs.
+    ("sparseprefill.fast.kernels.delta_score", "MIN_PROGRAMS", (1 << 20,)),
+    # SampleAttention's row-tile table built on the device each call (the capture path).
+    ("sparseprefill.fast.kernels.sampled_scores", "TILE_TABLE", ("device",)),
+    # Delta-KV's packing chunk when the caller's chunks are not known.
+    ("sparseprefill.fast.delta_kv", "_PACK_CHUNK", (16,)),
+    # The block/column kernel's unmasked copy for whole column tiles before a query tile
+    # (None: its rule, which N <= 200 rarely meets; True: always where it applies).
+    ("sparseprefill.fast.kernels.block_column", "_COL_SPLIT", (True,)),
     # Plans keep shared (not disjoint) column lists past this size (the kernel tests them).
     ("sparseprefill.fast.kernels.own_columns", "DISJOINT_COLUMN_BYTES", (0,)),
     # The reference works a chunk of query rows at a time.
@@ -668,19 +777,37 @@ def forced_tiles(tiles: tuple[int, int] | None) -> Iterator[None]:
             os.environ["SPARSEPREFILL_TILE"] = saved
 
 
-@contextmanager
-def _patched(changes: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:
-    saved = [(module, name, getattr(module, name)) for module, name, _ in changes]
-    try:
-        for module, name, value in changes:
+class _patched:
+    """A reusable context manager that sets module attributes `(module, name, value)` inside
+    it and restores them after (the draws of `draw_limits` and `draw_column_path`; a
+    sequence of calls enters the same one once per call)."""
+
+    def __init__(self, changes: Sequence[tuple[Any, str, Any]]) -> None:
+        self.changes = list(changes)
+        self.saved: list[list[tuple[Any, str, Any]]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append([(module, name, getattr(module, name)) for module, name, _ in self.changes])
+        for module, name, value in self.changes:
             setattr(module, name, value)
-        yield
-    finally:
-        for module, name, value in reversed(saved):
+
+    def __exit__(self, *exc: object) -> None:
+        for module, name, value in reversed(self.saved.pop()):
             setattr(module, name, value)
 
 
-def draw_limits(draw: Draw, caps: Caps) -> tuple[Any, str]:
+# Limits whose lowered value switches off a table kept between calls (a sequence of calls,
+# which looks for what such tables get wrong, keeps them on).
+_STATE_SWITCHES = {("sparseprefill.fast.kernels.sampled_scores", "TILE_TABLE")}
+# Limits past which query heads are planned and run in groups: the code that slices
+# per-head values (and the KV heads of a group) for each group.
+_HEAD_GROUPS = {("sparseprefill.fast.vertical_slash", "PLAN_BYTES"),
+                ("sparseprefill.fast.anchor_attention", "PLAN_BYTES"),
+                ("sparseprefill.fast.kernels.xattention_score", "_SCRATCH_BYTES")}
+
+
+def draw_limits(draw: Draw, caps: Caps, *, keep_state: bool = False,
+                head_groups: bool = False) -> tuple[Any, str]:
     """A context manager that lowers some of the fast code's size limits, and a description.
 
     Long inputs take paths that N <= 200 never reaches with the real limits: several key
@@ -688,7 +815,10 @@ def draw_limits(draw: Draw, caps: Caps) -> tuple[Any, str]:
     pooled block scores in chunks, vertical-slash plans built per group of heads, shared
     instead of disjoint columns, the reference's row chunks. Each limit keeps its real
     value in about half the examples and takes a small one otherwise (`_LIMITS`); with
-    `caps.scaled_limits` False nothing changes.
+    `caps.scaled_limits` False nothing changes. With `keep_state`, switches that turn off a
+    table kept between calls are left on (`_STATE_SWITCHES`); with `head_groups` (the
+    example gives its heads different knob values), heads always run in groups of one
+    (`_HEAD_GROUPS`), so each group's slice of the per-head values is checked.
     """
     import importlib
 
@@ -696,7 +826,12 @@ def draw_limits(draw: Draw, caps: Caps) -> tuple[Any, str]:
         return _patched([]), ""
     changes = []
     for module_name, name, values in _LIMITS:
-        value = draw(st.sampled_from([None, None, *values]))
+        if keep_state and (module_name, name) in _STATE_SWITCHES:
+            continue
+        grouped = head_groups and (module_name, name) in _HEAD_GROUPS
+        # Grouped: the smallest limit, a head (or a divisor of G) a group, so every group
+        # after the first reads its own slice of the per-head values.
+        value = values[0] if grouped else draw(st.sampled_from([None, None, *values]))
         if value is not None:
             changes.append((importlib.import_module(module_name), name, value))
     what = " ".join(f"{m.__name__.rsplit('.', 1)[-1]}.{n}={v}" for m, n, v in changes)
@@ -707,29 +842,37 @@ def draw_column_path(draw: Draw, caps: Caps) -> tuple[Any, str]:
     """A context manager that picks how the block/column kernel reads a plan's columns, and
     a description.
 
-    Two choices, each off in most examples: covered columns (columns inside a listed
+    Three choices, each off in most examples: covered columns (columns inside a listed
     block) left to the kernel's own column-in-block test instead of resolved at plan
     time (`own_columns.RESOLVE_COVERED`; in production only large shared lists take that
-    path, so at N <= 200 it would run on few plans), and column tiles of 16 keys
+    path, so at N <= 200 it would run on few plans); else, a third of the time, the
+    kernel's copy that runs whole column tiles before a query tile without masks
+    (`block_column._COL_SPLIT`; its rule picks it only where query blocks list many
+    columns, which N <= 200 rarely reaches); and column tiles of 16 keys
     (`block_column._COL_TILE`, a tuning switch), so that the short column lists of small
     N still span several column tiles and the kernel's per-tile bookkeeping (the block
-    list window, the covered test across a tile edge, the masked tail) runs at every
-    edge. With `caps.scaled_limits` False nothing changes.
+    list window, the covered test across a tile edge, the masked tail, the split between
+    unmasked and masked tiles) runs at every edge. With `caps.scaled_limits` False nothing
+    changes.
     """
     import importlib
 
     if not caps.scaled_limits:
         return _patched([]), ""
     in_kernel = bool(draw(st.booleans()))
+    split = not in_kernel and bool(draw(st.sampled_from([True, False, False])))
     col_tile = int(draw(st.sampled_from([0, 16, 0])))
     changes: list[tuple[Any, str, Any]] = []
+    block_column = importlib.import_module("sparseprefill.fast.kernels.block_column")
     if in_kernel:
         changes.append((importlib.import_module("sparseprefill.fast.kernels.own_columns"),
                         "RESOLVE_COVERED", False))
+    if split:
+        changes.append((block_column, "_COL_SPLIT", True))
     if col_tile:
-        changes.append((importlib.import_module("sparseprefill.fast.kernels.block_column"),
-                        "_COL_TILE", col_tile))
-    what = (" covered-in-kernel" if in_kernel else "") + (f" col_tile={col_tile}" if col_tile else "")
+        changes.append((block_column, "_COL_TILE", col_tile))
+    what = (" covered-in-kernel" if in_kernel else "") + (" col-split" if split else "") + \
+        (f" col_tile={col_tile}" if col_tile else "")
     return _patched(changes), what.strip()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference._checks import HALF_DTYPES, check_qk, check_tensor
+from ..reference._checks import HALF_DTYPES, check_qk, check_tensor, check_values
 from ..reference.attention import check_mask, check_plan
 from ..reference.metrics import relative_error
 from ..reference.plan import BlockColumnPlan, causal_pairs, columns_inside_blocks
@@ -65,7 +65,7 @@ def density(mask: torch.Tensor | BlockColumnPlan) -> torch.Tensor:
         float64 `[B, Hq]`.
     """
     if not isinstance(mask, BlockColumnPlan):
-        dense = check_tensor("mask", mask, rank=4)
+        dense = check_values("mask", check_tensor("mask", mask, rank=4), why="its kept pairs are counted")
         if dense.dtype != torch.bool:
             raise TypeError(f"mask must have dtype torch.bool, got {dense.dtype}")
         if dense.shape[2] != dense.shape[3] or dense.shape[2] == 0:
@@ -73,6 +73,8 @@ def density(mask: torch.Tensor | BlockColumnPlan) -> torch.Tensor:
         n = dense.shape[-1]
         kept = dense.tril().sum(dim=(-1, -2)).to(torch.float64)
         return kept / (n * (n + 1) / 2)
+    # The fields first: the plan's sizes below are read from them.
+    mask.check_fields()
     plan = check_plan(mask, mask.batch, mask.num_heads, mask.seqlen, mask.device)
     n, bm, bn = plan.seqlen, plan.block_m, plan.block_n
     dev = plan.device

@@ -63,6 +63,13 @@ def check_tensor(name: str, x: object, *, rank: int) -> torch.Tensor:
     return x
 
 
+def check_values(name: str, x: torch.Tensor, *, why: str = "its values are read") -> torch.Tensor:
+    """Raise ValueError naming `name` if `x` is a meta tensor (shapes only, no values to read)."""
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (shape only): {why}, so it must hold real values")
+    return x
+
+
 def check_qk(
     q: object,
     k: object,
@@ -216,6 +223,7 @@ def _per_head_values(name: str, value: object, check: Callable[[object], float |
                              f"{tuple(value.shape)}")
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{name} given per head must be a real tensor, got {value.dtype}")
+        check_values(f"{name} given per head", value, why="each head's value is checked")
         items: list[object] = value.detach().cpu().tolist()  # a check before any launch
     elif isinstance(value, (list, tuple)):
         items = list(value)

@@ -74,12 +74,21 @@ THETA = 12.0
 STEP = 16
 
 
+# Largest finite theta: the fast stripe kernel compares in float32. Any theta this large
+# already keeps every key whose logit is finite; +inf says so exactly.
+MAX_THETA = 1e30
+
+
 def check_theta(theta: object) -> float:
-    """Return `theta` as float: a real number, not NaN, `>= 0` (+inf keeps every key)."""
+    """Return `theta` as float: a real number, not NaN, `>= 0`, finite up to `MAX_THETA`
+    or `+inf` (which keeps every key)."""
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise TypeError(f"theta must be a float, got {type(theta).__name__}")
-    if math.isnan(theta) or theta < 0:
+    if theta != theta or theta < 0:  # NaN (`math.isnan` would overflow on a huge int)
         raise ValueError(f"theta must be >= 0, got {theta}")
+    if MAX_THETA < theta < math.inf:
+        raise ValueError(f"theta must be at most {MAX_THETA:g} or +inf (keep every key), got {theta!r:.40}: "
+                         "the fast kernels compare in float32")
     return float(theta)
 
 

@@ -56,6 +56,7 @@ from ._checks import (
     check_qk,
     check_qkv,
     check_tensor,
+    check_values,
     per_head,
     resolve_scale,
 )
@@ -118,7 +119,11 @@ class TilePackedKV:
         bs = check_block_size("packing.block", self.block)
         if not isinstance(self.packed, PackedKV):
             raise TypeError(f"packing.packed must be a PackedKV, got {type(self.packed).__name__}")
-        self.packed.ensure_valid()
+        try:
+            self.packed.ensure_valid()
+        except (TypeError, ValueError) as err:
+            # PackedKV names its fields `packed.<field>`; here they are the packing's.
+            raise type(err)(f"packing.{err}") from None
         if (self.packed.batch, self.packed.kv_heads) != (self.batch * self.kv_heads, self.tiles) or \
                 (self.tiles > 0 and self.packed.seqlen != bs):
             raise ValueError(f"packing.packed must hold B * Hkv = {self.batch * self.kv_heads} rows of "
@@ -275,7 +280,9 @@ def check_packing(packing: object, k: torch.Tensor) -> TilePackedKV:
 def check_selection(weights: object, selected: object) -> tuple[torch.Tensor, torch.Tensor]:
     """Tile weights `[B, H, T, T]` (float) and a bool selection of the same shape."""
     weights = check_weights(weights)
-    selected = check_tensor("selected", selected, rank=4)
+    selected = check_values("selected", check_tensor("selected", selected, rank=4), why="it names the tiles")
+    if selected.device != weights.device:
+        raise ValueError(f"selected must be on weights' device ({weights.device}), got {selected.device}")
     if selected.dtype != torch.bool or selected.shape != weights.shape:
         raise ValueError(f"selected must be a bool tensor of weights' shape {tuple(weights.shape)}, "
                          f"got {selected.dtype} {tuple(selected.shape)}")

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ._checks import check_qk, check_tensor, resolve_scale
+from ._checks import check_qk, check_tensor, check_values, resolve_scale
 from .attention import _chunk_rows, _group_mask, check_mask, check_plan
 from .plan import BlockColumnPlan
 
@@ -82,7 +82,7 @@ def density(mask: torch.Tensor | BlockColumnPlan) -> torch.Tensor:
     if isinstance(mask, BlockColumnPlan):
         dense = mask.validate().to_dense_mask()
     else:
-        dense = check_tensor("mask", mask, rank=4)
+        dense = check_values("mask", check_tensor("mask", mask, rank=4), why="its kept pairs are counted")
         if dense.dtype != torch.bool:
             raise TypeError(f"mask must have dtype torch.bool, got {dense.dtype}")
         if dense.shape[2] != dense.shape[3] or dense.shape[2] == 0:
@@ -99,10 +99,14 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     NaN or inf anywhere in `out` gives NaN or inf, never a small number.
 
     Raises:
-        TypeError: not tensors. ValueError: shapes differ.
+        TypeError: not real tensors. ValueError: shapes differ, or a meta tensor (no values).
     """
-    if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor):
-        raise TypeError("out and ref must be torch.Tensors")
+    for name, x in (("out", out), ("ref", ref)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.is_complex():
+            raise TypeError(f"{name} must be a real tensor, got {x.dtype}")
+        check_values(name, x, why="the error is computed from its values")
     if out.shape != ref.shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, ref {tuple(ref.shape)}; they must match")
     o = out.detach().to(torch.float64).cpu()

@@ -394,7 +394,18 @@ class BlockColumnPlan:
         return rows & causal
 
     def to(self, device: torch.device | str) -> BlockColumnPlan:
-        """Return the same plan with its index tensors on `device`."""
+        """Return the same plan with its index tensors on `device`.
+
+        Raises:
+            TypeError: a field that is not a tensor. ValueError: a meta tensor (no values to move).
+        """
+        for name in _INDEX_FIELDS:
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"plan.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type == "meta":
+                raise ValueError(f"plan.{name} is on meta (a meta tensor): a plan's lists need values "
+                                 "(build it from real tensors)")
         return BlockColumnPlan(
             seqlen=self.seqlen,
             block_m=self.block_m,

@@ -57,6 +57,7 @@ from ._checks import (
     check_knob,
     check_qk,
     check_tensor,
+    check_values,
     per_head,
     resolve_scale,
 )
@@ -83,7 +84,7 @@ def check_threshold(threshold: object) -> float:
 
 def check_weights(weights: object) -> torch.Tensor:
     """Tile weights: a float tensor `[B, H, T, T]`, else TypeError/ValueError naming `weights`."""
-    weights = check_tensor("weights", weights, rank=4)
+    weights = check_values("weights", check_tensor("weights", weights, rank=4), why="tiles are chosen by them")
     if not weights.is_floating_point():
         raise TypeError(f"weights must be a float tensor, got {weights.dtype}")
     if weights.shape[2] != weights.shape[3]:

@@ -308,22 +308,24 @@ def test_draw_column_path_sets_and_restores() -> None:
     from sparseprefill.conformance.strategies import draw_column_path
     from sparseprefill.fast.kernels import block_column, own_columns
 
-    real = (own_columns.RESOLVE_COVERED, block_column._COL_TILE)
+    real = (own_columns.RESOLVE_COVERED, block_column._COL_TILE, block_column._COL_SPLIT)
 
-    @settings(max_examples=20)
+    @settings(max_examples=40)
     @given(data=st.data())
     def check(data: Any) -> None:
         path, what = draw_column_path(data.draw, Caps())
         with path:
-            inside = (own_columns.RESOLVE_COVERED, block_column._COL_TILE)
-        assert (own_columns.RESOLVE_COVERED, block_column._COL_TILE) == real
+            inside = (own_columns.RESOLVE_COVERED, block_column._COL_TILE, block_column._COL_SPLIT)
+        assert (own_columns.RESOLVE_COVERED, block_column._COL_TILE, block_column._COL_SPLIT) == real
         assert inside[0] == ("covered-in-kernel" not in what)
         assert (inside[1] == 16) == ("col_tile=16" in what)
+        assert (inside[2] is True) == ("col-split" in what)
+        assert not (inside[2] is True and not inside[0])  # the split needs resolved (disjoint) columns
         seen.add(inside)
 
-    seen: set[tuple[bool, int]] = set()
+    seen: set[tuple[bool, int, bool | None]] = set()
     check()
-    assert len(seen) == 4
+    assert len(seen) == 6
     assert draw_column_path(lambda s: True, Caps(scaled_limits=False))[1] == ""
 
 
@@ -348,3 +350,124 @@ def test_minference_plan_check_rejects_a_wrong_head() -> None:
     wrong = reference.minference_plan(q, k, **spec.call_params(same, q))
     with pytest.raises(AssertionError, match="head 1 .* differs from its pattern's own plan"):
         spec.plan_check(q, k, params, wrong)
+
+
+# -- the draws that aim at what bugs hide behind --------------------------------------
+
+
+def test_late_peaks_raise_the_running_max_late() -> None:
+    """`_late_peaks`: most rows past the late key meet their largest logit at or after it,
+    long after their first key tile (what an online softmax must rescale for)."""
+    from sparseprefill.conformance.strategies import _late_peaks, block_edges
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 96, 32, generator=gen)
+    k = torch.randn(1, 2, 96, 32, generator=gen)
+    what = _late_peaks(gen, q, k, 2, block_edges(96, (16,)))
+    late = int(what.split(", late ")[1].split(",")[0])
+    s = torch.einsum("bhnd,bhmd->bhnm", q, k.repeat_interleave(2, dim=1)).tril()
+    s = s.masked_fill(torch.ones(96, 96, dtype=torch.bool).triu(1), -math.inf)
+    argmax = s.argmax(dim=-1)[0, :, late:]
+    assert late >= 48
+    assert float((argmax >= late).float().mean()) > 0.9, what
+
+
+def test_edge_seqlen_lands_on_block_edges(cpu_caps: Caps) -> None:
+    """`edge_seqlen` moves N to a multiple of a drawn block size, or one off it, a third of
+    the time; within the cap."""
+    from sparseprefill.conformance.strategies import edge_seqlen
+
+    moved: set[int] = set()
+
+    @settings(max_examples=60)
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        n = edge_seqlen(data.draw, cpu_caps, 100, (48, 64))
+        assert 1 <= n <= cpu_caps.max_seqlen
+        if n != 100:
+            assert min((n + e) % size for size in (48, 64) for e in (-1, 0, 1)) == 0
+            moved.add(n)
+
+    check()
+    assert len(moved) >= 3
+
+
+def test_per_head_knobs_reach_their_extremes() -> None:
+    """Some draws give neighbouring heads the two extremes of the method's own values, and
+    some give whole KV groups one value each (`draw_per_head_knobs`)."""
+    from sparseprefill.conformance.strategies import draw_per_head_knobs
+
+    spec = METHODS["anchor_attention"]
+    seen: set[str] = set()
+
+    @settings(max_examples=150)
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        params = spec.params(data.draw, 64)
+        out, what = draw_per_head_knobs(data.draw, spec, params, 64, 4, 2)
+        theta = out["theta"]
+        if isinstance(theta, (int, float)):
+            return
+        values = [float(x) for x in (theta.tolist() if isinstance(theta, torch.Tensor) else theta)]
+        assert len(values) == 4
+        if "(extremes)" in what:
+            assert values[0] != values[1] or len(set(values)) == 1
+            seen.add("extremes")
+        if "(groups)" in what:
+            assert values[0] == values[1] and values[2] == values[3]
+            seen.add("groups")
+
+    check()
+    assert seen == {"extremes", "groups"}
+
+
+def test_sequence_changes_one_thing_at_a_time(cpu_caps: Caps) -> None:
+    """The second call of a sequence is the first on a finer grid (every halvable block size
+    halved, nothing else changed); `_draw_call` keeps what a change does not name."""
+    spec = METHODS["sample_attention"]
+
+    @settings(max_examples=20)
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        caps = props._sequence_caps(cpu_caps)
+        first = props._draw_call(data.draw, caps, spec, 64, None, "first")
+        if not props._refinable(first.params):
+            return
+        finer = props._draw_call(data.draw, caps, spec, 64, first, "finer")
+        assert finer.params["block_size"] == first.params["block_size"] // 2
+        assert {k: v for k, v in finer.params.items() if k != "block_size"} == \
+            {k: v for k, v in first.params.items() if k != "block_size"}
+        assert finer.q is first.q or finer.shape is not first.shape  # a shape too costly is redrawn
+        other = props._draw_call(data.draw, caps, spec, 64, first, "dtype")
+        assert other.dtype != first.dtype and other.params is first.params
+        assert torch.equal(other.q.float(), first.q.to(other.dtype).float())
+
+    check()
+
+
+def test_sequence_catches_a_table_kept_under_a_short_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SampleAttention tile table kept without its block size passes a single call, and
+    fails the call after it on a finer grid (the sequence property's second call; the
+    planted-bug harness measures that the property draws it: `sample-tile-table-key-block`)."""
+    from sparseprefill.fast.kernels import sampled_scores
+
+    tables: dict[Any, Any] = {}
+
+    def short_key(spans: list[tuple[int, int]], block_size: int, device: torch.device,
+                  block_l: int = sampled_scores._BLOCK_L) -> tuple[torch.Tensor, int]:
+        key = (tuple(spans), block_l, device)
+        if key not in tables:
+            tiles = sampled_scores.row_tiles(spans, block_size, block_l)
+            tables[key] = (torch.tensor(tiles, dtype=torch.int32).reshape(len(tiles), 2).to(device), len(tiles))
+        return tables[key]  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(sampled_scores, "tile_table", short_key)
+    spec = METHODS["sample_attention"]
+    q, k, v = _inputs(60)
+    calls = []
+    for block_size in (64, 32):
+        params = {"alpha_c": 0.9, "alpha_s": 0.9, "chunk_n": 65, "block_size": block_size}
+        calls.append(props._Call(params, None, q.dtype, q, k, v, "inputs", {**params, "__raw__": params}, ""))
+    props._check_call(spec, calls[0], "estimate", "first")
+    with pytest.raises(AssertionError, match="slash"):
+        props._check_call(spec, calls[1], "estimate", "finer")

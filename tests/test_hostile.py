@@ -651,3 +651,113 @@ def test_disjoint_column_lists_are_sized_before_allocating(monkeypatch: pytest.M
     with pytest.raises(MemoryError, match=r"column lists \(\[B, H, Qb, width\] = \[2, 3, 7, 3\]\)"):
         own.disjoint_columns(plan)
     assert asked and asked[0][1] == 2 * 3 * 7 * 3 * 4
+
+
+# -- inputs that used to escape as AttributeError / NotImplementedError / RuntimeError -------
+
+
+@pytest.mark.parametrize("how", ["meta", "list"])
+@pytest.mark.parametrize("field_name", ["block_count", "block_index", "column_count", "column_index"])
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_density_of_a_plan_with_bad_fields_names_the_field(pkg: str, field_name: str, how: str,
+                                                           no_launch: None) -> None:
+    """`density` reads the plan's sizes from its fields: they are checked first (a list
+    `block_count` used to raise AttributeError in `fast`)."""
+    import dataclasses
+
+    q, k, _ = _qkv()
+    plan = reference.dense_plan(q, k, block_m=16, block_n=16)
+    value = getattr(plan, field_name)
+    bad = dataclasses.replace(plan, **{field_name: value.tolist() if how == "list" else value.to("meta")})
+    with pytest.raises((TypeError, ValueError), match=f"plan.{field_name}"):
+        PACKAGES[pkg].density(bad)
+    with pytest.raises((TypeError, ValueError), match=f"plan.{field_name}"):
+        bad.to("cpu")
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_metrics_refuse_meta_tensors(pkg: str) -> None:
+    """`relative_error` and `density` read values: a meta `out`, `ref` or `mask` is refused
+    by name (it used to raise NotImplementedError from `.cpu()`, or return a meta result)."""
+    mod = PACKAGES[pkg]
+    x = torch.zeros(2, 4, 8, 16)
+    with pytest.raises(ValueError, match="out is a meta tensor"):
+        mod.relative_error(x.to("meta"), x)
+    with pytest.raises(ValueError, match="ref is a meta tensor"):
+        mod.relative_error(x, x.to("meta"))
+    with pytest.raises(TypeError, match="out must be a real tensor"):
+        mod.relative_error(x.to(torch.complex64), x)
+    with pytest.raises(ValueError, match="mask is a meta tensor"):
+        mod.density(torch.ones(1, 2, 8, 8, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.parametrize("theta", [1e300, 1e39, 10**400, [12.0, 1e300, 12.0, 12.0]],
+                         ids=["1e300", "1e39", "int_10e400", "per_head"])
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_anchor_theta_past_float32_is_refused(pkg: str, theta: Any, no_launch: None) -> None:
+    """A finite theta past `MAX_THETA` would overflow the stripe kernel's float32 (a
+    RuntimeError from the launcher); both packages refuse it by name, before any launch.
+    `+inf` (keep every key) stays accepted."""
+    from sparseprefill.reference.anchor_attention import MAX_THETA, check_theta
+
+    q, k, v = _qkv()
+    mod = PACKAGES[pkg]
+    with pytest.raises(ValueError, match="theta"):
+        mod.anchor_attention_plan(q, k, theta=theta, block_m=16, block_n=16)
+    with pytest.raises(ValueError, match="theta"):
+        mod.anchor_attention(q, k, v, theta=theta, block_m=16, block_n=16)
+    assert check_theta(math.inf) == math.inf and check_theta(MAX_THETA) == MAX_THETA
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_per_head_knob_on_meta_is_refused(pkg: str, no_launch: None) -> None:
+    """A per-head knob is read back once for its checks: a meta tensor is refused by the
+    knob's name (it used to raise NotImplementedError)."""
+    q, k, v = _qkv()
+    mod = PACKAGES[pkg]
+    with pytest.raises(ValueError, match="theta given per head"):
+        mod.anchor_attention_plan(q, k, theta=torch.full((4,), 12.0, device="meta"), block_m=16, block_n=16)
+    with pytest.raises(ValueError, match="vertical_size given per head"):
+        mod.vertical_slash_plan(q, k, vertical_size=torch.full((4,), 4, device="meta"), slash_size=4,
+                                block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("field_name", ["counts", "lengths", "timestamps"])
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_edited_tile_packing_names_the_packing(pkg: str, field_name: str, no_launch: None) -> None:
+    """DeltaXAttention takes `packing`: a broken field of its `PackedKV` is named
+    `packing.packed.<field>` (the message used to say `packed.<field>`, an argument these
+    functions do not have), by every consumer, before any launch."""
+    import dataclasses
+
+    q, k, v = _qkv(n=64)
+    packing = reference.delta_tile_pack(k, v, delta_threshold=0.5, block=16, packed_block=16)
+    modes = reference.delta_xattention_tiles(q, k, stride=4, threshold=0.9, exact_top=0.1, block=16)
+
+    def edited() -> Any:
+        values = getattr(packing.packed, field_name).clone()
+        values[0] = 2**30
+        return dataclasses.replace(packing, packed=dataclasses.replace(packing.packed, **{field_name: values}))
+
+    mod = PACKAGES[pkg]
+    for call in (lambda p: mod.delta_xattention_attention(q, k, v, modes, p),
+                 lambda p: mod.delta_xattention_plans(q, modes, p),
+                 lambda p: mod.delta_xattention_density(modes, p),
+                 lambda p: mod.delta_xattention_kv_reduction(modes, p)):
+        with pytest.raises(ValueError, match=f"packing.packed.{field_name}"):
+            call(edited())
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_tile_selection_refuses_meta_weights(pkg: str) -> None:
+    """Tile weights and selections are read: meta tensors are refused by name (they used to
+    give a meta result), and a selection on another device than the weights too."""
+    mod = PACKAGES[pkg]
+    w = torch.rand(1, 2, 4, 4)
+    sel = torch.ones(1, 2, 4, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="weights is a meta tensor"):
+        mod.select_tiles(w.to("meta"), threshold=0.9)
+    with pytest.raises(ValueError, match="weights is a meta tensor"):
+        mod.exact_tiles(w.to("meta"), sel, exact_top=0.1)
+    with pytest.raises(ValueError, match="selected"):
+        mod.skip_tiles(w, sel.to("meta"), skip=0.1)

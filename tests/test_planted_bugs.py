@@ -72,8 +72,33 @@ def test_each_bug_selects_its_own_properties() -> None:
     tool = _tool()
     assert tool.target_select("kernel") == "test_kernel_property"
     assert tool.target_select("a_shape") == "test_method_property and a_shape"
+    assert tool.target_select("xattention") == "test_method_property and xattention and not delta_xattention"
     assert tool.target_select("kernel", "delta_kv") == \
         "test_kernel_property or (test_method_property and (delta_kv))"
     for bug in tool.BUGS:
         assert bug.target in METHODS or bug.target in tool.SHARED_TARGETS, bug.name
         assert all(m in METHODS for m in bug.also.split(",") if m), bug.name
+
+
+def test_bug_classes_and_summary() -> None:
+    """Every bug has a class among `BUG_CLASSES`; `--summary` counts caught bugs per class over
+    the bugs present in every payload (before / after), leaving the control out."""
+    tool = _tool()
+    assert {tool.bug_class(b) for b in tool.BUGS} <= set(tool.BUG_CLASSES)
+    assert tool.bug_class(tool.bug_by_name()["kernel-causal-off-by-one"]) == "kernel"
+    assert tool.bug_class(tool.bug_by_name()["plan-validate-order"]) == "shared"
+    assert tool.bug_class(tool.bug_by_name()["vs-last-vertical-dropped"]) == "estimator"
+    assert tool.bug_class(tool.bug_by_name()["sample-tile-table-key-block"]) == "state"
+    assert {b.group for b in tool.BUGS} == {"core", "recent"}
+
+    def result(name: str, caught: bool) -> dict[str, object]:
+        return {"bug": name, "caught": caught, "caught_by": {}, "seconds": 1.0}
+
+    before = {"commit": "a", "examples": 12, "results": [result("control", False),
+              result("kernel-causal-off-by-one", True), result("sample-tile-table-key-block", False),
+              result("vs-last-vertical-dropped", True)]}
+    after = {"commit": "b", "examples": 12, "results": [result("kernel-causal-off-by-one", True),
+             result("sample-tile-table-key-block", True)]}
+    table = tool.summary_table([before, after])
+    assert "| kernel | 1 | 1 | 1 |" in table and "| state | 1 | 0 | 1 |" in table
+    assert "| all | 2 | 1 | 2 |" in table and "estimator" not in table

@@ -56,7 +56,15 @@ def target_select(target: str, also: str = "") -> str:
     """The pytest -k expression of a bug's own properties: the kernel properties for the
     shared mechanism, else the target method's properties (ids `[<method>-<property>]`),
     plus the properties of the methods in `also`."""
-    own = "test_kernel_property" if target in SHARED_TARGETS else f"(test_method_property and {target})"
+    if target in SHARED_TARGETS:
+        own = "test_kernel_property"
+    else:
+        # pytest -k matches substrings: leave out the methods whose names contain the target's
+        # (`xattention` in `delta_xattention`).
+        from sparseprefill.conformance import METHODS
+
+        longer = sorted(m for m in METHODS if target in m and m != target)
+        own = f"(test_method_property and {target}{''.join(f' and not {m}' for m in longer)})"
     methods = [m for m in also.split(",") if m]
     if not methods:
         return own.strip("()")
@@ -78,6 +86,14 @@ class Bug:
         occurrence: which appearance of `snippet` (1-based); 0 requires exactly one.
         also: methods whose properties also run against it (a kernel feature only a
             method uses, e.g. the per-key bias of Delta-KV), comma-separated.
+        kind: its class in the counts (`bug_class`); empty: from the file's place
+            ("kernel" under fast/kernels/, "estimator" elsewhere in fast/, "reference"
+            under reference/). "state": a bug in what is kept between calls (a host-side
+            table, a state carried across layers), whatever its file.
+        group: "core" (the harness's first list), or "recent": bugs planted in code
+            changed since 2026-11-24 the way an outside check planted them (per-head
+            knobs, head groups, online-softmax rescaling in the estimator kernels,
+            batch and GQA maps, state between calls).
     """
 
     name: str
@@ -88,12 +104,32 @@ class Bug:
     description: str
     occurrence: int = 0
     also: str = ""
+    kind: str = ""
+    group: str = "core"
+
+
+BUG_CLASSES = ("kernel", "estimator", "reference", "shared", "state")
+
+
+def bug_class(bug: Bug) -> str:
+    """The class a bug counts under: its `kind`, else by file ("kernel" for fast/kernels/,
+    "shared" for the plan / metrics / state code both packages use, "estimator" for the
+    rest of fast/, "reference" for the rest of reference/)."""
+    if bug.kind:
+        return bug.kind
+    if bug.target in SHARED_TARGETS and bug.target != "kernel":
+        return "shared"
+    if bug.file.startswith("fast/kernels/"):
+        return "kernel"
+    return "estimator" if bug.file.startswith("fast/") else "reference"
 
 
 K = "fast/kernels/block_column.py"
 LQ = "fast/kernels/last_q_estimate.py"
 VI = "fast/kernels/vertical_slash_index.py"
 DP = "fast/kernels/delta_pack.py"
+XS = "fast/kernels/xattention_score.py"
+DS = "fast/kernels/delta_score.py"
 
 BUGS: tuple[Bug, ...] = (
     # -- the block/column kernel ------------------------------------------------------
@@ -557,6 +593,68 @@ BUGS: tuple[Bug, ...] = (
         "q, k, gamma=state.gamma, last_q=state.block_m, init_columns=state.init_columns,",
         "q, k, gamma=state.gamma, last_q=state.block_n, init_columns=state.init_columns,",
         "fast vertical-slash heads estimate from block_n last queries, not block_m"),
+    # -- code changed since 2026-11-24, planted the way an outside check did -------------
+    Bug("sample-tile-table-key-block", "sample_attention", "fast/kernels/sampled_scores.py",
+        "key = (tuple(spans), block_size, block_l, device)",
+        "key = (tuple(spans), block_l, device)",
+        "the kept tile table is keyed without the block size: a later call with the same "
+        "sampled rows and another block size reuses tiles that cross its query blocks",
+        kind="state", group="recent"),
+    Bug("share-fast-pivot-batch-row", "shareprefill", "fast/shareprefill.py",
+        "return {(state.cluster(decision.layer, h), row): construct_pivotal_pattern(",
+        "return {(state.cluster(decision.layer, h), 0): construct_pivotal_pattern(",
+        "fast pivots are kept under batch row 0: later layers share another row's pivot",
+        kind="state", group="recent"),
+    Bug("share-ref-pivot-gamma-head0", "shareprefill", "reference/shareprefill.py",
+        'block_means[row, h], gamma=state.head_value("gamma", h), seqlen=n, block_m=state.block_m,',
+        'block_means[row, h], gamma=state.head_value("gamma", 0), seqlen=n, block_m=state.block_m,',
+        "reference pivots are built with query head 0's gamma (per-head gamma), seen by later layers",
+        kind="state", group="recent"),
+    Bug("anchor-head-group-theta", "anchor_attention", "fast/anchor_attention.py",
+        "group_theta = theta[h0:h1] if isinstance(theta, torch.Tensor) else theta",
+        "group_theta = theta[: h1 - h0] if isinstance(theta, torch.Tensor) else theta",
+        "heads planned in groups (stripe plans over PLAN_BYTES) take the first heads' per-head theta",
+        group="recent"),
+    Bug("vs-head-group-width", "vertical_slash", "fast/vertical_slash.py",
+        "block_width=max(widths[h0:h1]), seqlen=n, block_m=block_m, block_n=block_n))",
+        "block_width=max(widths[: h1 - h0]), seqlen=n, block_m=block_m, block_n=block_n))",
+        "heads run in groups (plans over PLAN_BYTES) size their block lists by the first heads' widths",
+        group="recent"),
+    Bug("kernel-col-split-start-rounded-up", "kernel", K,
+        "c_start = ((ccount - n_late) // BLOCK_N) * BLOCK_N",
+        "c_start = tl.cdiv(ccount - n_late, BLOCK_N) * BLOCK_N",
+        "unmasked column tiles (COL_SPLIT) end at a rounded-up tile: a partial tile runs without masks",
+        group="recent"),
+    Bug("xattention-score-lse-not-rescaled", "xattention", XS,
+        "l_i = l_i * tl.math.exp2(m_i - m_shift) + tl.sum(tl.math.exp2(t_lse - m_shift[:, None]), 1)",
+        "l_i = l_i + tl.sum(tl.math.exp2(t_lse - m_shift[:, None]), 1)",
+        "row log-sum-exp over key steps: the running sum is not rescaled when a later step raises the max",
+        group="recent"),
+    Bug("xattention-score-head-offset", "xattention", XS,
+        "i_h = head0 + i_bh % num_heads",
+        "i_h = i_bh % num_heads",
+        "heads scored in groups (scratch over _SCRATCH_BYTES) read the first group's query heads",
+        occurrence=1, group="recent"),
+    Bug("xattention-select-tau-row-head", "xattention", "fast/xattention.py",
+        'row_tau = tau[torch.div(row, tiles, rounding_mode="floor") % h][:, None]',
+        'row_tau = tau[torch.div(row, tiles * b, rounding_mode="floor")][:, None]',
+        "per-head thresholds indexed as if rows were [H, B] ordered (batch > 1 with per-head thresholds)",
+        group="recent"),
+    Bug("dpxa-anchor-acc-not-rescaled", "dpxa", DS,
+        "acc = acc * tl.math.exp2(m_run - m_shift) + tl.sum(tl.where(hot, r_sum[:, None], 0.0), 0)",
+        "acc = acc + tl.sum(tl.where(hot, r_sum[:, None], 0.0), 0)",
+        "anchor-pair sums are not rescaled when a later chunk of anchors raises the running max",
+        group="recent"),
+    Bug("dpxa-score-gqa-interleaved", "dpxa", DS,
+        "i_h = i_hkv * group + i_g",
+        "i_h = i_g * num_kv_heads + i_hkv",
+        "anchor scoring maps (KV head, group member) to query head G-major (interleaved GQA)",
+        group="recent"),
+    Bug("dpxa-score-batch-dropped", "dpxa", DS,
+        "i_bh = i_b * num_heads + i_h",
+        "i_bh = i_h",
+        "anchor scoring reads and writes every batch row's anchors and weights at row 0's",
+        group="recent"),
 )
 
 
@@ -698,6 +796,25 @@ def markdown_table(payload: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def summary_table(payloads: list[dict[str, Any]]) -> str:
+    """Caught / run per bug class (`bug_class`) of one results payload, or of several side by
+    side (before and after a change): only bugs present in every payload count, so the
+    columns compare the same bugs; the control run is left out."""
+    names = bug_by_name()
+    results = [{r["bug"]: r for r in p["results"] if r["bug"] != "control"} for p in payloads]
+    common = [n for n in names if all(n in r for r in results)]
+    head = "| class | bugs | " + " | ".join(f"caught ({p.get('commit', '?')}, {p.get('examples', '?')} ex.)"
+                                           for p in payloads) + " |"
+    rows = [head, "| --- | ---: |" + " ---: |" * len(payloads)]
+    for cls in (*BUG_CLASSES, "all"):
+        members = [n for n in common if cls == "all" or bug_class(names[n]) == cls]
+        if not members:
+            continue
+        counts = [sum(bool(r[n]["caught"]) for n in members) for r in results]
+        rows.append(f"| {cls} | {len(members)} | " + " | ".join(str(c) for c in counts) + " |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -706,6 +823,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="check every snippet applies; exit")
     p.add_argument("--bugs", default="", help="comma-separated bug names (default: all)")
     p.add_argument("--methods", default="", help="comma-separated targets (kernel, vertical_slash, ...)")
+    p.add_argument("--group", default="", help="only the bugs of this group (core, recent)")
+    p.add_argument("--classes", default="", help=f"only the bugs of these classes ({', '.join(BUG_CLASSES)})")
+    p.add_argument("--scope", choices=("own", "all"), default="own",
+                   help="own: each bug's own properties (`target_select`); all: every conformance "
+                        "property, as `python -m sparseprefill.conformance` runs them (slower)")
+    p.add_argument("--summary", type=Path, nargs="+", default=None,
+                   help="print caught / run per bug class of one --json file, or of two (before, after); exit")
     p.add_argument("--examples", type=int, default=int(os.environ.get("SPARSEPREFILL_TEST_EXAMPLES", "12")))
     p.add_argument("--select", default="", help="pytest -k expression for every bug (default: the bug's "
                    "own properties first (`target_select`), every property if those miss it)")
@@ -724,6 +848,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.table is not None:
         print(markdown_table(json.loads(args.table.read_text())), end="")
         return 0
+    if args.summary is not None:
+        print(summary_table([json.loads(path.read_text()) for path in args.summary]), end="")
+        return 0
     bugs = list(BUGS)
     names = bug_by_name()
     if args.bugs:
@@ -736,6 +863,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.methods:
         targets = set(args.methods.split(","))
         bugs = [b for b in bugs if b.target in targets]
+    if args.group:
+        bugs = [b for b in bugs if b.group == args.group]
+    if args.classes:
+        classes = set(args.classes.split(","))
+        bugs = [b for b in bugs if bug_class(b) in classes]
     if args.list:
         for b in bugs:
             print(f"{b.name:<40} {b.target:<15} {b.file}: {b.description}")
@@ -771,7 +903,8 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         if args.json is None:
             return
-        payload = {"commit": commit, "examples": args.examples, "select": args.select or "per target",
+        payload = {"commit": commit, "examples": args.examples,
+                   "select": args.select or ("every property" if args.scope == "all" else "per target"),
                    "bugs": {b.name: asdict(b) for b in BUGS}, "results": results}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
@@ -781,7 +914,8 @@ def main(argv: list[str] | None = None) -> int:
     for bug in todo:
         name = bug.name if bug else "control"
         print(f"{name} ...", flush=True)
-        select = args.select or (PROPERTY_TESTS if bug is None else target_select(bug.target, bug.also))
+        own = PROPERTY_TESTS if bug is None or args.scope == "all" else target_select(bug.target, bug.also)
+        select = args.select or own
         result = run_one(root, bug, examples=args.examples, timeout=args.timeout, select=select,
                          python=args.python, keep=args.keep)
         result["select"] = select
