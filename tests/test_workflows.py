@@ -57,7 +57,8 @@ def test_every_step_has_a_command_and_a_limit_and_the_workflow_fits() -> None:
         assert 0 < limit <= 600 and command, step  # one device call runs at most 10 minutes
     total = sum(steps[s][0] for s in script_array("WORKFLOW"))
     job = int(re.search(r"timeout-minutes: (\d+)", WORKFLOW.read_text()).group(1))  # type: ignore[union-attr]
-    assert total <= 12 * 60 and total < job * 60, (total, job)
+    # The steps' limits leave a quarter of the job's limit for checkout, install and artifacts.
+    assert total <= 0.75 * job * 60, (total, job)
 
 
 def test_the_commands_name_what_exists() -> None:
