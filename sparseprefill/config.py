@@ -211,10 +211,10 @@ def check_margin_fields(data: Mapping[str, Any], layers: Mapping[int, LayerSpec]
         ValueError: a field of another form, naming `source` and the field.
     """
     margin = data.get("margin")
-    if margin is not None and not (_number(margin) and 0 <= margin < 1):  # type: ignore[operator]
+    if margin is not None and not (_number(margin) and 0 <= margin < 1):
         raise ValueError(f"{source}: margin: expected a number in [0, 1), got {margin!r}")
     spread = data.get("margin_spread")
-    if spread is not None and not (_number(spread) and spread >= 0):  # type: ignore[operator]
+    if spread is not None and not (_number(spread) and spread >= 0):
         raise ValueError(f"{source}: margin_spread: expected a number >= 0, got {spread!r}")
     prompts = data.get("prompts")
     if prompts is not None:
