@@ -47,6 +47,12 @@ written the moment it is measured: one JSON line to the `.jsonl` beside `--table
 of the time left; `--resume` reads the `.jsonl` back (same settings) and measures only
 the layers it lacks.
 
+`--prompts KIND=SOURCE ...` takes prompts of several kinds of text (`sparseprefill.prompts`:
+captures, text files, or named sources such as the stdlib sources, the pydoc topics and
+a Debian novel, captured once with `--model`); each head must then reach the target plus
+its own margin, max(`--margin`, `--margin-spread` x the spread of its number across the
+kinds), on every kind (`sparseprefill.margins`), and the config records each head's margin.
+
 `--eval CONFIG ...` measures written configs on other captures (the held-out check:
 calibrate on one text, evaluate on another). `sparseprefill search` (MInference's
 per-head pattern search) and `sparseprefill tune` (SampleAttention per length range)
