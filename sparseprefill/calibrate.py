@@ -47,6 +47,12 @@ written the moment it is measured: one JSON line to the `.jsonl` beside `--table
 of the time left; `--resume` reads the `.jsonl` back (same settings) and measures only
 the layers it lacks.
 
+`--prompts KIND=SOURCE ...` takes prompts of several kinds of text (`sparseprefill.prompts`:
+captures, text files, or named sources such as the stdlib sources, the pydoc topics and
+a Debian novel, captured once with `--model`); each head must then reach the target plus
+its own margin, max(`--margin`, `--margin-spread` x the spread of its number across the
+kinds), on every kind (`sparseprefill.margins`), and the config records each head's margin.
+
 `--eval CONFIG ...` measures written configs on other captures (the held-out check:
 calibrate on one text, evaluate on another). `sparseprefill search` (MInference's
 per-head pattern search) and `sparseprefill tune` (SampleAttention per length range)
@@ -179,12 +185,17 @@ class Truth:
 
 @dataclass
 class HeadStats:
-    """One plan's numbers per query head (batch rows averaged; worst over them for min/error)."""
+    """One plan's numbers per query head (batch rows averaged; worst over them for min/error).
+
+    `parts`: for stats combined over several prompts (`_combine`), each prompt's own, in
+    order (what a per-kind margin reads, `sparseprefill.margins`); None for one prompt.
+    """
 
     density: torch.Tensor
     recall_mean: torch.Tensor
     recall_min: torch.Tensor
     error: torch.Tensor | None
+    parts: list[HeadStats] | None = None
 
 
 def load_captures(paths: Sequence[Path | str], *, layers: Sequence[int] | None = None,
@@ -467,6 +478,8 @@ class LayerResult:
     coupled: str = ""
     seconds: float = 0.0
     grid: str = ""
+    head_margin: list[float | None] = field(default_factory=list)
+    kind_recall: dict[str, list[float]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         dens = sum(self.density) / len(self.density)
@@ -482,7 +495,19 @@ class LayerResult:
                 "default_recall_mean": (sum(self.default_recall_mean) / len(self.default_recall_mean)
                                         if self.default_recall_mean else None),
                 "default_recall_min_head": min(self.default_recall_mean) if self.default_recall_mean else None,
-                "grid": self.grid}
+                "grid": self.grid, **_kind_summary(self)}
+
+
+def _kind_summary(result: LayerResult) -> dict[str, Any]:
+    """Per-head margins (mean, largest) and each kind's recall (mean / worst head), when known."""
+    out: dict[str, Any] = {}
+    margins = [m for m in result.head_margin if m is not None]
+    if margins:
+        out["head_margin_mean"], out["head_margin_max"] = sum(margins) / len(margins), max(margins)
+    if result.kind_recall:
+        out["kinds"] = {kind: {"recall_mean": sum(r) / len(r), "recall_min_head": min(r)}
+                        for kind, r in result.kind_recall.items()}
+    return out
 
 
 def _truths(caps: Sequence[LayerCapture], rows: int, seed: int, shares: Sequence[float]) -> list[Truth]:
@@ -496,7 +521,8 @@ def _combine(stats: Sequence[HeadStats]) -> HeadStats:
         density=torch.stack([s.density for s in stats]).mean(0),
         recall_mean=torch.stack([s.recall_mean for s in stats]).mean(0),
         recall_min=torch.stack([s.recall_min for s in stats]).amin(0),
-        error=None if any(e is None for e in err) else torch.stack([e for e in err if e is not None]).amax(0))
+        error=None if any(e is None for e in err) else torch.stack([e for e in err if e is not None]).amax(0),
+        parts=list(stats))
 
 
 def _head_lists(stats: HeadStats) -> tuple[list[float], list[float], list[float], list[float] | None]:
@@ -661,7 +687,8 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
         best = int(torch.argmin(cost))
         picks = [best if bool(serve[best, h]) else None for h in range(hq)]
         spec = layer_spec(method, points, picks)
-    whole = measure_spec(method, spec, caps, truths, impl=impl)
+    whole, picks, spec = _measure_chosen(method, spec, picks, points, dens, caps, truths, target,
+                                         impl=impl, settle=granularity == "head")
     default, dstats, oracle = _default_and_oracle(method, caps, truths, impl=impl, share=share)
     d, rm, rn, err = _head_lists(whole)
     result = LayerResult(
@@ -670,13 +697,35 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
         density=d, recall_mean=rm, recall_min=rn, error=err, oracle=[float(x) for x in oracle],
         oracle_share=share, default_density=[float(x) for x in dstats.density],
         default_recall_mean=[float(x) for x in dstats.recall_mean], default_params=dict(default),
-        coupled=method.coupled_heads, seconds=time.perf_counter() - t0, grid=grid_label)
+        coupled=method.coupled_heads, seconds=time.perf_counter() - t0, grid=grid_label,
+        **_margin_fields(target, whole, picks))
     if log is not None:
         s = result.summary()
         print(f"  {method.name} layer {result.layer}: density {s['density']:.4f} (oracle {s['oracle']:.4f}, "
               f"x{s['ratio']:.2f}), recall {s['recall_mean']:.4f} / worst head {s['recall_min_head']:.4f}, "
               f"{s['dense_heads']} dense head(s), {result.seconds:.1f} s", file=log, flush=True)
     return result
+
+
+def _measure_chosen(method: Any, spec: Any, picks: list[int | None], points: Sequence[Mapping[str, Any]],
+                    dens: torch.Tensor, caps: Sequence[LayerCapture], truths: Sequence[Truth], target: Target, *,
+                    impl: str, settle: bool) -> tuple[HeadStats, list[int | None], Any]:
+    """The chosen layer config run as a whole: (its stats, picks, spec). For a method whose
+    heads interact, heads the whole run does not serve move denser (`margins.settle_coupled`)."""
+    if settle and method.coupled_heads and not isinstance(spec, list):
+        from .margins import settle_coupled
+
+        picks, spec, whole = settle_coupled(method, caps, truths, target, [dict(p) for p in points], picks, dens,
+                                            impl=impl)
+        return whole, picks, spec
+    return measure_spec(method, spec, caps, truths, impl=impl), picks, spec
+
+
+def _margin_fields(target: Target, whole: HeadStats, picks: Sequence[int | None]) -> dict[str, Any]:
+    """`head_margin` and `kind_recall` of a `LayerResult` (`sparseprefill.margins`)."""
+    from .margins import head_margins, kind_recall
+
+    return {"head_margin": head_margins(target, whole, picks), "kind_recall": kind_recall(target, whole)}
 
 
 def _short(params: Mapping[str, Any]) -> str:
@@ -697,8 +746,9 @@ def _default_and_oracle(method: Any, caps: Sequence[LayerCapture], truths: Seque
 
 
 def evaluate_layer(method: Any, spec: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], *,
-                   impl: str = "reference", share: float = 0.95) -> LayerResult:
-    """A written layer config measured on (held-out) captures of that layer."""
+                   impl: str = "reference", share: float = 0.95, kinds: Sequence[str] = ()) -> LayerResult:
+    """A written layer config measured on (held-out) captures of that layer (`kinds`: the
+    kind of each capture, for the per-kind recall)."""
     t0 = time.perf_counter()
     whole = measure_spec(method, spec, caps, truths, impl=impl)
     n = caps[0].seqlen
@@ -712,7 +762,14 @@ def evaluate_layer(method: Any, spec: Any, caps: Sequence[LayerCapture], truths:
         oracle=[float(x) for x in oracle], oracle_share=share,
         default_density=[float(x) for x in dstats.density],
         default_recall_mean=[float(x) for x in dstats.recall_mean], default_params=dict(default),
-        coupled=method.coupled_heads, seconds=time.perf_counter() - t0)
+        coupled=method.coupled_heads, seconds=time.perf_counter() - t0,
+        kind_recall=_margin_fields(_kinds_target(kinds), whole, picks)["kind_recall"])
+
+
+def _kinds_target(kinds: Sequence[str]) -> Target:
+    from .margins import SpreadTarget
+
+    return SpreadTarget(kinds=tuple(kinds))
 
 
 def format_table(results: Sequence[LayerResult], target: Target | None = None) -> str:
@@ -778,9 +835,10 @@ def plot_heads(results: Sequence[LayerResult], path: Path, *, title: str = "") -
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `sparseprefill calibrate`."""
-    parser.add_argument("--qkv", type=Path, nargs="+", required=True,
+    parser.add_argument("--qkv", type=Path, nargs="+", default=None,
                         help="capture files from `sparseprefill eval capture` (calibration prompts, or the "
-                             "held-out prompts with --eval)")
+                             "held-out prompts with --eval), all of one kind; see --prompts for several kinds")
+    add_prompt_arguments(parser)
     parser.add_argument("--method", nargs="+", default=None,
                         help="methods to calibrate (default: every plan-based method with a grid)")
     parser.add_argument("--eval", type=Path, nargs="+", default=None, metavar="CONFIG",
@@ -823,6 +881,99 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=None, help="density per head before/after (PNG)")
 
 
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--prompts` and what it needs: prompts of several kinds, per-head margins (`sparseprefill.prompts`,
+    `sparseprefill.margins`)."""
+    from .prompts import DEFAULT_HELDOUT, DEFAULT_PROMPTS, SOURCES
+
+    names = ", ".join(f"{s.name} ({s.kind})" for s in SOURCES.values())
+    parser.add_argument(
+        "--prompts", nargs="*", default=None, metavar="KIND=SOURCE",
+        help="prompts of several kinds of text; SOURCE: a capture file (*.pt), a text file, or a text source: "
+             f"{names}. Text is captured with --model at --seqlen for --layers into --capture-dir (once). Alone: "
+             f"{' '.join(f'{k}={v}' for k, v in DEFAULT_PROMPTS.items())} (with --eval: "
+             f"{' '.join(f'{k}={v}' for k, v in DEFAULT_HELDOUT.items())}). Each head must reach the target plus its "
+             "own margin max(--margin, --margin-spread x the spread of its number across kinds) on every kind")
+    parser.add_argument("--margin-spread", type=float, default=1.0, metavar="C",
+                        help="with --prompts: each head's margin is max(--margin, C x (max - min over the kinds of "
+                             "its recall)) (default 1)")
+    parser.add_argument("--model", choices=("smollm2", "gemma3-270m"), default="smollm2",
+                        help="the model that captures --prompts text (default smollm2)")
+    parser.add_argument("--seqlen", type=int, default=8192, help="tokens of each --prompts text (default 8192)")
+    parser.add_argument("--capture-dir", type=Path, default=None,
+                        help="where --prompts text captures go and are reused (default <out-dir>/captures)")
+    parser.add_argument("--device", default="cpu", help="where the model runs for --prompts captures (default cpu)")
+
+
+def _resolve_prompts(args: argparse.Namespace) -> dict[str, str]:
+    """Turn `--prompts` into capture files (captured when text), appended to `args.qkv`.
+
+    Returns:
+        `{capture path: kind}` of every capture (a `--qkv` file: kind "", all one kind).
+    """
+    from .evaluate import DEFAULT_LAYERS, GEMMA3_LAYERS
+    from .prompts import DEFAULT_HELDOUT, DEFAULT_PROMPTS, capture_prompts, parse_prompts
+
+    kinds = {str(p): "" for p in args.qkv or []}
+    prompts = parse_prompts(args.prompts, defaults=DEFAULT_HELDOUT if args.eval is not None else DEFAULT_PROMPTS)
+    if not prompts and not kinds:
+        raise ValueError("give the prompts: --qkv capture files, or --prompts KIND=SOURCE ...")
+    if isinstance(args.margin_spread, bool) or not 0 <= args.margin_spread < math.inf:
+        raise ValueError(f"--margin-spread must be a finite number >= 0, got {args.margin_spread}")
+    if prompts:
+        layers = args.layers or list(GEMMA3_LAYERS if args.model == "gemma3-270m" else DEFAULT_LAYERS)
+        folder = args.capture_dir if args.capture_dir is not None else Path(args.out_dir) / "captures"
+        paths = capture_prompts(prompts, model=args.model, seqlen=args.seqlen, layers=layers, folder=folder,
+                                device=args.device, log=sys.stderr)
+        args.prompt_list = [{"kind": p.kind, "source": p.source, "capture": str(path)}
+                            for p, path in zip(prompts, paths)]
+        args.qkv = [*(args.qkv or []), *paths]
+        kinds.update({str(path): p.kind for p, path in zip(prompts, paths)})
+    else:
+        args.prompt_list = []
+    return kinds
+
+
+def _calibration_target(args: argparse.Namespace, target: Target) -> Target:
+    """What the calibration prompts must meet: per-head spread margins with --prompts, else
+    the global `--margin`."""
+    if not args.prompt_list:
+        return target.with_margin(args.margin)
+    from .margins import SpreadTarget
+
+    return SpreadTarget(recall=target.recall, row_recall=target.row_recall, error=target.error,
+                        margin=args.margin, spread=args.margin_spread)
+
+
+def _layer_target(target: Target, group: Sequence[LayerCapture], kinds: Mapping[str, str]) -> Target:
+    """The calibration target of one layer: a spread target learns its prompts' kinds."""
+    from .margins import SpreadTarget
+
+    if isinstance(target, SpreadTarget):
+        return target.for_kinds([kinds.get(c.source, "") for c in group])
+    return target
+
+
+def _prompt_meta(args: argparse.Namespace, results: Sequence[LayerResult]) -> dict[str, Any]:
+    """The config's record of the prompts and each layer's per-head margins (`sparseprefill.config`)."""
+    if not args.prompt_list:
+        return {}
+    return {"margin_spread": args.margin_spread, "prompts": args.prompt_list,
+            "head_margins": {str(r.layer): r.head_margin for r in results if r.head_margin}}
+
+
+def _check_held_out(config: CalibratedConfig, args: argparse.Namespace) -> None:
+    """Say so when an --eval prompt is one the config was calibrated on (not held out)."""
+    used = config.meta.get("prompts") or []
+    mine = {(p["kind"], p["source"]) for p in args.prompt_list}
+    seen = {str(p.get("kind")) for p in used if isinstance(p, dict)}
+    same = sorted({kind for kind, _ in mine if kind in seen}
+                  | {source for _, source in mine if source in {str(p.get("source")) for p in used if isinstance(p, dict)}})
+    if same:
+        print(f"note: {config.method}: the --eval prompts share {', '.join(same)} with the config's calibration "
+              "prompts: not a held-out kind", file=sys.stderr)
+
+
 def _rows_file(args: argparse.Namespace) -> Path | None:
     """Where each layer's result is written as it finishes (see `--table`)."""
     if args.table is not None:
@@ -838,7 +989,8 @@ def _header(args: argparse.Namespace, target: Target, impl: str) -> dict[str, An
             "margin": args.margin, "granularity": args.granularity, "grid": args.grid, "refine": args.refine,
             "refine_top": args.refine_top, "rows": args.rows, "seed": args.seed, "share": args.share,
             "backend": impl, "captures": [str(p) for p in args.qkv], "layers": args.layers,
-            "max_seqlen": args.max_seqlen}
+            "max_seqlen": args.max_seqlen, "prompts": args.prompt_list,
+            "margin_spread": args.margin_spread if args.prompt_list else None}
 
 
 def _layer_result(row: Mapping[str, Any]) -> LayerResult:
@@ -855,7 +1007,8 @@ def run(args: argparse.Namespace) -> int:
         target = Target(recall=None if args.target_recall is not None and args.target_recall < 0
                         else args.target_recall,
                         row_recall=args.target_row_recall, error=args.target_error)
-        calib_target = target.with_margin(args.margin)
+        kinds = _resolve_prompts(args)
+        calib_target = _calibration_target(args, target)
         if args.rows < 1:
             raise ValueError(f"--rows must be >= 1, got {args.rows}")
         shares = tuple(sorted({*DEFAULT_SHARES, float(args.share)}))
@@ -879,7 +1032,10 @@ def run(args: argparse.Namespace) -> int:
                 for point in args.grid:
                     METHODS[names[0]].check_params(point)
         rowlog = RowLog(_rows_file(args), _header(args, target, impl), resume=args.resume)
-    except (TypeError, ValueError, OSError) as err:
+        for _, config in jobs:
+            if config is not None:
+                _check_held_out(config, args)
+    except (TypeError, ValueError, OSError, RuntimeError) as err:
         print(f"sparseprefill calibrate: {err}", file=sys.stderr)
         return 2
     if impl == "fast" and not torch.cuda.is_available():
@@ -906,7 +1062,8 @@ def run(args: argparse.Namespace) -> int:
         grid_label, grid_points = calibration_grid(method, seqlen, args.grid)
         if config is None:
             print(f"{method.name}: {describe_grid(grid_label, grid_points, seqlen)}", file=sys.stderr, flush=True)
-        meta = {"target": asdict(target), "margin": args.margin, "calibrated_to": asdict(calib_target),
+        meta = {"target": asdict(target), "margin": args.margin,
+                "calibrated_to": asdict(target.with_margin(args.margin)),
                 "granularity": args.granularity, "rows": args.rows, "seqlen": seqlen, "q_heads": q_heads,
                 "backend": impl, "refine": args.refine, "refine_top": args.refine_top,
                 "grid": {"source": grid_label, "seqlen": seqlen, "points": grid_points},
@@ -922,9 +1079,10 @@ def run(args: argparse.Namespace) -> int:
                     truths[layer] = _truths(group, args.rows, args.seed, shares)
                 if config is not None:
                     res = evaluate_layer(method, config.layers[layer], group, truths[layer], impl=impl,
-                                         share=args.share)
+                                         share=args.share, kinds=[kinds.get(c.source, "") for c in group])
                 else:
-                    res = calibrate_layer(method, group, truths[layer], calib_target, granularity=args.granularity,
+                    res = calibrate_layer(method, group, truths[layer], _layer_target(calib_target, group, kinds),
+                                          granularity=args.granularity,
                                           impl=impl, share=args.share, log=sys.stderr, grid=args.grid,
                                           refine=args.refine, refine_top=args.refine_top)
                 rowlog.append({"kind": "layer", **asdict(res)})
@@ -937,8 +1095,10 @@ def run(args: argparse.Namespace) -> int:
             if config is None:
                 layers[layer] = res.spec
                 complete = len(layers) == len(wanted)
+                mine = [r for r in results if r.method == method.name]
                 path = write_config(Path(args.out_dir) / f"{method.name}.json",
-                                    CalibratedConfig(method.name, layers, {**meta, "complete": complete}))
+                                    CalibratedConfig(method.name, layers,
+                                                     {**meta, **_prompt_meta(args, mine), "complete": complete}))
                 if complete:
                     print(f"wrote {path}", file=sys.stderr)
     table = format_table(results, target)

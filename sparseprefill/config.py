@@ -7,7 +7,9 @@ read it (`read_config`). The file:
     {"format": "sparseprefill.calibrate/1",
      "method": "xattention",                 # a registered method
      "q_heads": 9,                           # optional: query heads per layer (checks list lengths)
-     ... other keys: how it was made (target, margin, grid, captures ...), kept as `meta`,
+     ... other keys: how it was made (target, margin, grid, captures ...), kept as `meta`;
+     the margin fields (`margin`, `margin_spread`, `prompts`, `head_margins`) are checked
+     (`check_margin_fields`),
      "layers": {"0": SPEC, "5": SPEC, ...}}  # layers absent here run SDPA (full attention)
 
 where a layer SPEC is one of
@@ -29,6 +31,7 @@ the method, layer indices, each spec's form, `dense_heads`, list lengths against
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -185,8 +188,67 @@ def parse_config(data: object, *, source: str = "config", method: str | None = N
             raise ValueError(f"{source}: layers[{key!r}]: a layer index must be an int >= 0")
         check_layer_spec(name, spec, q_heads=q_heads, where=f"{source}: layers[{key!r}]")
         layers[layer] = spec
+    check_margin_fields(data, layers, q_heads=q_heads, source=source)
     meta = {k: v for k, v in data.items() if k not in ("format", "method", "layers")}
     return CalibratedConfig(method=name, layers=dict(sorted(layers.items())), meta=meta)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_margin_fields(data: Mapping[str, Any], layers: Mapping[int, LayerSpec], *, q_heads: int | None = None,
+                        source: str = "config") -> None:
+    """Check how a config's margins were made (the fields are optional; see `sparseprefill.margins`):
+
+    * `margin`: the global margin, or the floor of the per-head ones: a number in [0, 1);
+    * `margin_spread`: C of the per-head margin max(margin, C x spread across kinds): a number >= 0;
+    * `prompts`: the calibration prompts, `[{"kind": str, "source": str, "capture": str}, ...]`;
+    * `head_margins`: `{layer: [margin or null per query head]}`, the margin each head was
+      calibrated with (null: a dense head), for layers of `layers` only, each within [0, 1].
+
+    Raises:
+        ValueError: a field of another form, naming `source` and the field.
+    """
+    margin = data.get("margin")
+    if margin is not None and not (_number(margin) and 0 <= margin < 1):
+        raise ValueError(f"{source}: margin: expected a number in [0, 1), got {margin!r}")
+    spread = data.get("margin_spread")
+    if spread is not None and not (_number(spread) and spread >= 0):
+        raise ValueError(f"{source}: margin_spread: expected a number >= 0, got {spread!r}")
+    prompts = data.get("prompts")
+    if prompts is not None:
+        if not isinstance(prompts, list):
+            raise ValueError(f"{source}: prompts: expected a list of {{kind, source}} objects, got "
+                             f"{type(prompts).__name__}")
+        for i, prompt in enumerate(prompts):
+            if (not isinstance(prompt, dict) or not isinstance(prompt.get("kind"), str)
+                    or not isinstance(prompt.get("source"), str)
+                    or not isinstance(prompt.get("capture", ""), str)):
+                raise ValueError(f"{source}: prompts[{i}]: expected {{\"kind\": str, \"source\": str, "
+                                 f"\"capture\": str}}, got {prompt!r}")
+    margins = data.get("head_margins")
+    if margins is None:
+        return
+    if not isinstance(margins, dict):
+        raise ValueError(f"{source}: head_margins: expected an object {{layer index: per-head list}}, got "
+                         f"{type(margins).__name__}")
+    for key, values in margins.items():
+        where = f"{source}: head_margins[{key!r}]"
+        layer = int(key) if isinstance(key, str) and key.strip().isdigit() else -1
+        if layer not in layers:
+            raise ValueError(f"{where}: not a configured layer ({sorted(layers)})")
+        if not isinstance(values, list) or (q_heads is not None and len(values) != q_heads):
+            raise ValueError(f"{where}: expected a list of one margin (or null) per query head"
+                             + (f" ({q_heads})" if q_heads is not None else ""))
+        dense = set(dense_heads_of(layers[layer], len(values)))
+        for h, value in enumerate(values):
+            if value is None:
+                continue
+            if not (_number(value) and 0 <= value <= 1):
+                raise ValueError(f"{where}[{h}]: expected a number in [0, 1] or null, got {value!r}")
+            if h in dense:
+                raise ValueError(f"{where}[{h}]: head {h} runs dense: its margin must be null")
 
 
 def read_config(path: str | os.PathLike[str], *, method: str | None = None) -> CalibratedConfig:
@@ -260,6 +322,7 @@ __all__ = [
     "CalibratedConfig",
     "LayerSpec",
     "check_layer_spec",
+    "check_margin_fields",
     "config_payload",
     "dense_heads_of",
     "layer_specs",
