@@ -57,9 +57,9 @@ from ..reference.delta_xattention import (
     dense_query_heads as delta_xattention_dense_heads,
 )
 from ..reference.dense_fallback import (
+    HeadCosts,
     RatePoint,
     RateTable,
-    HeadCosts,
     dense_fallback,
     packed_head_costs,
     plan_costs,

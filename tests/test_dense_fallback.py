@@ -307,9 +307,8 @@ def test_switch_turns_the_rule_off() -> None:
     with pytest.raises(TypeError, match="enabled"):
         with dense_fallback(1):  # type: ignore[arg-type]
             pass
-    with pytest.raises(TypeError, match="early_exit"):
-        with dense_fallback(early_exit=1):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(TypeError, match="early_exit"), dense_fallback(early_exit=1):  # type: ignore[arg-type]
+        pass
 
 
 def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
