@@ -301,7 +301,7 @@ def _versions() -> tuple[str, str]:
 
 
 def cache_path(device: torch.device) -> Path:
-    """Where `sparseprefill tune rates` writes (and the rule reads) the rates of `device`."""
+    """Where `sparseprefill rates` writes (and the rule reads) the rates of `device`."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return cache_dir() / cache_key(name, *_versions())
 
@@ -328,7 +328,7 @@ def device_rates(device: torch.device) -> RateTable:
 
 
 def forget_cached_rates() -> None:
-    """Drop the tables read so far (after `sparseprefill tune rates` wrote a new one)."""
+    """Drop the tables read so far (after `sparseprefill rates` wrote a new one)."""
     with _LOCK:
         _LOADED.clear()
 
