@@ -166,8 +166,8 @@ def sdpa_is_faster(q: torch.Tensor, *, seqlen: int, block_m: int) -> bool:
     """Whether one torch SDPA call over every head is the dense path for `q` (a whole prompt
     of `seqlen` queries, the kernel's query block `block_m`): q on a CUDA device and SDPA
     the faster dense path of the rates in force (the rule's table, else the device's)."""
-    if not q.is_cuda:
-        return False
+    if not isinstance(q, torch.Tensor) or not q.is_cuda or q.dim() != 4:
+        return False  # bad inputs fall through to the launcher's checks
     from ..reference.dense_fallback import device_rates
 
     rates = active_rates(q) or device_rates(q.device)
