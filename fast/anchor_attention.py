@@ -56,14 +56,14 @@ from ..reference.attention import AttentionState
 from ..reference.dense_fallback import (
     break_even_heads,
     early_dense_heads,
+    early_exit_enabled,
     heads_view,
     knob_heads,
     probe_gap_density,
 )
 from ..reference.plan import BlockColumnPlan, cdiv
-from .attention import dense_heads_attention, dense_heads_into, sdpa_serves
+from .attention import dense_heads_into
 from .capture import static_widths_active
-from .dense import dense_plan
 from .dense_fallback import active_rates, plan_with_fallback
 from .kernels import (
     block_column_attention,
@@ -224,15 +224,6 @@ def _theta_vector(theta: float | torch.Tensor, heads: int, device: torch.device)
     return torch.full((heads,), float(theta), dtype=torch.float64, device=device)
 
 
-def _dense_lists_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, like: BlockColumnPlan,
-                        heads: tuple[int, ...], out: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """`out` with `heads` replaced by full causal attention through our kernel (no SDPA here)."""
-    full = dense_plan(q, k, block_m=like.block_m, block_n=like.block_n)
-    res, _ = block_column_attention(q, k, v, full, scale=sm_scale, validate_plan=False)
-    idx = torch.tensor(heads, device=q.device)
-    return out.index_copy(1, idx, res.index_select(1, idx))
-
-
 def stripe_plan_nbytes(batch: int, heads: int, seqlen: int, *, step: int, block_m: int, width: int) -> int:
     """Bytes of the stripe part of a plan: per-query-block counts and per-group lists."""
     qb = cdiv(seqlen, block_m)
@@ -281,13 +272,14 @@ def anchor_attention(
 
     rates = active_rates(q)
     exited: tuple[int, ...] = ()
-    if rates is not None:
+    layer = heads == shape.q_heads  # one head group: the one-call SDPA option is open
+    if rates is not None and early_exit_enabled():
         # Early exit: heads whose last rows keep most keys within theta skip the stripe pass.
         exited = early_dense_heads(probe_gap_density(q, k, theta=_theta_vector(theta, shape.q_heads, q.device),
                                                      scale=sm_scale),
                                    seqlen=n, block_m=block_m, head_dim=shape.head_dim, dtype=q.dtype, rates=rates)
         if len(exited) == shape.q_heads:
-            return dense_heads_into(q, k, v, exited, None, scale=sm_scale, block_m=block_m)
+            return dense_heads_into(q, k, v, exited, None, scale=sm_scale)
 
     def run(h0: int, h1: int) -> torch.Tensor:
         kv0, kv1 = h0 // g, (h1 - 1) // g + 1
@@ -305,11 +297,14 @@ def anchor_attention(
         dense: tuple[int, ...] = ()
         if rates is not None:
             # The break-even rule on the group's whole plan (anchor blocks and stripes), as
-            # `anchor_attention_plan` decides it; the early-exited heads join it.
+            # `anchor_attention_plan` decides it; the early-exited heads count as marked.
             whole = _plans(b, h1 - h0, n, step=step, block_m=block_m, block_n=block_n, counts=counts,
                            index=index, device=q.device, with_blocks=True)
-            ruled = set(break_even_heads(whole, head_dim=shape.head_dim, dtype=q.dtype, rates=rates))
-            dense = tuple(sorted(ruled | {h - h0 for h in exited if h0 <= h < h1}))
+            whole = whole.with_dense_heads([h - h0 for h in exited if h0 <= h < h1])
+            dense = break_even_heads(whole, head_dim=shape.head_dim, dtype=q.dtype, rates=rates, layer=layer)
+            if len(dense) == h1 - h0:
+                # Every head dense: no stripe pass (one SDPA call where the group is the layer).
+                return dense_heads_into(qs, ks, vs, dense, None, scale=sm_scale, layer=layer)
             if dense:
                 stripes = stripes.without_heads(dense)
         # Key blocks a group's stripes hold whole run as blocks (dense rate), not as
@@ -320,10 +315,9 @@ def anchor_attention(
             stripes = stripes.with_full_blocks()
         out, _ = block_column_attention(qs, ks, vs, stripes, scale=sm_scale, state=state,
                                         validate_plan=False)  # Alg. 3
-        if dense:
-            out = dense_heads_attention(qs, ks, vs, dense, out, scale=sm_scale) if sdpa_serves(qs, stripes) \
-                else _dense_lists_output(qs, ks, vs, stripes, dense, out, sm_scale)
-        return out
+        # Some heads dense: our kernel from scratch on those heads alone (their anchor pass
+        # is dropped), never SDPA on part of the layer.
+        return dense_heads_into(qs, ks, vs, dense, out, scale=sm_scale, layer=False)
 
     if heads == shape.q_heads:
         return run(0, shape.q_heads)

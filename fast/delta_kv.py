@@ -9,10 +9,11 @@ phase 2 resumes from its state over the original keys of the critical diagonal.
 
 `delta_kv` decides on the measured keep ratio before packing (the break-even rule,
 `reference.dense_fallback.keep_dense_kv_heads`, through `fast.dense_fallback`): a KV
-head that keeps too many keys for packed attention to beat dense keeps only its first
-key in the packing (its segment is one anchor), its query heads list nothing in either
-phase, and they run full causal attention through torch SDPA (or our kernel where SDPA
-is not the faster dense path).
+head that keeps too many keys for packed attention to beat our kernel's dense keeps only
+its first key in the packing (its segment is one anchor), its query heads list nothing in
+either phase, and they run full causal attention through our kernel; where one SDPA call
+over the whole layer beats the heads' best options summed, every head runs in that call
+and nothing is packed (`fast.attention.dense_heads_into`).
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ def _two_phases(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packe
     plan2 = _phase2_plan(diagonal, width.get())
     k2, v2 = (k, v) if exact_diagonal else expand_packed(packed)
     out, _ = block_column_attention(q, k2, v2, plan2, scale=scale, state=state, validate_plan=False)
-    return dense_heads_into(q, k, v, dense, out, scale=scale, block_m=bm)
+    return dense_heads_into(q, k, v, dense, out, scale=scale)
 
 
 def delta_kv(
@@ -310,10 +311,10 @@ def delta_kv(
 
     The break-even rule (`reference.dense_fallback.keep_dense_kv_heads`): a KV head
     whose keep ratio (batch rows together) is at or above the ratio where packed
-    attention stops beating dense is not packed (its segment keeps one anchor) and its
-    query heads run full causal attention through torch SDPA (or our kernel where SDPA
-    is not the faster dense path); every other head gets exactly the output it gets
-    without the rule. Off: `SPARSEPREFILL_DENSE_FALLBACK=0` or
+    attention stops beating our kernel's dense is not packed (its segment keeps one
+    anchor) and its query heads run full causal attention through our kernel; every
+    other head gets exactly the output it gets without the rule. Where one SDPA call over
+    the layer beats the heads' best options summed, every head runs in it. Off: `SPARSEPREFILL_DENSE_FALLBACK=0` or
     `fast.dense_fallback.dense_fallback(False)`.
 
     Raises:
@@ -334,7 +335,7 @@ def delta_kv(
     dense = dense_query_heads(q, chunk_counts.view(shape.batch, shape.kv_heads, -1).sum(dim=-1),
                               seqlen=shape.seqlen, block_m=bm, block_n=bn, rates=active_rates(q))
     if len(dense) == shape.q_heads:
-        return dense_heads_into(q, k, v, dense, None, scale=scale, block_m=bm)
+        return dense_heads_into(q, k, v, dense, None, scale=scale)
     if dense:
         keep, chunk_counts = first_key_only(keep, chunk_counts, sorted({h // shape.group for h in dense}))
     packed = pack(k, v, keep, chunk_counts, chunk=size, block=bn).mark_valid()

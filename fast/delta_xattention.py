@@ -388,9 +388,10 @@ def delta_xattention(
 
     The break-even rule (on by default on CUDA; `reference.delta_xattention.dense_query_heads`)
     decides on the tiles and the keep mask, before packing: a query head whose two
-    launches would not beat dense lists nothing in either launch and runs full causal
-    attention through torch SDPA (or our kernel where SDPA is not the faster dense path);
-    a KV head whose query heads all run dense is not packed (one anchor a tile). Host
+    launches would not beat our kernel's dense lists nothing in either launch and runs
+    full causal attention through our kernel; where one SDPA call over the layer beats the
+    heads' best options summed, every head runs in it (nothing packed); a KV head whose
+    query heads all run dense is not packed (one anchor a tile). Host
     reads: the packed buffer's size, the packed plan's width, whether any tile is packed;
     with the rule on, one more (the `[Hq]` flags).
 
@@ -419,12 +420,12 @@ def delta_xattention(
     dense = dense_query_heads(q, modes, counts.view(shape.batch, shape.kv_heads, tiles), block=bs,
                               packed_block=pb, rates=active_rates(q))
     if len(dense) == shape.q_heads:
-        return dense_heads_into(q, k, v, dense, None, scale=scale, block_m=bs)
+        return dense_heads_into(q, k, v, dense, None, scale=scale)
     if dense:
         modes, keep, counts = _without_heads(modes, keep, counts, dense, batch=shape.batch, kv_heads=shape.kv_heads)
     packing = _tile_pack(k, v, keep, counts, block=bs, packed_block=pb)
     out = _two_launches(q, k, v, modes, packing, count_weighted=count_weighted, scale=scale)
-    return dense_heads_into(q, k, v, dense, out, scale=scale, block_m=bs)
+    return dense_heads_into(q, k, v, dense, out, scale=scale)
 
 
 def _without_heads(modes: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor, dense: tuple[int, ...], *,

@@ -18,6 +18,7 @@ from ..reference.dense_fallback import (
     RatePoint,
     RateTable,
     dense_fallback,
+    early_exit_enabled,
     probe_gap_density,
     probe_mass_density,
 )
@@ -25,7 +26,7 @@ from ..reference.plan import BlockColumnPlan
 from .capture import static_widths_active
 
 __all__ = ["DEFAULT_TABLE", "RatePoint", "RateTable", "active_rates", "apply_rule", "dense_fallback",
-           "plan_with_fallback", "probe_gap_density", "probe_mass_density"]
+           "early_exit_enabled", "plan_with_fallback", "probe_gap_density", "probe_mass_density"]
 
 
 def active_rates(t: torch.Tensor) -> RateTable | None:
@@ -35,10 +36,11 @@ def active_rates(t: torch.Tensor) -> RateTable | None:
     return spec.active_rates(t)
 
 
-def apply_rule(plan: BlockColumnPlan, q: torch.Tensor) -> BlockColumnPlan:
-    """`reference.dense_fallback.apply_rule` with `active_rates` (the plan unchanged when off)."""
+def apply_rule(plan: BlockColumnPlan, q: torch.Tensor, *, layer: bool = True) -> BlockColumnPlan:
+    """`reference.dense_fallback.apply_rule` with `active_rates` (the plan unchanged when off);
+    `layer` False for a plan of a head group (no one-call SDPA option)."""
     rates = active_rates(q)
-    return plan if rates is None else spec.apply_rule(plan, q, rates=rates)
+    return plan if rates is None else spec.apply_rule(plan, q, rates=rates, layer=layer)
 
 
 def plan_with_fallback(

@@ -226,8 +226,10 @@ def vertical_slash(
             block_width=max(widths[h0:h1]), seqlen=n, block_m=block_m, block_n=block_n))
         # A group is whole KV heads, or query heads of one KV head.
         kv0, kv1 = h0 // g, (h1 - 1) // g + 1
-        plan = apply_rule(plan, q[:, h0:h1])
-        return run_plan(q[:, h0:h1], k[:, kv0:kv1], v[:, kv0:kv1], plan, scale=scale)
+        # A group of part of the layer: no SDPA call on it (its rate is not measured).
+        layer = h1 - h0 == shape.q_heads
+        plan = apply_rule(plan, q[:, h0:h1], layer=layer)
+        return run_plan(q[:, h0:h1], k[:, kv0:kv1], v[:, kv0:kv1], plan, scale=scale, layer=layer)
 
     if step == shape.q_heads:
         return run(0, shape.q_heads)

@@ -165,8 +165,9 @@ def select_plan(weights: torch.Tensor, tau: float | torch.Tensor, *, seqlen: int
 
 def _xattention_plan(q: torch.Tensor, k: torch.Tensor, *, stride: int, tau: torch.Tensor, block: int, scoring: str,
                      sm_scale: float) -> BlockColumnPlan:
-    """The tile plan, with the early exit (a head whose last rows need most tiles for its
-    threshold's mass is not scored) and the break-even rule (`fast.dense_fallback`)."""
+    """The tile plan, with the break-even rule and, where it is on (off by default), the
+    early exit (a head whose last rows need most tiles for its threshold's mass is not
+    scored) (`fast.dense_fallback`)."""
     def estimate(heads: list[int] | None) -> BlockColumnPlan:
         qs, ks = heads_view(q, k, heads)
         weights = _tile_weights(qs, ks, stride=stride, block=block, scoring=scoring, sm_scale=sm_scale)

@@ -649,9 +649,8 @@ def delta_kv(
 
     Where the break-even rule is on (`reference.dense_fallback`: CUDA tensors by default,
     any device inside `dense_fallback(rates=table)`), it decides on the keep mask, before
-    packing: the query heads of a KV head whose keep ratio (batch rows together) is at or
-    above `keep_dense_kv_heads`'s break-even get full causal attention instead (every
-    other head the output it gets without the rule).
+    packing: the query heads of the KV heads `keep_dense_kv_heads` picks get full causal
+    attention instead (every other head the output it gets without the rule).
 
     Args:
         q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]`.
@@ -690,8 +689,9 @@ def delta_kv(
 def dense_query_heads(q: torch.Tensor, kept: torch.Tensor, *, seqlen: int, block_m: int, block_n: int,
                       rates: RateTable | None) -> tuple[int, ...]:
     """The query heads the break-even rule sends dense on a Delta-KV keep mask: the query
-    heads of the KV heads whose keep ratio is at or above `keep_dense_kv_heads`'s
-    break-even, or () when the rule is off (`rates` None). Both packages call it.
+    heads of the KV heads `keep_dense_kv_heads` picks (every head where one SDPA call over
+    the layer wins, else those at or above the break-even keep ratio), or () when the rule
+    is off (`rates` None). Both packages call it.
 
     Args:
         q: `[B, Hq, N, D]` (its dtype and head dim choose the rates).
@@ -704,8 +704,8 @@ def dense_query_heads(q: torch.Tensor, kept: torch.Tensor, *, seqlen: int, block
     """
     if rates is None:
         return ()
-    kv = keep_dense_kv_heads(kept, seqlen=seqlen, block_m=block_m, block_n=block_n, head_dim=int(q.shape[-1]),
-                             dtype=q.dtype, rates=rates)
+    kv = keep_dense_kv_heads(kept, q_heads=int(q.shape[1]), seqlen=seqlen, block_m=block_m, block_n=block_n,
+                             head_dim=int(q.shape[-1]), dtype=q.dtype, rates=rates)
     return query_heads_of(kv, int(q.shape[1]), int(kept.shape[1]))
 
 

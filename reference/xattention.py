@@ -319,8 +319,8 @@ def xattention_plan(
     Returns:
         A `BlockColumnPlan` without columns, per batch row and query head; where the
         break-even rule is on (`reference.dense_fallback`), the heads it sends dense are
-        in `dense_heads`, a head whose last rows already need most tiles for its
-        threshold (the early exit) unscored.
+        in `dense_heads`; where the early exit is on too (off by default), a head whose
+        last rows already need most tiles for its threshold is left unscored.
 
     Raises:
         TypeError, ValueError: bad inputs or parameters.

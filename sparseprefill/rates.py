@@ -10,14 +10,20 @@ rule uses the default table shipped with the package (an H200).
 What is measured, per head dim, dtype, query tile (128 and 64 rows) and length (B = 1,
 `--q-heads` / `--kv-heads`), each with `triton.testing.do_bench` (median) on random data:
 
-* `sdpa_ps`: torch SDPA, causal, GQA through `enable_gqa` (the call the dense heads take);
-* `dense_ps`: our kernel on the dense plan;
+* `sdpa_ps`: ONE torch SDPA call over every head, causal, GQA through `enable_gqa` (the
+  call the rule offers when a whole layer goes dense; no call on a subset of heads is
+  made, so none is measured);
+* `dense_ps`: our kernel on the dense plan (what a head whose lists are written full costs
+  in a launch with the sparse heads);
 * `block_ps`, `program_us`: our kernel on two random block plans (about 5% and 20% of the
-  causal blocks, the diagonal always kept): the slope and intercept of time against kept
-  pairs, the intercept over the programs (query tiles) of the launch;
-* `columns_ps`: our kernel on a column plan (random key columns shared by every query
-  block of a head, the diagonal block listed), its time less the programs' fixed cost,
-  over its kept pairs;
+  causal blocks, the diagonal always kept): the slope and intercept of time against the
+  pairs the rule counts (`reference.dense_fallback.plan_pairs`), the intercept over the
+  programs (query tiles) of the launch;
+* `columns_ps`: our kernel on a column plan (2% random key columns shared by every query
+  block of a head, the diagonal block listed), its time less the programs' fixed cost
+  and the block pairs' time, over its column pairs as the rule counts them (so the
+  column path's own fixed cost lands in it: at 8K, where the plan holds few columns,
+  that makes it several times the block rate);
 * `ragged_ps`: not measured (the packed-key launcher needs a packing); taken as
   `dense_ps / 0.83`, the ratio measured for Delta-KV's phase 1 (docs/plan-and-kernels.md).
 
@@ -99,7 +105,7 @@ def measure_point(n: int, d: int, dtype: torch.dtype, tile: int, *, q_heads: int
 
     from . import fast
     from .fast.kernels import block_column_attention
-    from .reference.dense_fallback import kept_pairs
+    from .reference.dense_fallback import plan_pairs
     from .reference.plan import cdiv
 
     def ms(fn: Any) -> float:
@@ -118,14 +124,14 @@ def measure_point(n: int, d: int, dtype: torch.dtype, tile: int, *, q_heads: int
     pts = []
     for share in (0.05, 0.2):
         plan = _random_block_plan(1, q_heads, n, tile, share, device)
-        pairs = float(kept_pairs(plan)[0].sum())
+        pairs = float(plan_pairs(plan)[0].sum())
         pts.append((pairs, ms(lambda plan=plan: block_column_attention(q, k, v, plan, validate_plan=False))))
         del plan
     (p0, t0), (p1, t1) = pts
     slope = (t1 - t0) / (p1 - p0)
     program_ms = max(0.0, t0 - slope * p0) / programs
     cols = _column_plan(1, q_heads, n, tile, 0.02, device)
-    block, column = kept_pairs(cols)
+    block, column = plan_pairs(cols)
     cols_ms = ms(lambda: block_column_attention(q, k, v, cols, validate_plan=False))
     col_time = cols_ms - programs * program_ms - float(block.sum()) * slope
     columns_ps = max(slope, col_time / max(1.0, float(column.sum()))) * 1e9

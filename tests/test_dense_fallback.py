@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sparseprefill import fast, reference
-from sparseprefill.fast.attention import dense_heads_attention
+from sparseprefill.fast.attention import dense_heads_into
 from sparseprefill.reference import dense_fallback as rule
 from sparseprefill.reference.dense_fallback import RatePoint, RateTable, dense_fallback
 from sparseprefill.reference.plan import BlockColumnPlan, stack_plans
@@ -33,12 +33,35 @@ def qkv(seed: int = 0, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor
     return q, k, v
 
 
-def table(ratio: float = 0.6, program_us: float = 0.0) -> RateTable:
-    """Block pairs cost 1 ps, dense pairs `ratio` ps: with no program cost a head runs dense
-    iff its kept share is >= ratio."""
-    pts = tuple(RatePoint(256, D, dt, tile, 1.0, 1.0, 1.0, program_us, ratio, 2.0)
+def table(ratio: float = 0.6, program_us: float = 0.0, sdpa: float = 0.0) -> RateTable:
+    """Block pairs cost 1 ps, dense pairs through our kernel `ratio` ps, through one SDPA call
+    over the layer `sdpa` ps (0: no SDPA rate): with no program cost a head runs dense iff
+    its kept share is >= ratio, and the layer goes to SDPA iff the mean over the heads of
+    min(share, ratio) is >= sdpa."""
+    pts = tuple(RatePoint(256, D, dt, tile, 1.0, 1.0, 1.0, program_us, sdpa, ratio)
                 for dt in ("float16", "bfloat16") for tile in (16, 32, 64, 128))
     return RateTable("toy", "tests", pts)
+
+
+class SdpaSpy:
+    """Records the query heads of every torch SDPA call (and forwards it)."""
+
+    def __init__(self) -> None:
+        self.heads: list[int] = []
+        self.real = torch.nn.functional.scaled_dot_product_attention
+
+    def __call__(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.heads.append(int(q.shape[1]))
+        return self.real(q, *args, **kwargs)
+
+
+def force_sdpa(monkeypatch: pytest.MonkeyPatch) -> SdpaSpy:
+    """SDPA taken as the faster dense path on the CPU (the branch CUDA takes), every call seen."""
+    spy = SdpaSpy()
+    monkeypatch.setattr(importlib.import_module("sparseprefill.fast.attention"), "sdpa_is_faster",
+                        lambda *a, **kw: True)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return spy
 
 
 def streaming(q: torch.Tensor, k: torch.Tensor) -> BlockColumnPlan:
@@ -116,16 +139,41 @@ def test_launcher_reads_a_marked_plan_as_its_lists() -> None:
 
 
 @pytest.mark.parametrize("heads", [(0, 1, 2, 3), (1,), (0, 1), (1, 3), (0, 2, 3)])
-def test_dense_heads_attention_groups_by_kv_head(heads: tuple[int, ...]) -> None:
-    q, k, v = qkv(dtype=torch.float32)
-    out = torch.full_like(q, math.nan)
-    dense_heads_attention(q, k, v, heads, out)
-    want = reference.attention(q, k, v)
-    for h in range(HQ):
-        if h in heads:
-            assert torch.allclose(out[:, h], want[:, h], atol=1e-5)
-        else:
-            assert bool(out[:, h].isnan().all())
+def test_dense_heads_into_never_calls_sdpa_on_part_of_the_layer(heads: tuple[int, ...],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some heads: our kernel, the others untouched; every head of the layer: one SDPA call
+    over all of them (a head group, `layer=False`: our kernel)."""
+    spy = force_sdpa(monkeypatch)
+    q, k, v = qkv()
+    want = reference.attention(q.float(), k.float(), v.float())
+    for layer in (True, False):
+        out = torch.full_like(q, math.nan)
+        dense_heads_into(q, k, v, heads, out, layer=layer)
+        for h in range(HQ):
+            if h in heads:
+                assert float((out[:, h].float() - want[:, h]).abs().max()) < 2e-3
+            else:
+                assert bool(out[:, h].isnan().all())
+    assert spy.heads == ([HQ] if len(heads) == HQ else [])
+
+
+def test_a_fully_marked_plan_runs_as_one_sdpa_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fast.sparse_attention` / `run_plan`: every head marked: one SDPA call over every head;
+    some heads marked: one kernel launch (no SDPA call), the marked heads dense."""
+    from sparseprefill.fast.attention import run_plan
+
+    spy = force_sdpa(monkeypatch)
+    q, k, v = qkv()
+    plan = streaming(q, k)
+    want = reference.attention(q.float(), k.float(), v.float())
+    out = fast.sparse_attention(q, k, v, plan.with_dense_heads(range(HQ)))
+    assert spy.heads == [HQ] and float((out.float() - want).abs().max()) < 2e-3
+    part = fast.sparse_attention(q, k, v, plan.with_dense_heads([0, 3]))
+    assert spy.heads == [HQ]
+    ref = reference.sparse_attention(q.float(), k.float(), v.float(), plan.with_dense_heads([0, 3]))
+    assert float((part.float() - ref).abs().max()) < 2e-3
+    run_plan(q, k, v, plan.with_dense_heads(range(HQ)), layer=False)  # a head group: no SDPA call
+    assert spy.heads == [HQ]
 
 
 def test_varlen_attention_honours_marked_heads() -> None:
@@ -170,6 +218,54 @@ def test_program_cost_makes_short_lists_lose() -> None:
     assert rule.break_even_heads(plan, head_dim=D, dtype=q.dtype, rates=heavy) == tuple(range(HQ))
 
 
+def test_the_layer_goes_to_one_sdpa_call_when_the_heads_best_options_cost_more() -> None:
+    """Every head dense iff the heads' best options summed (sparse, or our kernel's dense)
+    are not below one SDPA call over the layer; never for a head group (`layer=False`) or
+    without an SDPA rate; a marked head is priced dense."""
+    q, k, _ = qkv()
+    plan = reference.xattention_plan(q, k, block=32, threshold=[0.5, 0.6, 0.95, 0.99])
+    dens = (reference.density(plan).sum(0) / B).tolist()
+    for ours in (0.6, 2.0):
+        best = sum(min(x, ours) for x in dens) / HQ
+        by_ours = tuple(h for h in range(HQ) if dens[h] >= ours)
+        for sdpa, want in ((best * 0.999, tuple(range(HQ))), (best * 1.001, by_ours)):
+            tab = table(ours, sdpa=sdpa)
+            assert rule.break_even_heads(plan, head_dim=D, dtype=q.dtype, rates=tab) == want
+            assert rule.break_even_heads(plan, head_dim=D, dtype=q.dtype, rates=tab, layer=False) == by_ours
+    assert rule.break_even_heads(plan, head_dim=D, dtype=q.dtype, rates=table(2.0)) == ()  # no SDPA rate
+    # A head already marked (its lists say 0 pairs) costs our kernel's dense in the layer's sum.
+    empty = plan.without_heads([0]).with_dense_heads([0])
+    best = (2.0 + sum(dens[1:])) / HQ
+    assert rule.break_even_heads(empty, head_dim=D, dtype=q.dtype, rates=table(2.0, sdpa=best * 0.999)) == \
+        tuple(range(HQ))
+    assert rule.break_even_heads(empty, head_dim=D, dtype=q.dtype, rates=table(2.0, sdpa=best * 1.001)) == (0,)
+
+
+def test_plan_pairs_counts_from_the_counts() -> None:
+    """Blocks exact (the trim of the last listed blocks), disjoint or not; columns bounded by
+    `block_m (block_m - 1) / 2` pairs per query block above the exact count; equal plans
+    from the two packages count alike."""
+    g = torch.Generator().manual_seed(5)
+    for bm, bn, p in ((32, 16, 0), (16, 32, 7), (32, 32, 45), (64, 16, 13)):
+        qb, kb = math.ceil(N / bm), math.ceil((N + p) / bn)
+        last = torch.clamp(torch.arange(qb) * bm + bm, max=N) - 1 + p
+        blocks = (torch.rand(B, HQ, qb, kb, generator=g) < 0.4) & (torch.arange(kb)[None, :] * bn <= last[:, None])
+        cols = (torch.rand(B, HQ, qb, N + p, generator=g) < 0.05) & (torch.arange(N + p)[None, :] <= last[:, None])
+        plan = BlockColumnPlan.from_masks(blocks, cols, seqlen=N, block_m=bm, block_n=bn, query_offset=p)
+        for form in (plan, plan.with_disjoint_columns()):
+            block, column = rule.plan_pairs(form)
+            exact_block, exact_column = rule.kept_pairs(form)
+            assert torch.equal(block, exact_block)
+            assert bool((column >= exact_column).all())
+            assert bool((column - exact_column <= qb * bm * (bm - 1) // 2).all())
+        assert torch.equal(rule.plan_pairs(plan)[1], rule.plan_pairs(plan.with_disjoint_columns())[1])
+    q, k, _ = qkv()
+    params = {"block_m": 32, "block_n": 32, "last_q": 16, "vertical_size": 8, "slash_size": 24}
+    ref, got = reference.vertical_slash_plan(q, k, **params), fast.vertical_slash_plan(q, k, **params)
+    assert not ref.columns_disjoint and got.columns_disjoint and ref.equal(got)
+    assert all(torch.equal(a, b) for a, b in zip(rule.plan_pairs(ref), rule.plan_pairs(got)))
+
+
 @pytest.mark.parametrize("method, params", [
     ("xattention", {"block": 32, "threshold": [0.5, 0.6, 0.95, 0.99]}),
     ("dpxa", {"block": 32, "threshold": [0.5, 0.6, 0.95, 0.99]}),
@@ -180,17 +276,22 @@ def test_program_cost_makes_short_lists_lose() -> None:
 ])
 def test_packages_agree_with_the_rule(method: str, params: dict[str, object]) -> None:
     """The property conformance needs: given one table, reference and fast mark the same heads,
-    their plans are `equal`, and fast's output is the reference's attention of its plan."""
+    their plans are `equal`, and fast's output is the reference's attention of its plan
+    (some heads dense through our kernel; every head dense through the layer's SDPA call)."""
     q, k, v = qkv()
-    with dense_fallback(rates=table(0.6)):
-        ref = getattr(reference, f"{method}_plan")(q, k, **params)
-        got = getattr(fast, f"{method}_plan")(q, k, **params)
-        assert ref.dense_heads == got.dense_heads
-        assert ref.equal(got)
-        out = getattr(fast, method)(q, k, v, **params)
-        want = reference.sparse_attention(q, k, v, ref)
-        assert (out.float() - want.float()).abs().max() < 4e-3
-        assert (getattr(reference, method)(q, k, v, **params).float() - want.float()).abs().max() == 0
+    marks = set()
+    for tab in (table(0.9), table(2.0, sdpa=0.01)):
+        with dense_fallback(rates=tab):
+            ref = getattr(reference, f"{method}_plan")(q, k, **params)
+            got = getattr(fast, f"{method}_plan")(q, k, **params)
+            assert ref.dense_heads == got.dense_heads
+            assert ref.equal(got)
+            out = getattr(fast, method)(q, k, v, **params)
+            want = reference.sparse_attention(q, k, v, ref)
+            assert (out.float() - want.float()).abs().max() < 4e-3
+            assert (getattr(reference, method)(q, k, v, **params).float() - want.float()).abs().max() == 0
+            marks.add(len(ref.dense_heads))
+    assert HQ in marks  # the layer's SDPA table marks every head
 
 
 def test_switch_turns_the_rule_off() -> None:
@@ -206,6 +307,8 @@ def test_switch_turns_the_rule_off() -> None:
     with pytest.raises(TypeError, match="enabled"):
         with dense_fallback(1):  # type: ignore[arg-type]
             pass
+    with pytest.raises(TypeError, match="early_exit"), dense_fallback(early_exit=1):  # type: ignore[arg-type]
+        pass
 
 
 def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,6 +316,37 @@ def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rule.switched_off_by_env()
     monkeypatch.setenv(rule.ENV_SWITCH, "1")
     assert not rule.switched_off_by_env()
+
+
+def test_early_exit_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No probe runs unless `dense_fallback(early_exit=True)` or `SPARSEPREFILL_EARLY_EXIT=1`;
+    an inner block without `early_exit` keeps the outer setting."""
+    monkeypatch.delenv(rule.ENV_EARLY_EXIT, raising=False)
+    assert not rule.early_exit_enabled()
+    calls: list[int] = []
+    q, k, _ = qkv()
+
+    def probe() -> torch.Tensor:
+        calls.append(1)
+        return torch.ones(B, HQ, dtype=torch.float64)
+
+    def estimate(heads: list[int] | None) -> BlockColumnPlan:
+        return streaming(q, k)
+
+    plan = rule.plan_with_fallback(q, k, estimate, rates=table(0.6), block_m=16, block_n=16, probe=probe)
+    assert calls == [] and plan.dense_heads == ()
+    with dense_fallback(rates=table(0.6), early_exit=True):
+        assert rule.early_exit_enabled()
+        with dense_fallback(rates=table(0.6)):
+            assert rule.early_exit_enabled()
+        with dense_fallback(False, early_exit=False):
+            assert not rule.early_exit_enabled()
+        plan = rule.plan_with_fallback(q, k, estimate, rates=table(0.6), block_m=16, block_n=16, probe=probe)
+    assert calls == [1] and plan.dense_heads == tuple(range(HQ))
+    monkeypatch.setenv(rule.ENV_EARLY_EXIT, "1")
+    assert rule.early_exit_enabled()
+    with dense_fallback(early_exit=False):
+        assert not rule.early_exit_enabled()
 
 
 # -- the early exit ----------------------------------------------------------------------
@@ -240,7 +374,7 @@ def test_early_exit_is_exact(impl: Any, monkeypatch: pytest.MonkeyPatch) -> None
         return real(q_, k_, heads)
 
     monkeypatch.setattr(importlib.import_module(f"{impl.__name__}.xattention"), "heads_view", spy)
-    with dense_fallback(rates=tab):
+    with dense_fallback(rates=tab, early_exit=True):
         after = plan_fn(q, k, **params)
     assert set(exits) <= set(after.dense_heads)
     g = HQ // HKV
@@ -259,7 +393,7 @@ def test_early_exit_is_exact(impl: Any, monkeypatch: pytest.MonkeyPatch) -> None
 ])
 def test_every_head_exiting_skips_the_estimate(method: str, params: dict[str, Any]) -> None:
     q, k, v = qkv()
-    with dense_fallback(rates=table(0.01)):
+    with dense_fallback(rates=table(0.01), early_exit=True):
         plan = getattr(reference, f"{method}_plan")(q, k, **params)
         assert plan.dense_heads == tuple(range(HQ))
         assert int(plan.block_count.sum()) == 0
@@ -300,9 +434,17 @@ def test_keep_dense_kv_heads_compares_integers() -> None:
     assert 0 < ratio < 1
     at = math.ceil(ratio * B * N)  # the fewest anchors (batch rows summed) that go dense
     kept = torch.tensor([[at // 2, at // 2 - 1], [at - at // 2, at - at // 2]])
-    got = rule.keep_dense_kv_heads(kept, seqlen=N, block_m=16, block_n=16, head_dim=D, dtype="float16", rates=tab)
+    got = rule.keep_dense_kv_heads(kept, q_heads=HQ, seqlen=N, block_m=16, block_n=16, head_dim=D,
+                                   dtype="float16", rates=tab)
     assert got == (0,)
     assert rule.query_heads_of(got, HQ, HKV) == (0, 1)
+    # The layer's SDPA call: at the mean of the KV heads' best costs (per causal pair) exactly.
+    exact = 32 * N / (N * (N + 1) / 2)
+    best = [min(float(kept[:, j].sum()) / (B * N) + exact, 0.6) for j in range(HKV)]
+    mean = sum(best) / HKV
+    for sdpa, want in ((mean * 0.999, (0, 1)), (mean * 1.001, (0,))):
+        assert rule.keep_dense_kv_heads(kept, q_heads=HQ, seqlen=N, block_m=16, block_n=16, head_dim=D,
+                                        dtype="float16", rates=table(0.6, sdpa=sdpa)) == want
 
 
 @pytest.mark.parametrize("impl", [reference, fast])
@@ -331,19 +473,21 @@ def test_delta_kv_sends_uncompressed_kv_heads_dense(impl: Any, exact_diagonal: b
 
 
 @pytest.mark.parametrize("method", ["delta_kv", "delta_xattention"])
-def test_delta_dense_heads_through_sdpa(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The SDPA branch of `dense_heads_into` (taken on CUDA), forced on the CPU: some heads
-    dense (one call per KV group, written in place) and every head dense (one GQA call)."""
-    monkeypatch.setattr(importlib.import_module("sparseprefill.fast.attention"), "sdpa_is_faster",
-                        lambda *a, **kw: True)
+def test_delta_dense_heads_through_our_kernel_or_one_sdpa_call(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With SDPA the faster dense path (the branch CUDA takes, forced on the CPU): some heads
+    dense run through our kernel (no SDPA call), every head dense through the layer's one
+    SDPA call; the other heads keep their output without the rule."""
+    spy = force_sdpa(monkeypatch)
     q, k, v = delta_qkv()
     params = DELTA_KV if method == "delta_kv" else DXA
     with dense_fallback(False):
         before = getattr(fast, method)(q, k, v, **params)
     want = reference.attention(q, k, v)
-    for ratio, dense in ((0.6, (2, 3)), (0.01, (0, 1, 2, 3))):
-        with dense_fallback(rates=table(ratio)):
+    for tab, dense, calls in ((table(0.6), (2, 3), []), (table(2.0, sdpa=0.01), (0, 1, 2, 3), [HQ])):
+        spy.heads.clear()
+        with dense_fallback(rates=tab):
             after = getattr(fast, method)(q, k, v, **params)
+        assert spy.heads == calls
         for h in range(HQ):
             if h in dense:
                 assert float((after[:, h].float() - want[:, h].float()).abs().max()) < 2e-3
@@ -444,11 +588,14 @@ def test_conformance_property_passes_and_catches_a_package_off_its_rule(monkeypa
     spec = METHODS["xattention"]
     params = spec.call_params({"block": 32, "threshold": [0.5, 0.6, 0.95, 0.99]}, q)
     for where in conf.CUTOFFS:
-        conf.check_plan_marks(spec, q, k, v, params, where=where, index=1, sdpa=False)
+        for layer in conf.LAYERS:
+            conf.check_plan_marks(spec, q, k, v, params, where=where, index=1, layer=layer)
     monkeypatch.setattr(importlib.import_module("sparseprefill.fast.dense_fallback"), "active_rates",
                         lambda t: None)
     with pytest.raises(AssertionError, match="outside the band"):
-        conf.check_plan_marks(spec, q, k, v, params, where="between", index=0, sdpa=False)
+        conf.check_plan_marks(spec, q, k, v, params, where="between", index=0, layer="none")
+    with pytest.raises(AssertionError, match="dense in reference only"):
+        conf.check_plan_marks(spec, q, k, v, params, where="above", index=0, layer="below")
 
 
 def test_conformance_property_catches_delta_kv_off_its_marks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -458,21 +605,25 @@ def test_conformance_property_catches_delta_kv_off_its_marks(monkeypatch: pytest
     q, k, v = delta_qkv()
     spec = METHODS["delta_kv"]
     params = spec.call_params(DELTA_KV, q)
-    conf.check_delta_kv_marks(spec, q, k, v, params, where="between", index=0, sdpa=False)
+    for layer in conf.LAYERS:
+        conf.check_delta_kv_marks(spec, q, k, v, params, where="between", index=0, layer=layer)
     monkeypatch.setattr(importlib.import_module("sparseprefill.fast.delta_kv"), "dense_query_heads",
                         lambda *a, **kw: ())
     with pytest.raises(AssertionError, match="fast"):
-        conf.check_delta_kv_marks(spec, q, k, v, params, where="between", index=0, sdpa=False)
+        conf.check_delta_kv_marks(spec, q, k, v, params, where="between", index=0, layer="none")
 
 
 def test_band_is_the_interval_between_the_two_costs() -> None:
-    from sparseprefill.conformance.dense_fallback import in_band, pick_cutoff
+    from sparseprefill.conformance.dense_fallback import in_band, pick_cutoff, pick_layer
 
     assert in_band(1.0, 2.0, 1.5) and in_band(2.0, 1.0, 1.0) and in_band(1.0, 1.0, 1.0)
     assert not in_band(1.0, 1.0, 1.0 + 1e-6) and not in_band(1.0, 2.0, 2.1)
     shares = [0.2, 0.5, 0.5, 0.9]
     assert pick_cutoff(shares, "at", 1) == 0.5 and pick_cutoff(shares, "between", 1) == pytest.approx(0.7)
     assert pick_cutoff(shares, "below", 0) < 0.2 < 0.9 < pick_cutoff(shares, "above", 0)
+    assert pick_layer(0.4, "none") is None and pick_layer(0.4, "at") == 0.4
+    below, above = pick_layer(0.4, "below"), pick_layer(0.4, "above")
+    assert below is not None and above is not None and below < 0.4 < above
 
 
 # -- rates -------------------------------------------------------------------------------

@@ -45,9 +45,9 @@ METHOD = register(Method(
     chunked="each query block's anchor and its group's stripes: the chunk's own rows (chunks start on a "
             "group of `step` query blocks)",
     sync=SyncStatus(
-        syncs=("dense fallback (off in anchor_attention_static): the early exit's [Hq] flags from the "
-               "last-64-row theta-gap probe (early_dense_heads), one read; the rule's flags of each head "
-               "group's plan (break_even_heads), one read per head group",
+        syncs=("dense fallback (off in anchor_attention_static): the rule's flags of each head group's plan "
+               "(break_even_heads), one read per head group; with the early exit on (off by default) one more, "
+               "the [Hq] flags of the last-64-row theta-gap probe (early_dense_heads)",
                "stripe identification: the longest stripe list (tile_count.sum(2).max().item())",
                "stripe pass: promoting whole stripe blocks to blocks (BlockColumnPlan.with_full_blocks: "
                "bool(promote.any()), mask_to_list width, new column width)"),

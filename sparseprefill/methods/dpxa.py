@@ -65,8 +65,8 @@ METHOD = register(Method(
     ),
     extras=extras,
     chunked="as xattention: the chunk's own tiles",
-    sync=SyncStatus(syncs=("dense fallback: as xattention (the early exit's [Hq] flags, the rule's [Hq] "
-                           "flags; one read each)",
+    sync=SyncStatus(syncs=("dense fallback: as xattention (the rule's [Hq] flags, one read; the early exit's "
+                           "[Hq] flags, one more, where it is on)",
                            "tiles to plan: as xattention"), static_bound="as xattention",
                     note="the anchor kernel's threshold is filled on the device (a host write "
                          "`out[0] = x` would synchronise and fail capture)"),

@@ -75,9 +75,9 @@ METHOD = register(Method(
     calibration=lambda n: [{"gamma": g} for g in MASS_CALIBRATION],
     chunked="the chunk's last `last_q` queries (capped at the chunk's length), as vertical-slash",
     sync=SyncStatus(
-        syncs=("dense fallback (off in flexprefill_vs_static): the early exit's [Hq] flags from the "
-               "last-64-row gamma probe (early_dense_heads) and the rule's [Hq] flags (break_even_heads), one "
-               "read each",
+        syncs=("dense fallback (off in flexprefill_vs_static): the rule's [Hq] flags (break_even_heads), one "
+               "read; with the early exit on (off by default) one more, the [Hq] flags of the last-64-row gamma "
+               "probe (early_dense_heads)",
                "line lists: the most kept verticals and slashes of a head (padded_lines, .max().item()); "
                "not with line_block a multiple of block_n (the default): band_index takes the bands",
                "counting pass: as vertical_slash (band_index's own with whole-block bands)"),

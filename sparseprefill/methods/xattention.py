@@ -129,9 +129,10 @@ METHOD = register(Method(
     extras=extras,
     chunked="each query tile's antidiagonal scores against the keys: the chunk's own tiles",
     sync=SyncStatus(
-        syncs=("dense fallback (CUDA, on by default; off during capture and in xattention_static): the early "
-               "exit's [Hq] flags from the last-64-row probe (early_dense_heads: flags.nonzero().tolist()) and "
-               "the break-even rule's [Hq] flags (break_even_heads), one read each",
+        syncs=("dense fallback (CUDA, on by default; off during capture and in xattention_static): the "
+               "break-even rule's [Hq] flags (break_even_heads: flags.nonzero().tolist()), one read; with the "
+               "early exit on (off by default) one more, the [Hq] flags of the last-64-row probe "
+               "(early_dense_heads)",
                "tiles to plan: the widest row of the selection kernel's lists (count.max().item()); the "
                "torch path (T > 4096 or CPU) uses mask_to_list",),
         static_bound="T = ceil(N / block) key blocks per query block"),
