@@ -628,7 +628,7 @@ def _method_inputs(
     """Inputs and parameters of one method example, with the `draw_limits` context to run in."""
     n = draw_seqlen(draw, caps)
     params = draw_method_params(draw, spec, n)
-    if bool(draw(st.booleans())):
+    if not draw(st.booleans()):
         finer = _finer_until(params, n, 3)
         try:
             spec.method.check_params(finer)
