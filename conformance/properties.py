@@ -609,7 +609,7 @@ def _method_inputs(
     """Inputs and parameters of one method example, with the `draw_limits` context to run in."""
     n = draw_seqlen(draw, caps)
     params = draw_method_params(draw, spec, n)
-    if bool(draw(st.booleans())):
+    if not draw(st.booleans()):
         finer = _finer_until(params, n, 3)
         try:
             spec.method.check_params(finer)
@@ -1042,7 +1042,7 @@ def _fits(caps: Caps, shape: Any, blocks: tuple[int, int], min_heads: int) -> bo
     if caps.max_tile_steps is None:
         return True
     work = interpreter_work(shape.seqlen, shape.head_dim, kernel_tiles(*blocks, shape.head_dim))
-    return shape.batch * shape.q_heads * work <= max(2 * caps.max_tile_steps, min_heads * work)
+    return bool(shape.batch * shape.q_heads * work <= max(2 * caps.max_tile_steps, min_heads * work))
 
 
 def _draw_call(draw: Draw, caps: Caps, spec: MethodSpec, n: int, prev: _Call | None,
@@ -1056,9 +1056,13 @@ def _draw_call(draw: Draw, caps: Caps, spec: MethodSpec, n: int, prev: _Call | N
             params = fresh
         else:
             is_block = {key for key in {*fresh, *prev.params} if "block" in key}
-            keep = (lambda key: key not in is_block) if change != "params" else (lambda key: key in is_block)
-            params = {**{key: val for key, val in fresh.items() if not keep(key)},
-                      **{key: val for key, val in prev.params.items() if keep(key)}}
+
+            def kept(key: str) -> bool:
+                """Whether `key` keeps the call before's value (this change does not name it)."""
+                return (key in is_block) == (change == "params")
+
+            params = {**{key: val for key, val in fresh.items() if not kept(key)},
+                      **{key: val for key, val in prev.params.items() if kept(key)}}
             if change == "finer" or (change == "blocks" and bool(draw(st.booleans()))):
                 params = _neighbour_blocks(draw, prev.params, finer=change == "finer")
             try:
@@ -1224,6 +1228,7 @@ def check_layer_step(
         check_plans_equal(ref_plan, fast_plan, context=where)
     ref_before, fast_before = dict(ref_state.pivots), dict(fast_state.pivots)
     with nan_poisoned_empty():
+        assert spec.fast_layer is not None and spec.reference_layer is not None
         out = spec.fast_layer(q, k, v, fast_state, layer=layer, scale=scale)
     mask = fast_plan.to_dense_mask()
     golden = golden_attention(q, k, v, mask, scale=scale)

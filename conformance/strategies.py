@@ -136,7 +136,11 @@ def draw_seqlen(draw: Draw, caps: Caps) -> int:
     """
     cap = caps.max_seqlen
     awkward = [n for n in _AWKWARD_SEQLENS if n <= cap] or [1]
-    kind = draw(st.sampled_from(["short", "awkward", "short", "awkward", "short",
+    # Hypothesis's first example takes the first choice of every draw: an awkward length
+    # past a block edge (129, or the longest under the cap), not N = 1.
+    first = max((n for n in awkward if n <= 129), default=awkward[0])
+    awkward = [first] + [n for n in awkward if n != first]
+    kind = draw(st.sampled_from(["awkward", "short", "short", "awkward", "short",
                                  "medium", "short", "awkward", "medium", "long"]))
     if kind == "awkward":
         return int(draw(st.sampled_from(awkward)))
@@ -183,13 +187,14 @@ def draw_shape(
         per_head = max(1, int(interpreter_work(n, d, tiles or kernel_tiles(*blocks, d))))
         heads_budget = min(heads_budget, max(1, caps.max_tile_steps // per_head))
     heads_budget = max(heads_budget, min_heads)
-    if heads_budget >= 4 and min(caps.max_kv_heads, caps.max_group) >= 2 and draw(st.booleans()):
+    # `not draw(booleans())`: Hypothesis's first (simplest) example is GQA with two batch rows.
+    if heads_budget >= 4 and min(caps.max_kv_heads, caps.max_group) >= 2 and not draw(st.booleans()):
         # GQA first, half the time: two or more KV heads of two or more query heads each,
         # where a head map that is wrong only for h >= G (h % Hkv for h // G) shows.
         hkv = int(draw(st.integers(2, max(2, min(caps.max_kv_heads, heads_budget // 2)))))
         g = int(draw(st.integers(2, max(2, min(caps.max_group, heads_budget // hkv)))))
         b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget // (hkv * g))))))
-        if b == 1 and 2 * hkv * g <= heads_budget and caps.max_batch >= 2 and draw(st.booleans()):
+        if b == 1 and 2 * hkv * g <= heads_budget and caps.max_batch >= 2 and not draw(st.booleans()):
             b = 2
         return Shape(batch=b, kv_heads=hkv, group=g, seqlen=n, head_dim=d)
     b = int(draw(st.integers(1, max(1, min(caps.max_batch, heads_budget)))))
@@ -197,7 +202,7 @@ def draw_shape(
     g = int(draw(st.integers(1, max(1, min(caps.max_group, heads_budget // (b * hkv))))))
     if hkv * g < min_heads:
         g = -(-min_heads // hkv)
-    if b == 1 and 2 * hkv * g <= heads_budget and min(caps.max_batch, 2) == 2 and draw(st.booleans()):
+    if b == 1 and 2 * hkv * g <= heads_budget and min(caps.max_batch, 2) == 2 and not draw(st.booleans()):
         # A second batch row of other content where it still fits: code that reads batch
         # row 0's values (or strides) for every row shows only with two.
         b = 2
@@ -618,11 +623,11 @@ def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], se
         (the parameters, a note for the failure message: the knobs made per head).
     """
     knobs = [name for name in spec.method.knobs if params.get(name) is not None]
-    if not knobs or int(draw(st.integers(0, 3))) == 0:
+    if not knobs or int(draw(st.integers(0, 3))) == 3:
         return params, ""
     out = dict(params)
     redraws = [spec.params(draw, seqlen) for _ in range(max(heads, 3))]
-    spread = str(draw(st.sampled_from(["each", "extremes", "groups"])))
+    spread = str(draw(st.sampled_from(["extremes", "groups", "each"])))
     group = max(1, heads // max(1, kv_heads or heads))
     for name in knobs:
         if not often and not draw(st.booleans()) and len(knobs) > 1:
@@ -671,7 +676,7 @@ def edge_seqlen(draw: Draw, caps: Caps, seqlen: int, sizes: Sequence[int]) -> in
     if not sizes or int(draw(st.integers(0, 2))) != 0:
         return seqlen
     size = int(draw(st.sampled_from(sizes)))
-    blocks = 1 if int(draw(st.integers(0, 5))) == 0 else max(1, round(seqlen / size))
+    blocks = 1 if int(draw(st.integers(0, 5))) == 5 else max(1, round(seqlen / size))
     shift = int(draw(st.sampled_from([-1, 0, 1])))
     return max(1, min(caps.max_seqlen, blocks * size + shift))
 
