@@ -18,6 +18,10 @@ where a layer SPEC is one of
   lists query heads that run full causal attention instead (the dense fallback);
 * a list with one entry per query head, each a parameter dict or `null` (that head runs
   full causal attention): for a method whose varying parameters are not per-head knobs.
+  An entry may name its own method, `{"method": "vertical_slash", ...}` (one of
+  `head_methods()`: the heads' plans merge into one plan of the layer at their finest
+  block sizes, one launch), its parameters then checked by that method; the heads of an
+  `auto` config (`sparseprefill calibrate --method auto`) all name theirs.
 
 Everything is checked when the file is read, before any model is touched: the format tag,
 the method, layer indices, each spec's form, `dense_heads`, list lengths against
@@ -38,6 +42,8 @@ from typing import Any
 
 FORMAT = "sparseprefill.calibrate/1"
 DENSE_HEADS = "dense_heads"
+# A head's own method in a per-head list (the heads of one layer taking different methods).
+METHOD = "method"
 
 LayerSpec = None | dict[str, Any] | list[dict[str, Any] | None]
 
@@ -130,9 +136,34 @@ def check_layer_spec(method: str, spec: object, *, q_heads: int | None = None, w
             if DENSE_HEADS in head:
                 raise ValueError(f"{where}[{h}]: {DENSE_HEADS} belongs to a whole layer's dict; in a per-head "
                                  "list a dense head is null")
-            _check_params(spec_, dict(head), f"{where}[{h}]")
+            params = dict(head)
+            named = params.pop(METHOD, None)
+            if named is None:
+                if spec_.head_candidates is not None:
+                    raise ValueError(f"{where}[{h}].{METHOD}: every head of a {method!r} config names its "
+                                     f"method (one of {', '.join(head_methods())})")
+                _check_params(spec_, params, f"{where}[{h}]")
+            else:
+                _check_params(METHODS[_head_method(named, f"{where}[{h}].{METHOD}")], params, f"{where}[{h}]")
         return
     raise ValueError(f"{where}: expected null, a parameter dict or a per-head list, got {type(spec).__name__}")
+
+
+def head_methods() -> tuple[str, ...]:
+    """The methods a head of a per-head list may name (`"method"`): those whose heads' plans
+    merge into one plan of the layer (`reference.auto`)."""
+    from .reference.auto import KNOBS
+
+    return tuple(KNOBS)
+
+
+def _head_method(name: object, where: str) -> str:
+    from .methods import METHODS
+
+    if not isinstance(name, str) or name not in METHODS or name not in head_methods():
+        raise ValueError(f"{where}: expected a method one head can take ({', '.join(head_methods())}), "
+                         f"got {name!r}")
+    return name
 
 
 def _check_params(method: Any, params: dict[str, Any], where: str) -> None:
@@ -257,11 +288,13 @@ def layer_specs(config: CalibratedConfig | Mapping[int, LayerSpec]) -> dict[int,
 __all__ = [
     "DENSE_HEADS",
     "FORMAT",
+    "METHOD",
     "CalibratedConfig",
     "LayerSpec",
     "check_layer_spec",
     "config_payload",
     "dense_heads_of",
+    "head_methods",
     "layer_specs",
     "parse_config",
     "read_config",
