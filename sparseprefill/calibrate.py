@@ -404,6 +404,8 @@ def layer_plan(method: Any, spec: Any, q: torch.Tensor, k: torch.Tensor, *, impl
     dense = METHODS[DENSE]
     if spec is None:
         return dense.plan_fn(impl)(q, k, **dense.demo_params(int(q.shape[2])))
+    if _names_head_methods(spec):
+        return _auto_layer_plan(spec, q, k, impl=impl)
     if isinstance(spec, Mapping):
         params, heads = split_dense_heads(spec)
         plan = method.plan_fn(impl)(q, k, **method.call_params(params, q))
@@ -426,6 +428,20 @@ def layer_plan(method: Any, spec: Any, q: torch.Tensor, k: torch.Tensor, *, impl
         out.append(p.ungrouped())
     # Heads stack along dim 1: transpose the batch/head roles of stack_plans (batch rows).
     return _stack_heads(out, stack_heads)
+
+
+def _names_head_methods(spec: Any) -> bool:
+    """Whether a layer spec is a per-head list whose heads name their methods (an auto config)."""
+    from .config import METHOD
+
+    return isinstance(spec, list) and any(isinstance(h, Mapping) and METHOD in h for h in spec)
+
+
+def _auto_layer_plan(spec: Sequence[Any], q: torch.Tensor, k: torch.Tensor, *, impl: str) -> Any:
+    """The plan `patch` runs for a per-head list naming each head's method: `auto_plan`, one plan."""
+    from . import fast, reference
+
+    return (fast if impl == "fast" else reference).auto_plan(q, k, heads=list(spec))
 
 
 def _stack_heads(plans: Sequence[Any], stack_rows: Any) -> Any:
@@ -467,6 +483,8 @@ class LayerResult:
     coupled: str = ""
     seconds: float = 0.0
     grid: str = ""
+    # `--method auto`: the unit, each head's modelled costs and every option (`choose_heads`).
+    auto: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         dens = sum(self.density) / len(self.density)
@@ -715,6 +733,305 @@ def evaluate_layer(method: Any, spec: Any, caps: Sequence[LayerCapture], truths:
         coupled=method.coupled_heads, seconds=time.perf_counter() - t0)
 
 
+# -- per-head method choice (`--method auto`) ---------------------------------------------------
+
+
+@dataclass
+class HeadOption:
+    """One head's best point of one candidate family, as measured on the calibration prompts.
+
+    Attributes:
+        family: index into the families searched.
+        params: the head's choice, `{"method": name, **parameters}` (knobs as this head's value).
+        block_m: the plan's query block (the unit the merged plan may have to refine to).
+        density, recall_mean, recall_min: this head's numbers (mean over the prompts; worst row).
+        block_pairs, column_pairs: its kept causal pairs through blocks / columns (batch rows
+            summed, mean over the prompts): what the kernel reads.
+    """
+
+    family: int
+    params: dict[str, Any]
+    block_m: int
+    density: float
+    recall_mean: float
+    recall_min: float
+    block_pairs: float
+    column_pairs: float
+
+
+def auto_families(method: Any, seqlen: int, given: Sequence[Mapping[str, Any]] | None = None
+                  ) -> list[dict[str, Any]]:
+    """The candidate families `--method auto` searches: `given` (`--auto-candidates`), else the
+    descriptor's `head_candidates(N)`; each `{"method": name, **fixed parameters}`.
+
+    Raises:
+        ValueError: a family whose method is not one a head can take, or fixed parameters its
+            method refuses.
+    """
+    from .config import METHOD, head_methods
+    from .methods import METHODS
+
+    families = [dict(f) for f in (given if given is not None else method.head_candidates(seqlen))]
+    for i, fam in enumerate(families):
+        name = fam.get(METHOD)
+        if name not in head_methods() or name not in METHODS:
+            raise ValueError(f"candidate {i}: method must be one of {', '.join(head_methods())}, got {name!r}")
+        try:
+            METHODS[name].check_params(family_grid(fam, seqlen)[0])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"candidate {i} ({name}): {exc}") from None
+    return families
+
+
+def family_grid(family: Mapping[str, Any], seqlen: int) -> list[dict[str, Any]]:
+    """A family's points: its method's calibration grid at `seqlen` with the family's fixed
+    parameters laid over every point (repeats dropped)."""
+    from .config import METHOD
+    from .methods import METHODS
+
+    fixed = {k: v for k, v in family.items() if k != METHOD}
+    _, points = calibration_grid(METHODS[family[METHOD]], seqlen)
+    seen: set[str] = set()
+    out = []
+    for p in points:
+        point = {**p, **fixed}
+        key = json.dumps(point, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            out.append(point)
+    return out
+
+
+def _plan_pairs(plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept causal pairs per head (batch rows summed), float64 `[Hq]` each, through blocks / columns."""
+    from .reference.dense_fallback import kept_pairs
+
+    block, column = kept_pairs(plan)
+    return block.sum(dim=0).to(torch.float64), column.sum(dim=0).to(torch.float64)
+
+
+def _run_point(method: Any, params: Mapping[str, Any], caps: Sequence[LayerCapture], truths: Sequence[Truth],
+               impl: str) -> tuple[HeadStats, torch.Tensor, torch.Tensor, int]:
+    """One parameter point on every prompt of a layer: stats, mean kept pairs, the plan's block_m."""
+    stats, blocks, columns = [], [], []
+    block_m = 0
+    for cap, truth in zip(caps, truths):
+        q, k = cap.q.float(), cap.k.float()
+        plan = method.plan_fn(impl)(q, k, **method.call_params(dict(params), q))
+        stats.append(plan_stats(truth, plan, cap.v))
+        b, c = _plan_pairs(plan)
+        blocks.append(b)
+        columns.append(c)
+        block_m = plan.block_m
+    return _combine(stats), torch.stack(blocks).mean(0), torch.stack(columns).mean(0), block_m
+
+
+def family_options(index: int, family: Mapping[str, Any], caps: Sequence[LayerCapture], truths: Sequence[Truth],
+                   target: Target, *, impl: str = "reference", refine: int = 0, log: Any = None
+                   ) -> list[HeadOption | None]:
+    """Each head's cheapest point of one family that serves it (None: no point serves it).
+
+    The family's grid is measured point by point (`family_grid`); with `refine` and a grid
+    varying one float knob of its method, each head's knob is then bisected (`refine_heads`)
+    and one more run measures every head at its own value. Cheapest: fewest kept pairs
+    (the kernel work of the family's unit).
+    """
+    from .config import METHOD
+    from .methods import METHODS
+
+    method = METHODS[family[METHOD]]
+    grid = family_grid(family, caps[0].seqlen)
+    t0 = time.perf_counter()
+    runs = []
+    for i, params in enumerate(grid):
+        runs.append(_run_point(method, params, caps, truths, impl))
+        if log is not None:
+            print(f"    auto layer {caps[0].layer}: {_short(family)} point {i + 1}/{len(grid)} ({_short(params)}) "
+                  f"at {time.perf_counter() - t0:.0f} s", file=log, flush=True)
+    hq = int(caps[0].q.shape[1])
+    serve = torch.stack([target.serves(r[0]) for r in runs])  # [G, Hq]
+
+    def option(params: Mapping[str, Any], run: Any, h: int) -> HeadOption:
+        stats, blocks, columns, block_m = run
+        return HeadOption(index, {METHOD: method.name, **params}, block_m, float(stats.density[h]),
+                          float(stats.recall_mean[h]), float(stats.recall_min[h]), float(blocks[h]),
+                          float(columns[h]))
+
+    out: list[HeadOption | None] = []
+    for h in range(hq):
+        ok = [g for g in range(len(grid)) if bool(serve[g, h])]
+        g = min(ok, key=lambda g: float(runs[g][1][h] + runs[g][2][h])) if ok else None
+        out.append(None if g is None else option(grid[g], runs[g], h))
+    knob = bisect_knob(grid)
+    if refine > 0 and knob in method_knobs(method) and any(o is not None for o in out):
+        values, _ = refine_heads(method, caps, truths, target, grid, serve, steps=refine, impl=impl)
+        top = max(float(p[knob]) for p in grid)
+        per_head = [top if v is None else v for v in values]
+        run = _run_point(method, {**grid[0], knob: per_head}, caps, truths, impl)
+        served = target.serves(run[0])
+        for h, value in enumerate(values):
+            if value is not None and bool(served[h]):
+                out[h] = option({**grid[0], knob: value}, run, h)
+    return out
+
+
+AUTO_OBJECTIVES = ("time", "density")
+
+
+def choose_heads(options: Sequence[Sequence[HeadOption | None]], *, seqlen: int, batch: int, head_dim: int,
+                 dtype: torch.dtype | str, rates: Any, objective: str = "time"
+                 ) -> tuple[list[HeadOption | None], dict[str, Any]]:
+    """Per head, the option of least modelled time, or dense when none beats dense.
+
+    With `objective="density"` instead: per head the option of fewest kept pairs (the least
+    kernel work, whatever the unit and the estimate cost), dense only where no option serves
+    the head; the unit is then the finest query block chosen. The record prices either
+    choice with the same model.
+
+    A head's time is its kernel work at the rates of the merged plan's tile
+    (`reference.auto.head_kernel_ms`) plus its share of its method's estimate
+    (`reference.auto.estimate_ms`; a method without a measured estimate cost is no
+    option); dense is the rule's dense time. The merged plan runs at the finest query
+    block of its heads, so every query block size in use is tried as the layer's unit
+    (options of coarser blocks priced at its tile): the unit of least total time wins.
+
+    Args:
+        options: `[family][head]` from `family_options`.
+        seqlen, batch, head_dim, dtype, rates: the deployment the cost model prices.
+
+    Returns:
+        (each head's option, None for dense; a record of the costs per head and the unit).
+    """
+    from .reference.auto import dense_ms, estimate_ms, head_kernel_ms
+
+    if objective not in AUTO_OBJECTIVES:
+        raise ValueError(f"objective must be one of {AUTO_OBJECTIVES}, got {objective!r}")
+    hq = len(options[0]) if options else 0
+    dense = dense_ms(seqlen=seqlen, batch=batch, head_dim=head_dim, dtype=dtype, rates=rates)
+    units = sorted({o.block_m for fam in options for o in fam if o is not None})
+    if objective == "density":
+        least = [min((fam[h] for fam in options if fam[h] is not None),
+                     key=lambda o: o.block_pairs + o.column_pairs, default=None) for h in range(hq)]
+        chosen = [o.block_m for o in least if o is not None]
+        units = [math.gcd(*chosen)] if chosen else []
+    best: tuple[float, int, list[HeadOption | None], list[float], list[float]] | None = None
+    for unit in units or [0]:
+        picks: list[HeadOption | None] = []
+        kernel: list[float] = []
+        estimate: list[float] = []
+        total = 0.0
+        for h in range(hq):
+            pick, cost, k_ms, e_ms = None, dense, dense, 0.0
+            if objective == "density":
+                cost = math.inf
+            for fam in options:
+                o = fam[h]
+                if o is None or unit == 0 or o.block_m % unit:
+                    continue
+                if objective == "density" and o is not least[h]:
+                    continue
+                e = estimate_ms(o.params["method"], o.params, seqlen=seqlen, batch=batch, head_dim=head_dim,
+                                dtype=dtype, rates=rates)
+                if e is None:
+                    continue
+                k = float(head_kernel_ms(torch.tensor([[o.block_pairs]]), torch.tensor([[o.column_pairs]]),
+                                         seqlen=seqlen, tile=unit, head_dim=head_dim, dtype=dtype, rates=rates)[0])
+                if k + e < cost:
+                    pick, cost, k_ms, e_ms = o, k + e, k, e
+            if pick is None:
+                cost, k_ms, e_ms = dense, dense, 0.0
+            picks.append(pick)
+            kernel.append(k_ms)
+            estimate.append(e_ms)
+            total += cost
+        if best is None or total < best[0]:
+            best = (total, unit, picks, kernel, estimate)
+    assert best is not None
+    total, unit, picks, kernel, estimate = best
+    record = {"objective": objective, "unit": unit, "dense_ms": dense, "kernel_ms": kernel, "estimate_ms": estimate, "total_ms": total,
+              "dense_total_ms": dense * hq, "rates": getattr(rates, "device", ""), "dtype": str(dtype),
+              "head_dim": head_dim, "methods": [None if p is None else p.params["method"] for p in picks]}
+    return picks, record
+
+
+def reuse_options(path: Path | str, layer: int, families: Sequence[Mapping[str, Any]]
+                  ) -> list[list[HeadOption | None]]:
+    """The options an earlier `--method auto` run measured on one layer (its `--table` JSON),
+    for `calibrate_auto_layer(options=...)`.
+
+    Raises:
+        ValueError: the file has no auto result for the layer, or searched other families.
+    """
+    data = json.loads(Path(path).read_text())
+    for row in data.get("layers", []):
+        record = row.get("auto") or {}
+        if int(row.get("layer", -1)) == layer and "options" in record:
+            if json.dumps(record.get("families"), sort_keys=True) != json.dumps(list(families), sort_keys=True):
+                raise ValueError(f"{path}: layer {layer} searched other families than this run")
+            return [[None if o is None else HeadOption(**o) for o in fam] for fam in record["options"]]
+    raise ValueError(f"{path}: no `--method auto` result for layer {layer}")
+
+
+def calibrate_auto_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], target: Target, *,
+                         impl: str = "reference", share: float = 0.95, refine: int = 0,
+                         families: Sequence[Mapping[str, Any]] | None = None, rates: Any = None,
+                         dtype: torch.dtype | str = torch.bfloat16, objective: str = "time",
+                         options: Sequence[Sequence[HeadOption | None]] | None = None,
+                         log: Any = None) -> LayerResult:
+    """`--method auto` on one layer: every head the method, setting and unit of least modelled
+    time that serves it (`family_options`, `choose_heads`), the layer's config a per-head list
+    naming each head's method, measured as a whole (`auto_plan`: one merged plan).
+
+    Args:
+        method: the `auto` descriptor (its `head_candidates`).
+        caps, truths, target, impl, share, refine, log: as `calibrate_layer`.
+        families: the candidate families (default `auto_families`).
+        rates: the rates table of the cost model (default `reference.dense_fallback.DEFAULT_TABLE`).
+        dtype: the deployment's dtype the rates are read at.
+        objective: "time" (least modelled time) or "density" (fewest kept pairs): `choose_heads`.
+        options: the families' options measured before on these prompts (`reuse_options`):
+            the choice is made again (another objective or rates table) without measuring.
+
+    Returns:
+        The `LayerResult`; `chosen_params` names each head's method, `auto` holds the costs.
+    """
+    from .reference.dense_fallback import DEFAULT_TABLE
+
+    t0 = time.perf_counter()
+    n = caps[0].seqlen
+    fams = auto_families(method, n, families)
+    table = DEFAULT_TABLE if rates is None else rates
+    if options is None:
+        options = [family_options(i, fam, caps, truths, target, impl=impl, refine=refine, log=log)
+                   for i, fam in enumerate(fams)]
+    elif len(options) != len(fams):
+        raise ValueError(f"{len(options)} families of options reused for {len(fams)} families")
+    picks, record = choose_heads(options, seqlen=n, batch=int(caps[0].q.shape[0]), head_dim=int(caps[0].q.shape[3]),
+                                 dtype=dtype, rates=table, objective=objective)
+    spec = None if all(p is None for p in picks) else [None if p is None else dict(p.params) for p in picks]
+    whole = measure_spec(method, spec, caps, truths, impl=impl)
+    default, dstats, oracle = _default_and_oracle(method, caps, truths, impl=impl, share=share)
+    d, rm, rn, err = _head_lists(whole)
+    record["families"] = fams
+    record["options"] = [[None if o is None else asdict(o) for o in fam] for fam in options]
+    result = LayerResult(
+        method=method.name, layer=caps[0].layer, sources=[Path(c.source).name for c in caps], seqlen=n,
+        spec=spec, picks=[None if p is None else p.family for p in picks],
+        chosen_params=[None if p is None else dict(p.params) for p in picks],
+        density=d, recall_mean=rm, recall_min=rn, error=err, oracle=[float(x) for x in oracle],
+        oracle_share=share, default_density=[float(x) for x in dstats.density],
+        default_recall_mean=[float(x) for x in dstats.recall_mean], default_params=dict(default),
+        seconds=time.perf_counter() - t0, grid="head_candidates", auto=record)
+    if log is not None:
+        s = result.summary()
+        took = ", ".join(f"{h}:{'dense' if p is None else _short(p.params)}" for h, p in enumerate(picks))
+        print(f"  auto layer {result.layer}: density {s['density']:.4f} (oracle {s['oracle']:.4f}, x{s['ratio']:.2f}), "
+              f"recall {s['recall_mean']:.4f} / worst head {s['recall_min_head']:.4f}; modelled "
+              f"{record['total_ms']:.4g} ms vs dense {record['dense_total_ms']:.4g} ms at unit {record['unit']}; "
+              f"heads {took}", file=log, flush=True)
+    return result
+
+
 def format_table(results: Sequence[LayerResult], target: Target | None = None) -> str:
     """method x layer: density, oracle, ratio, recall mean / worst head / worst row, dense heads."""
     lines = ["| method | layer | density | oracle | ratio | recall mean | worst head | worst row | "
@@ -821,6 +1138,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the layers already in the .jsonl (a stopped run, same settings) and measure "
                              "only the others")
     parser.add_argument("--plot", type=Path, default=None, help="density per head before/after (PNG)")
+    _add_auto_arguments(parser)
+
+
+def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `--method auto` (per-head method choice by modelled time)."""
+    parser.add_argument("--auto-candidates", type=json.loads, default=None, metavar="JSON",
+                        help='with --method auto: the families searched per head instead of the descriptor\'s, '
+                             'a JSON list of {"method": name, fixed parameters...}, e.g. '
+                             '\'[{"method": "xattention", "block": 64}]\'')
+    parser.add_argument("--rates", type=Path, default=None,
+                        help="with --method auto: a rates table (`sparseprefill rates` JSON) for the cost model "
+                             "(default: the break-even rule's default table, one H200)")
+    parser.add_argument("--auto-dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                        help="with --method auto: the deployment dtype the rates are read at (default bfloat16)")
+    parser.add_argument("--auto-objective", choices=AUTO_OBJECTIVES, default="time",
+                        help="with --method auto: per head the least modelled time (default; dense where nothing "
+                             "beats dense) or the fewest kept pairs (density; dense only where nothing serves)")
+    parser.add_argument("--auto-reuse", type=Path, default=None, metavar="TABLE_JSON",
+                        help="with --method auto: take each layer's measured options from an earlier auto run's "
+                             "--table JSON (same families and prompts) and only choose again (another objective, "
+                             "--rates or --auto-dtype), then measure the chosen config")
+
+
+def _auto_rates(args: argparse.Namespace) -> Any:
+    """The rates table of the auto cost model: `--rates`, else the default table."""
+    from .reference.dense_fallback import DEFAULT_TABLE, RateTable
+
+    if getattr(args, "rates", None) is None:
+        return DEFAULT_TABLE
+    return RateTable.from_json(json.loads(Path(args.rates).read_text()))
+
+
+def _auto_header(args: argparse.Namespace) -> dict[str, Any]:
+    """The auto settings that decide a layer's result (only when given, so other runs' headers
+    stay as they were)."""
+    out: dict[str, Any] = {}
+    for key in ("auto_candidates", "rates", "auto_dtype", "auto_objective", "auto_reuse"):
+        value = getattr(args, key, None)
+        if value is not None and not (key, value) in (("auto_dtype", "bfloat16"), ("auto_objective", "time")):
+            out[key] = str(value) if isinstance(value, Path) else value
+    return out
+
+
+def _describe_auto(method: Any, seqlen: int, args: argparse.Namespace, *, log: bool) -> tuple[str, list[Any]]:
+    """(grid label, the families) of an auto run, printed with each family's grid size."""
+    families = auto_families(method, seqlen, args.auto_candidates)
+    if log:
+        sizes = ", ".join(f"{_short(f)} ({len(family_grid(f, seqlen))})" for f in families)
+        print(f"{method.name}: per head, the least modelled time over {len(families)} families (grid points): "
+              f"{sizes}", file=sys.stderr, flush=True)
+    return "head_candidates", families
 
 
 def _rows_file(args: argparse.Namespace) -> Path | None:
@@ -838,7 +1206,7 @@ def _header(args: argparse.Namespace, target: Target, impl: str) -> dict[str, An
             "margin": args.margin, "granularity": args.granularity, "grid": args.grid, "refine": args.refine,
             "refine_top": args.refine_top, "rows": args.rows, "seed": args.seed, "share": args.share,
             "backend": impl, "captures": [str(p) for p in args.qkv], "layers": args.layers,
-            "max_seqlen": args.max_seqlen}
+            "max_seqlen": args.max_seqlen, **_auto_header(args)}
 
 
 def _layer_result(row: Mapping[str, Any]) -> LayerResult:
@@ -867,10 +1235,13 @@ def run(args: argparse.Namespace) -> int:
             for name in names:
                 if name not in METHODS:
                     raise ValueError(f"unknown method {name!r}; registered: {', '.join(METHODS)}")
-                if not calibratable(METHODS[name]):
+                if not calibratable(METHODS[name]) and METHODS[name].head_candidates is None:
                     raise ValueError(f"method {name!r} has no plan or no grid to calibrate"
                                      " (MInference: use `sparseprefill search`)")
             jobs = [(METHODS[name], None) for name in names]
+            for name in names:
+                if METHODS[name].head_candidates is not None:
+                    auto_families(METHODS[name], 4096, args.auto_candidates)
             if args.grid is not None:
                 if len(names) != 1:
                     raise ValueError("--grid needs exactly one --method")
@@ -904,7 +1275,9 @@ def run(args: argparse.Namespace) -> int:
     for method, config in jobs:
         layers: dict[int, Any] = {}
         grid_label, grid_points = calibration_grid(method, seqlen, args.grid)
-        if config is None:
+        if method.head_candidates is not None:
+            grid_label, grid_points = _describe_auto(method, seqlen, args, log=config is None)
+        elif config is None:
             print(f"{method.name}: {describe_grid(grid_label, grid_points, seqlen)}", file=sys.stderr, flush=True)
         meta = {"target": asdict(target), "margin": args.margin, "calibrated_to": asdict(calib_target),
                 "granularity": args.granularity, "rows": args.rows, "seqlen": seqlen, "q_heads": q_heads,
@@ -923,6 +1296,13 @@ def run(args: argparse.Namespace) -> int:
                 if config is not None:
                     res = evaluate_layer(method, config.layers[layer], group, truths[layer], impl=impl,
                                          share=args.share)
+                elif method.head_candidates is not None:
+                    fams = auto_families(method, seqlen, args.auto_candidates)
+                    reused = None if args.auto_reuse is None else reuse_options(args.auto_reuse, layer, fams)
+                    res = calibrate_auto_layer(method, group, truths[layer], calib_target, impl=impl,
+                                               share=args.share, refine=args.refine, families=fams,
+                                               rates=_auto_rates(args), dtype=args.auto_dtype,
+                                               objective=args.auto_objective, options=reused, log=sys.stderr)
                 else:
                     res = calibrate_layer(method, group, truths[layer], calib_target, granularity=args.granularity,
                                           impl=impl, share=args.share, log=sys.stderr, grid=args.grid,
