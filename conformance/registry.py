@@ -887,9 +887,9 @@ CHECKS["shareprefill"] = Checks(
 )
 
 
-def _auto_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+def _headwise_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     """Per-head choices of the methods whose plans are exact in both packages (streaming, A-shape,
-    dense, each with its own drawn block sizes) and dense heads: what `auto` adds to its methods
+    dense, each with its own drawn block sizes) and dense heads: what `headwise` adds to its methods
     (grouping, the merge at the finest unit, dense marks) is checked exactly; the adaptive
     methods' own agreement is their own properties'."""
     from hypothesis import strategies as st
@@ -906,7 +906,7 @@ def _auto_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
     return {"heads": heads}
 
 
-CHECKS["auto"] = Checks(
-    params=_auto_params,
+CHECKS["headwise"] = Checks(
+    params=_headwise_params,
     min_heads=4,  # up to four choices, one per head at least
 )

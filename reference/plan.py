@@ -1015,7 +1015,7 @@ def merge_heads(parts: Sequence[tuple[BlockColumnPlan, Sequence[int]]], *, num_h
     """One plan of `num_heads` query heads from plans of some of them, at their finest common unit.
 
     Part `(plan, heads)` gives its plan's head `i` to query head `heads[i]`: a method's estimate
-    of a subset of a layer's heads (per-head method choice, `auto`). The parts may differ in
+    of a subset of a layer's heads (per-head method choice, `headwise`). The parts may differ in
     block sizes and column groups: every part is re-expressed at `block_m = gcd` of their
     `block_m`s and `block_n = gcd` of their `block_n`s (`BlockColumnPlan.refined`, exact), and
     their column lists ungrouped where the groups differ. A part's `dense_heads` move with its

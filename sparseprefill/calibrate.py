@@ -405,7 +405,7 @@ def layer_plan(method: Any, spec: Any, q: torch.Tensor, k: torch.Tensor, *, impl
     if spec is None:
         return dense.plan_fn(impl)(q, k, **dense.demo_params(int(q.shape[2])))
     if _names_head_methods(spec):
-        return _auto_layer_plan(spec, q, k, impl=impl)
+        return _headwise_layer_plan(spec, q, k, impl=impl)
     if isinstance(spec, Mapping):
         params, heads = split_dense_heads(spec)
         plan = method.plan_fn(impl)(q, k, **method.call_params(params, q))
@@ -431,17 +431,17 @@ def layer_plan(method: Any, spec: Any, q: torch.Tensor, k: torch.Tensor, *, impl
 
 
 def _names_head_methods(spec: Any) -> bool:
-    """Whether a layer spec is a per-head list whose heads name their methods (an auto config)."""
+    """Whether a layer spec is a per-head list whose heads name their methods (a headwise config)."""
     from .config import METHOD
 
     return isinstance(spec, list) and any(isinstance(h, Mapping) and METHOD in h for h in spec)
 
 
-def _auto_layer_plan(spec: Sequence[Any], q: torch.Tensor, k: torch.Tensor, *, impl: str) -> Any:
-    """The plan `patch` runs for a per-head list naming each head's method: `auto_plan`, one plan."""
+def _headwise_layer_plan(spec: Sequence[Any], q: torch.Tensor, k: torch.Tensor, *, impl: str) -> Any:
+    """The plan `patch` runs for a per-head list naming each head's method: `headwise_plan`, one plan."""
     from . import fast, reference
 
-    return (fast if impl == "fast" else reference).auto_plan(q, k, heads=list(spec))
+    return (fast if impl == "fast" else reference).headwise_plan(q, k, heads=list(spec))
 
 
 def _stack_heads(plans: Sequence[Any], stack_rows: Any) -> Any:
@@ -483,8 +483,8 @@ class LayerResult:
     coupled: str = ""
     seconds: float = 0.0
     grid: str = ""
-    # `--method auto`: the unit, each head's modelled costs and every option (`choose_heads`).
-    auto: dict[str, Any] = field(default_factory=dict)
+    # `--method headwise`: the unit, each head's modelled costs and every option (`choose_heads`).
+    headwise: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         dens = sum(self.density) / len(self.density)
@@ -733,7 +733,7 @@ def evaluate_layer(method: Any, spec: Any, caps: Sequence[LayerCapture], truths:
         coupled=method.coupled_heads, seconds=time.perf_counter() - t0)
 
 
-# -- per-head method choice (`--method auto`) ---------------------------------------------------
+# -- per-head method choice (`--method headwise`) -----------------------------------------------
 
 
 @dataclass
@@ -759,9 +759,9 @@ class HeadOption:
     column_pairs: float
 
 
-def auto_families(method: Any, seqlen: int, given: Sequence[Mapping[str, Any]] | None = None
+def headwise_families(method: Any, seqlen: int, given: Sequence[Mapping[str, Any]] | None = None
                   ) -> list[dict[str, Any]]:
-    """The candidate families `--method auto` searches: `given` (`--auto-candidates`), else the
+    """The candidate families `--method headwise` searches: `given` (`--headwise-candidates`), else the
     descriptor's `head_candidates(N)`; each `{"method": name, **fixed parameters}`.
 
     Raises:
@@ -846,7 +846,7 @@ def family_options(index: int, family: Mapping[str, Any], caps: Sequence[LayerCa
     for i, params in enumerate(grid):
         runs.append(_run_point(method, params, caps, truths, impl))
         if log is not None:
-            print(f"    auto layer {caps[0].layer}: {_short(family)} point {i + 1}/{len(grid)} ({_short(params)}) "
+            print(f"    headwise layer {caps[0].layer}: {_short(family)} point {i + 1}/{len(grid)} ({_short(params)}) "
                   f"at {time.perf_counter() - t0:.0f} s", file=log, flush=True)
     hq = int(caps[0].q.shape[1])
     serve = torch.stack([target.serves(r[0]) for r in runs])  # [G, Hq]
@@ -875,7 +875,7 @@ def family_options(index: int, family: Mapping[str, Any], caps: Sequence[LayerCa
     return out
 
 
-AUTO_OBJECTIVES = ("time", "density")
+HEADWISE_OBJECTIVES = ("time", "density")
 
 
 def choose_heads(options: Sequence[Sequence[HeadOption | None]], *, seqlen: int, batch: int, head_dim: int,
@@ -889,8 +889,8 @@ def choose_heads(options: Sequence[Sequence[HeadOption | None]], *, seqlen: int,
     choice with the same model.
 
     A head's time is its kernel work at the rates of the merged plan's tile
-    (`reference.auto.head_kernel_ms`) plus its share of its method's estimate
-    (`reference.auto.estimate_ms`; a method without a measured estimate cost is no
+    (`reference.headwise.head_kernel_ms`) plus its share of its method's estimate
+    (`reference.headwise.estimate_ms`; a method without a measured estimate cost is no
     option); dense is the rule's dense time. The merged plan runs at the finest query
     block of its heads, so every query block size in use is tried as the layer's unit
     (options of coarser blocks priced at its tile): the unit of least total time wins.
@@ -902,10 +902,10 @@ def choose_heads(options: Sequence[Sequence[HeadOption | None]], *, seqlen: int,
     Returns:
         (each head's option, None for dense; a record of the costs per head and the unit).
     """
-    from .reference.auto import dense_ms, estimate_ms, head_kernel_ms
+    from .reference.headwise import dense_ms, estimate_ms, head_kernel_ms
 
-    if objective not in AUTO_OBJECTIVES:
-        raise ValueError(f"objective must be one of {AUTO_OBJECTIVES}, got {objective!r}")
+    if objective not in HEADWISE_OBJECTIVES:
+        raise ValueError(f"objective must be one of {HEADWISE_OBJECTIVES}, got {objective!r}")
     hq = len(options[0]) if options else 0
     dense = dense_ms(seqlen=seqlen, batch=batch, head_dim=head_dim, dtype=dtype, rates=rates)
     units = sorted({o.block_m for fam in options for o in fam if o is not None})
@@ -956,36 +956,36 @@ def choose_heads(options: Sequence[Sequence[HeadOption | None]], *, seqlen: int,
 
 def reuse_options(path: Path | str, layer: int, families: Sequence[Mapping[str, Any]]
                   ) -> list[list[HeadOption | None]]:
-    """The options an earlier `--method auto` run measured on one layer (its `--table` JSON),
-    for `calibrate_auto_layer(options=...)`.
+    """The options an earlier `--method headwise` run measured on one layer (its `--table` JSON),
+    for `calibrate_headwise_layer(options=...)`.
 
     Raises:
-        ValueError: the file has no auto result for the layer, or searched other families.
+        ValueError: the file has no headwise result for the layer, or searched other families.
     """
     data = json.loads(Path(path).read_text())
     for row in data.get("layers", []):
-        record = row.get("auto") or {}
+        record = row.get("headwise") or {}
         if int(row.get("layer", -1)) == layer and "options" in record:
             if json.dumps(record.get("families"), sort_keys=True) != json.dumps(list(families), sort_keys=True):
                 raise ValueError(f"{path}: layer {layer} searched other families than this run")
             return [[None if o is None else HeadOption(**o) for o in fam] for fam in record["options"]]
-    raise ValueError(f"{path}: no `--method auto` result for layer {layer}")
+    raise ValueError(f"{path}: no `--method headwise` result for layer {layer}")
 
 
-def calibrate_auto_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], target: Target, *,
+def calibrate_headwise_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], target: Target, *,
                          impl: str = "reference", share: float = 0.95, refine: int = 0,
                          families: Sequence[Mapping[str, Any]] | None = None, rates: Any = None,
                          dtype: torch.dtype | str = torch.bfloat16, objective: str = "time",
                          options: Sequence[Sequence[HeadOption | None]] | None = None,
                          log: Any = None) -> LayerResult:
-    """`--method auto` on one layer: every head the method, setting and unit of least modelled
+    """`--method headwise` on one layer: every head the method, setting and unit of least modelled
     time that serves it (`family_options`, `choose_heads`), the layer's config a per-head list
-    naming each head's method, measured as a whole (`auto_plan`: one merged plan).
+    naming each head's method, measured as a whole (`headwise_plan`: one merged plan).
 
     Args:
-        method: the `auto` descriptor (its `head_candidates`).
+        method: the `headwise` descriptor (its `head_candidates`).
         caps, truths, target, impl, share, refine, log: as `calibrate_layer`.
-        families: the candidate families (default `auto_families`).
+        families: the candidate families (default `headwise_families`).
         rates: the rates table of the cost model (default `reference.dense_fallback.DEFAULT_TABLE`).
         dtype: the deployment's dtype the rates are read at.
         objective: "time" (least modelled time) or "density" (fewest kept pairs): `choose_heads`.
@@ -993,13 +993,13 @@ def calibrate_auto_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequ
             the choice is made again (another objective or rates table) without measuring.
 
     Returns:
-        The `LayerResult`; `chosen_params` names each head's method, `auto` holds the costs.
+        The `LayerResult`; `chosen_params` names each head's method, `headwise` holds the costs.
     """
     from .reference.dense_fallback import DEFAULT_TABLE
 
     t0 = time.perf_counter()
     n = caps[0].seqlen
-    fams = auto_families(method, n, families)
+    fams = headwise_families(method, n, families)
     table = DEFAULT_TABLE if rates is None else rates
     if options is None:
         options = [family_options(i, fam, caps, truths, target, impl=impl, refine=refine, log=log)
@@ -1021,11 +1021,11 @@ def calibrate_auto_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequ
         density=d, recall_mean=rm, recall_min=rn, error=err, oracle=[float(x) for x in oracle],
         oracle_share=share, default_density=[float(x) for x in dstats.density],
         default_recall_mean=[float(x) for x in dstats.recall_mean], default_params=dict(default),
-        seconds=time.perf_counter() - t0, grid="head_candidates", auto=record)
+        seconds=time.perf_counter() - t0, grid="head_candidates", headwise=record)
     if log is not None:
         s = result.summary()
         took = ", ".join(f"{h}:{'dense' if p is None else _short(p.params)}" for h, p in enumerate(picks))
-        print(f"  auto layer {result.layer}: density {s['density']:.4f} (oracle {s['oracle']:.4f}, x{s['ratio']:.2f}), "
+        print(f"  headwise layer {result.layer}: density {s['density']:.4f} (oracle {s['oracle']:.4f}, x{s['ratio']:.2f}), "
               f"recall {s['recall_mean']:.4f} / worst head {s['recall_min_head']:.4f}; modelled "
               f"{record['total_ms']:.4g} ms vs dense {record['dense_total_ms']:.4g} ms at unit {record['unit']}; "
               f"heads {took}", file=log, flush=True)
@@ -1138,31 +1138,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the layers already in the .jsonl (a stopped run, same settings) and measure "
                              "only the others")
     parser.add_argument("--plot", type=Path, default=None, help="density per head before/after (PNG)")
-    _add_auto_arguments(parser)
+    _add_headwise_arguments(parser)
 
 
-def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `--method auto` (per-head method choice by modelled time)."""
-    parser.add_argument("--auto-candidates", type=json.loads, default=None, metavar="JSON",
-                        help='with --method auto: the families searched per head instead of the descriptor\'s, '
+def _add_headwise_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `--method headwise` (per-head method choice by modelled time)."""
+    parser.add_argument("--headwise-candidates", type=json.loads, default=None, metavar="JSON",
+                        help='with --method headwise: the families searched per head instead of the descriptor\'s, '
                              'a JSON list of {"method": name, fixed parameters...}, e.g. '
                              '\'[{"method": "xattention", "block": 64}]\'')
     parser.add_argument("--rates", type=Path, default=None,
-                        help="with --method auto: a rates table (`sparseprefill rates` JSON) for the cost model "
+                        help="with --method headwise: a rates table (`sparseprefill rates` JSON) for the cost model "
                              "(default: the break-even rule's default table, one H200)")
-    parser.add_argument("--auto-dtype", choices=("bfloat16", "float16"), default="bfloat16",
-                        help="with --method auto: the deployment dtype the rates are read at (default bfloat16)")
-    parser.add_argument("--auto-objective", choices=AUTO_OBJECTIVES, default="time",
-                        help="with --method auto: per head the least modelled time (default; dense where nothing "
+    parser.add_argument("--headwise-dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                        help="with --method headwise: the deployment dtype the rates are read at (default bfloat16)")
+    parser.add_argument("--headwise-objective", choices=HEADWISE_OBJECTIVES, default="time",
+                        help="with --method headwise: per head the least modelled time (default; dense where nothing "
                              "beats dense) or the fewest kept pairs (density; dense only where nothing serves)")
-    parser.add_argument("--auto-reuse", type=Path, default=None, metavar="TABLE_JSON",
-                        help="with --method auto: take each layer's measured options from an earlier auto run's "
+    parser.add_argument("--headwise-reuse", type=Path, default=None, metavar="TABLE_JSON",
+                        help="with --method headwise: take each layer's measured options from an earlier headwise run's "
                              "--table JSON (same families and prompts) and only choose again (another objective, "
-                             "--rates or --auto-dtype), then measure the chosen config")
+                             "--rates or --headwise-dtype), then measure the chosen config")
 
 
-def _auto_rates(args: argparse.Namespace) -> Any:
-    """The rates table of the auto cost model: `--rates`, else the default table."""
+def _headwise_rates(args: argparse.Namespace) -> Any:
+    """The rates table of the headwise cost model: `--rates`, else the default table."""
     from .reference.dense_fallback import DEFAULT_TABLE, RateTable
 
     if getattr(args, "rates", None) is None:
@@ -1170,20 +1170,20 @@ def _auto_rates(args: argparse.Namespace) -> Any:
     return RateTable.from_json(json.loads(Path(args.rates).read_text()))
 
 
-def _auto_header(args: argparse.Namespace) -> dict[str, Any]:
-    """The auto settings that decide a layer's result (only when given, so other runs' headers
+def _headwise_header(args: argparse.Namespace) -> dict[str, Any]:
+    """The headwise settings that decide a layer's result (only when given, so other runs' headers
     stay as they were)."""
     out: dict[str, Any] = {}
-    for key in ("auto_candidates", "rates", "auto_dtype", "auto_objective", "auto_reuse"):
+    for key in ("headwise_candidates", "rates", "headwise_dtype", "headwise_objective", "headwise_reuse"):
         value = getattr(args, key, None)
-        if value is not None and not (key, value) in (("auto_dtype", "bfloat16"), ("auto_objective", "time")):
+        if value is not None and not (key, value) in (("headwise_dtype", "bfloat16"), ("headwise_objective", "time")):
             out[key] = str(value) if isinstance(value, Path) else value
     return out
 
 
-def _describe_auto(method: Any, seqlen: int, args: argparse.Namespace, *, log: bool) -> tuple[str, list[Any]]:
-    """(grid label, the families) of an auto run, printed with each family's grid size."""
-    families = auto_families(method, seqlen, args.auto_candidates)
+def _describe_headwise(method: Any, seqlen: int, args: argparse.Namespace, *, log: bool) -> tuple[str, list[Any]]:
+    """(grid label, the families) of a headwise run, printed with each family's grid size."""
+    families = headwise_families(method, seqlen, args.headwise_candidates)
     if log:
         sizes = ", ".join(f"{_short(f)} ({len(family_grid(f, seqlen))})" for f in families)
         print(f"{method.name}: per head, the least modelled time over {len(families)} families (grid points): "
@@ -1206,7 +1206,7 @@ def _header(args: argparse.Namespace, target: Target, impl: str) -> dict[str, An
             "margin": args.margin, "granularity": args.granularity, "grid": args.grid, "refine": args.refine,
             "refine_top": args.refine_top, "rows": args.rows, "seed": args.seed, "share": args.share,
             "backend": impl, "captures": [str(p) for p in args.qkv], "layers": args.layers,
-            "max_seqlen": args.max_seqlen, **_auto_header(args)}
+            "max_seqlen": args.max_seqlen, **_headwise_header(args)}
 
 
 def _layer_result(row: Mapping[str, Any]) -> LayerResult:
@@ -1241,7 +1241,7 @@ def run(args: argparse.Namespace) -> int:
             jobs = [(METHODS[name], None) for name in names]
             for name in names:
                 if METHODS[name].head_candidates is not None:
-                    auto_families(METHODS[name], 4096, args.auto_candidates)
+                    headwise_families(METHODS[name], 4096, args.headwise_candidates)
             if args.grid is not None:
                 if len(names) != 1:
                     raise ValueError("--grid needs exactly one --method")
@@ -1276,7 +1276,7 @@ def run(args: argparse.Namespace) -> int:
         layers: dict[int, Any] = {}
         grid_label, grid_points = calibration_grid(method, seqlen, args.grid)
         if method.head_candidates is not None:
-            grid_label, grid_points = _describe_auto(method, seqlen, args, log=config is None)
+            grid_label, grid_points = _describe_headwise(method, seqlen, args, log=config is None)
         elif config is None:
             print(f"{method.name}: {describe_grid(grid_label, grid_points, seqlen)}", file=sys.stderr, flush=True)
         meta = {"target": asdict(target), "margin": args.margin, "calibrated_to": asdict(calib_target),
@@ -1297,12 +1297,12 @@ def run(args: argparse.Namespace) -> int:
                     res = evaluate_layer(method, config.layers[layer], group, truths[layer], impl=impl,
                                          share=args.share)
                 elif method.head_candidates is not None:
-                    fams = auto_families(method, seqlen, args.auto_candidates)
-                    reused = None if args.auto_reuse is None else reuse_options(args.auto_reuse, layer, fams)
-                    res = calibrate_auto_layer(method, group, truths[layer], calib_target, impl=impl,
+                    fams = headwise_families(method, seqlen, args.headwise_candidates)
+                    reused = None if args.headwise_reuse is None else reuse_options(args.headwise_reuse, layer, fams)
+                    res = calibrate_headwise_layer(method, group, truths[layer], calib_target, impl=impl,
                                                share=args.share, refine=args.refine, families=fams,
-                                               rates=_auto_rates(args), dtype=args.auto_dtype,
-                                               objective=args.auto_objective, options=reused, log=sys.stderr)
+                                               rates=_headwise_rates(args), dtype=args.headwise_dtype,
+                                               objective=args.headwise_objective, options=reused, log=sys.stderr)
                 else:
                     res = calibrate_layer(method, group, truths[layer], calib_target, granularity=args.granularity,
                                           impl=impl, share=args.share, log=sys.stderr, grid=args.grid,

@@ -21,7 +21,7 @@ where a layer SPEC is one of
   An entry may name its own method, `{"method": "vertical_slash", ...}` (one of
   `head_methods()`: the heads' plans merge into one plan of the layer at their finest
   block sizes, one launch), its parameters then checked by that method; the heads of an
-  `auto` config (`sparseprefill calibrate --method auto`) all name theirs.
+  `headwise` config (`sparseprefill calibrate --method headwise`) all name theirs.
 
 Everything is checked when the file is read, before any model is touched: the format tag,
 the method, layer indices, each spec's form, `dense_heads`, list lengths against
@@ -151,8 +151,8 @@ def check_layer_spec(method: str, spec: object, *, q_heads: int | None = None, w
 
 def head_methods() -> tuple[str, ...]:
     """The methods a head of a per-head list may name (`"method"`): those whose heads' plans
-    merge into one plan of the layer (`reference.auto`)."""
-    from .reference.auto import KNOBS
+    merge into one plan of the layer (`reference.headwise`)."""
+    from .reference.headwise import KNOBS
 
     return tuple(KNOBS)
 

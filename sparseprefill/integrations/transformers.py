@@ -842,10 +842,10 @@ def _head_params(method: str, params: dict[str, Any], head: int, heads: int) -> 
     return out
 
 
-def _auto_heads(choices: Sequence[Choice], q: torch.Tensor) -> list[dict[str, Any] | None] | None:
-    """The per-head choices as `auto_plan` takes them (`{"method": ..., **params}`, None for a
+def _headwise_heads(choices: Sequence[Choice], q: torch.Tensor) -> list[dict[str, Any] | None] | None:
+    """The per-head choices as `headwise_plan` takes them (`{"method": ..., **params}`, None for a
     dense head; a layer-wide per-head knob cut to each head's value), or None when a head's
-    method is not one `auto` composes (then each head is planned alone)."""
+    method is not one `headwise` composes (then each head is planned alone)."""
     from ..config import METHOD, head_methods
 
     hq = int(q.shape[1])
@@ -870,12 +870,12 @@ def build_plan(
     q: torch.Tensor, k: torch.Tensor, choices: Sequence[Choice], *, fast_plans: bool
 ) -> BlockColumnPlan:
     """One plan for all heads: one estimator call if every head shares a method, else one per
-    group of heads sharing a method and its non-knob parameters, merged (`auto_plan`).
+    group of heads sharing a method and its non-knob parameters, merged (`headwise_plan`).
 
     Heads whose choice is full attention (`Choice(DENSE, None)`) are marked dense. Heads
     may differ in block sizes: the plan takes the finest (`BlockColumnPlan.refined`). A
     per-head knob given for the whole layer (`Method.knobs`) gives each head its element.
-    A layer mixing in a method that `auto` does not compose plans each head alone and
+    A layer mixing in a method that `headwise` does not compose plans each head alone and
     needs equal block sizes.
 
     Args:
@@ -905,11 +905,11 @@ def build_plan(
     if all(c == first for c in choices):
         plan = plan_fn(first)(q, k, **_resolve_params(first, q))
         return plan.with_dense_heads(first.dense_heads)
-    heads = _auto_heads(choices, q)
+    heads = _headwise_heads(choices, q)
     if heads is not None:
         # One estimate per group of heads sharing a method, the plans merged at their finest unit.
-        auto_plan = fast.auto_plan if fast_plans else reference.auto_plan
-        return auto_plan(q, k, heads=heads)
+        plan_heads = fast.headwise_plan if fast_plans else reference.headwise_plan
+        return headwise_plan(q, k, heads=heads)
     plans: list[BlockColumnPlan | None] = [None] * hq
     sizes: dict[str, int] | None = None
     for h, choice in enumerate(choices):

@@ -184,7 +184,7 @@ class Method:
             threshold): a per-head value still has one element per query head, but the
             query heads of a KV group must share it (`reference._checks.per_kv_head`);
             the conformance strategies draw them per KV head.
-        head_candidates: for a method whose heads each take another method (`auto`):
+        head_candidates: for a method whose heads each take another method (`headwise`):
             `N -> [{"method": name, **fixed parameters}, ...]`, the families `sparseprefill
             calibrate` searches per head (each family the named method's calibration grid
             with the fixed parameters, a unit say, laid over every point); its configs'

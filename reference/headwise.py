@@ -1,9 +1,9 @@
-"""`auto`: every query head its own method, setting and unit; one plan and one launch per layer.
+"""`headwise`: every query head its own method, setting and unit; one plan and one launch per layer.
 
 A layer's heads differ by 10x in what they need (docs/calibrate.md), and no single method
 is the cheapest on all of them: a head with a few strong columns and diagonals is served
 by lines, a head whose mass sits in blocks by tiles, a diffuse head by nothing sparse at
-all. `auto_plan` takes one choice per query head, `{"method": name, **parameters}` or
+all. `headwise_plan` takes one choice per query head, `{"method": name, **parameters}` or
 None (that head runs full causal attention), and makes **one** plan of the layer:
 
 1. heads that take the same method with the same non-knob parameters (block sizes,
@@ -22,10 +22,10 @@ None (that head runs full causal attention), and makes **one** plan of the layer
 through dense attention). Every method here plans a head from that head's queries, keys
 and knob value alone (none has coupled heads), so head `h` of the merged plan keeps
 exactly the keys that its method's plan of the whole layer keeps for `h`
-(`tests/test_auto.py`).
+(`tests/test_headwise.py`).
 
-`fast.auto_plan` runs the same steps with `fast`'s estimators. `sparseprefill calibrate
---method auto` chooses the heads' choices: per head, among methods, settings and units, the
+`fast.headwise_plan` runs the same steps with `fast`'s estimators. `sparseprefill calibrate
+--method headwise` chooses the heads' choices: per head, among methods, settings and units, the
 one that reaches the target at the least modelled cost (`head_kernel_ms` + `estimate_ms`).
 
 The estimate cost model (`ESTIMATE_SHARES`): each method's estimate (its `*_plan` call,
@@ -59,7 +59,7 @@ HeadChoice = Mapping[str, Any] | None
 METHOD_KEY = "method"
 
 # The methods a head may take, and the parameters of each that take one value per query head
-# (their descriptors' `Method.knobs`; `tests/test_auto.py` checks the two agree).
+# (their descriptors' `Method.knobs`; `tests/test_headwise.py` checks the two agree).
 KNOBS: dict[str, tuple[str, ...]] = {
     "xattention": ("threshold",),
     "dpxa": ("threshold",),
@@ -76,7 +76,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Estimator:
-    """One method as `auto` calls it: its plan function and its per-head knobs."""
+    """One method as `headwise` calls it: its plan function and its per-head knobs."""
 
     plan: Callable[..., BlockColumnPlan]
     knobs: tuple[str, ...]
@@ -120,7 +120,7 @@ def check_heads(heads: object, estimators: Mapping[str, Estimator], q_heads: int
 
     Args:
         heads: a list or tuple; each entry None (full causal attention) or a mapping with
-            `"method"` (a method `auto` composes: `estimators`) and that method's parameters,
+            `"method"` (a method `headwise` composes: `estimators`) and that method's parameters,
             each knob one value (the head's own). With `q_heads`, it has `q_heads` entries,
             or fewer, repeated (head `h` takes entry `h % len(heads)`).
         estimators: the methods a head may take.
@@ -191,7 +191,7 @@ def head_calls(heads: Sequence[int], q_heads: int, kv_heads: int) -> list[tuple[
     return [([h for kv in kvs for h in by_kv[kv]], kvs) for _, kvs in sorted(by_size.items())]
 
 
-def auto_plan_with(
+def headwise_plan_with(
     estimators: Mapping[str, Estimator],
     q: torch.Tensor,
     k: torch.Tensor,
@@ -199,7 +199,7 @@ def auto_plan_with(
     heads: Sequence[HeadChoice],
     scale: float | None = None,
 ) -> BlockColumnPlan:
-    """`auto_plan` with a given package's estimators (see the module doc); no break-even rule."""
+    """`headwise_plan` with a given package's estimators (see the module doc); no break-even rule."""
     shape = check_qk(q, k)
     resolve_scale(scale, shape.head_dim)
     hq, hkv = shape.q_heads, shape.kv_heads
@@ -234,7 +234,7 @@ def auto_plan_with(
     return merge_heads(parts, num_heads=hq, dense_heads=dense)
 
 
-def auto_plan(
+def headwise_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
@@ -258,10 +258,10 @@ def auto_plan(
         TypeError, ValueError: bad inputs or choices (before any estimate); a bad knob value
             is refused by its method's estimator when its group is planned.
     """
-    return apply_rule(auto_plan_with(reference_estimators(), q, k, heads=heads, scale=scale), q)
+    return apply_rule(headwise_plan_with(reference_estimators(), q, k, heads=heads, scale=scale), q)
 
 
-def auto(
+def headwise(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -270,11 +270,11 @@ def auto(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of a layer whose query heads each take their own method: `sparse_attention`
-    of `auto_plan` (one plan for the layer).
+    of `headwise_plan` (one plan for the layer).
 
     Args:
         q: `[B, Hq, N, D]`; k, v: `[B, Hkv, N, D]`.
-        heads, scale: as `auto_plan`.
+        heads, scale: as `headwise_plan`.
 
     Returns:
         `[B, Hq, N, D]` in q's dtype.
@@ -282,7 +282,7 @@ def auto(
     from .attention import sparse_attention
 
     check_qkv(q, k, v)
-    return sparse_attention(q, k, v, auto_plan(q, k, heads=heads, scale=scale), scale=scale)
+    return sparse_attention(q, k, v, headwise_plan(q, k, heads=heads, scale=scale), scale=scale)
 
 
 # -- the cost model ----------------------------------------------------------------------

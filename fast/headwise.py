@@ -1,7 +1,7 @@
-"""`auto` on the GPU: every query head its own method, one merged plan, one kernel launch
-(see `reference.auto` for the spec).
+"""`headwise` on the GPU: every query head its own method, one merged plan, one kernel launch
+(see `reference.headwise` for the spec).
 
-The same grouping and merging as the reference (`reference.auto.auto_plan_with`), with
+The same grouping and merging as the reference (`reference.headwise.headwise_plan_with`), with
 `fast`'s estimators: each group of heads that share a method is estimated once on its own
 heads, the groups' plans merged at their finest common unit on the device
 (`reference.plan.merge_heads`: slices written in place, no host read), the break-even rule
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..reference._checks import HALF_DTYPES, check_qkv
-from ..reference.auto import KNOBS, Estimator, HeadChoice, auto_plan_with
+from ..reference.headwise import KNOBS, Estimator, HeadChoice, headwise_plan_with
 from ..reference.plan import BlockColumnPlan
 from .attention import run_plan
 from .dense_fallback import apply_rule
@@ -27,7 +27,7 @@ from .kernels import check_forward_only
 
 def fast_estimators() -> dict[str, Estimator]:
     """The fast package's estimators, by method name (the same names and knobs as
-    `reference.auto.reference_estimators`)."""
+    `reference.headwise.reference_estimators`)."""
     from .a_shape import a_shape_plan
     from .anchor_attention import anchor_attention_plan
     from .block_sparse import block_sparse_plan
@@ -48,7 +48,7 @@ def fast_estimators() -> dict[str, Estimator]:
     return {name: Estimator(fn, KNOBS[name]) for name, fn in plans.items()}
 
 
-def auto_plan(
+def headwise_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
@@ -56,15 +56,15 @@ def auto_plan(
     scale: float | None = None,
 ) -> BlockColumnPlan:
     """One plan of a layer whose query heads each take their own method (see
-    `reference.auto_plan`).
+    `reference.headwise_plan`).
 
     Raises:
         TypeError, ValueError: bad inputs or choices.
     """
-    return apply_rule(auto_plan_with(fast_estimators(), q, k, heads=heads, scale=scale), q)
+    return apply_rule(headwise_plan_with(fast_estimators(), q, k, heads=heads, scale=scale), q)
 
 
-def auto(
+def headwise(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -72,12 +72,12 @@ def auto(
     heads: Sequence[HeadChoice],
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of a layer whose query heads each take their own method: `auto_plan`, then
-    one block/column launch (see `reference.auto`).
+    """Attention of a layer whose query heads each take their own method: `headwise_plan`, then
+    one block/column launch (see `reference.headwise`).
 
     Returns:
         `[B, Hq, N, D]` in q's dtype.
     """
     check_qkv(q, k, v, dtypes=HALF_DTYPES)
     check_forward_only(q, k, v)
-    return run_plan(q, k, v, auto_plan(q, k, heads=heads, scale=scale), scale=scale)
+    return run_plan(q, k, v, headwise_plan(q, k, heads=heads, scale=scale), scale=scale)

@@ -1,4 +1,4 @@
-"""`auto`: per-head method choice (each query head its own method, setting and unit; one
+"""`headwise`: per-head method choice (each query head its own method, setting and unit; one
 merged plan, one launch per layer) as a method descriptor."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import fast, reference
-from ..reference.auto import KNOBS, METHOD_KEY, check_heads, reference_estimators
+from ..reference.headwise import KNOBS, METHOD_KEY, check_heads, reference_estimators
 from ._common import tile_block, vertical_slash_defaults
 from ._core import METHODS, Adapter, Method, SyncStatus, register
 
 
 def defaults(n: int) -> dict[str, Any]:
     """Four methods at their defaults, heads taking them in turn (head `h` the `h % 4`-th):
-    what the demo, bench and compare run without a calibrated config. A deployed `auto`
-    runs the per-head config `sparseprefill calibrate --method auto` writes."""
+    what the demo, bench and compare run without a calibrated config. A deployed `headwise`
+    runs the per-head config `sparseprefill calibrate --method headwise` writes."""
     return {"heads": [
         {METHOD_KEY: "xattention", "stride": 8, "threshold": 0.9, "block": tile_block(n)},
         {METHOD_KEY: "vertical_slash", **vertical_slash_defaults(n)},
@@ -27,7 +27,7 @@ def defaults(n: int) -> dict[str, Any]:
 
 
 def head_candidates(n: int) -> list[dict[str, Any]]:
-    """The families `calibrate --method auto` searches per head: each method's calibration grid
+    """The families `calibrate --method headwise` searches per head: each method's calibration grid
     at each unit listed here (the unit's parameters laid over every grid point).
 
     Tiles of 128 and 64 (XAttention, SampleAttention's blocks); vertical-slash lines on
@@ -35,7 +35,7 @@ def head_candidates(n: int) -> list[dict[str, Any]]:
     FlexPrefill's lines at token level (`line_block` 1, columns through the column path) and
     in bands of 64; AnchorAttention's stripes (token columns) on 128- and 64-row blocks. DPXA
     (minutes per grid point on a CPU) and block-sparse (no measured estimate cost) are left
-    out; `--auto-candidates` names others.
+    out; `--headwise-candidates` names others.
     """
     return [
         {METHOD_KEY: "xattention", "block": 128},
@@ -52,7 +52,7 @@ def head_candidates(n: int) -> list[dict[str, Any]]:
 
 
 def check(params: Mapping[str, Any]) -> None:
-    """The per-head choices: their form (`reference.auto.check_heads`), then each head's
+    """The per-head choices: their form (`reference.headwise.check_heads`), then each head's
     parameters through its own method's check (the message names the head)."""
     heads = params.get("heads")
     check_heads(heads, reference_estimators())
@@ -77,13 +77,13 @@ def _heads_to_json(heads: object) -> object:
 
 
 METHOD = register(Method(
-    name="auto",
+    name="headwise",
     notes="per-head method choice: each query head its own method, setting and unit (calibrate --method "
-          "auto), the heads' plans merged at their finest unit, one kernel launch",
-    reference_plan=reference.auto_plan,
-    fast_plan=fast.auto_plan,
-    reference_run=reference.auto,
-    fast_run=fast.auto,
+          "headwise), the heads' plans merged at their finest unit, one kernel launch",
+    reference_plan=reference.headwise_plan,
+    fast_plan=fast.headwise_plan,
+    reference_run=reference.headwise,
+    fast_run=fast.headwise,
     defaults=defaults,
     check=check,
     head_candidates=head_candidates,
@@ -97,5 +97,5 @@ METHOD = register(Method(
     adapters={"heads": Adapter("str", _heads_to_json, _heads_from_json)},
 ))
 
-# The methods a head may take are those `reference.auto` composes; each is registered.
+# The methods a head may take are those `reference.headwise` composes; each is registered.
 assert set(KNOBS) <= set(METHODS), sorted(set(KNOBS) - set(METHODS))
