@@ -909,7 +909,7 @@ def build_plan(
     if heads is not None:
         # One estimate per group of heads sharing a method, the plans merged at their finest unit.
         plan_heads = fast.headwise_plan if fast_plans else reference.headwise_plan
-        return headwise_plan(q, k, heads=heads)
+        return plan_heads(q, k, heads=heads)
     plans: list[BlockColumnPlan | None] = [None] * hq
     sizes: dict[str, int] | None = None
     for h, choice in enumerate(choices):
