@@ -908,5 +908,4 @@ def _headwise_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
 
 CHECKS["headwise"] = Checks(
     params=_headwise_params,
-    min_heads=4,  # up to four choices, one per head at least
 )

@@ -114,30 +114,28 @@ def reference_estimators() -> dict[str, Estimator]:
 # -- the choices -------------------------------------------------------------------------
 
 
-def check_heads(heads: object, estimators: Mapping[str, Estimator], q_heads: int | None = None
-                ) -> list[tuple[str, dict[str, Any]] | None]:
+def check_heads(heads: object, estimators: Mapping[str, Estimator]) -> list[tuple[str, dict[str, Any]] | None]:
     """Check a per-head choice list and return it as `(method, params)` or None per entry.
 
     Args:
         heads: a list or tuple; each entry None (full causal attention) or a mapping with
             `"method"` (a method `headwise` composes: `estimators`) and that method's parameters,
-            each knob one value (the head's own). With `q_heads`, it has `q_heads` entries,
-            or fewer, repeated (head `h` takes entry `h % len(heads)`).
+            each knob one value (the head's own). A call gives query head `h` entry
+            `h % len(heads)` (one entry per head, or a pattern repeated over the heads, as
+            MInference's default patterns are; a calibrated config has one per head, checked
+            against its `q_heads`).
         estimators: the methods a head may take.
-        q_heads: Hq of the call, when known.
 
     Raises:
-        TypeError: not a list of mappings / None, a parameter name the method does not take.
-        ValueError: empty, longer than Hq, an unknown method, a knob given as a list, `scale`
-            in a head's parameters (the call's scale applies to every head).
+        TypeError: not a list of mappings / None, a parameter name the method does not take
+            (`scale` included: the call's scale applies to every head).
+        ValueError: empty, an unknown method, a knob given as a list.
     """
     if isinstance(heads, (str, bytes, Mapping)) or not isinstance(heads, (list, tuple)):
         raise TypeError(f"heads must be a list of per-head choices (a dict with 'method', or None), "
                         f"got {type(heads).__name__}")
     if not heads:
         raise ValueError("heads must not be empty")
-    if q_heads is not None and len(heads) > q_heads:
-        raise ValueError(f"heads has {len(heads)} entries for {q_heads} query heads")
     out: list[tuple[str, dict[str, Any]] | None] = []
     for h, entry in enumerate(heads):
         where = f"heads[{h}]"
@@ -203,7 +201,7 @@ def headwise_plan_with(
     shape = check_qk(q, k)
     resolve_scale(scale, shape.head_dim)
     hq, hkv = shape.q_heads, shape.kv_heads
-    choices = check_heads(heads, estimators, hq)
+    choices = check_heads(heads, estimators)
     per_head = [choices[h % len(choices)] for h in range(hq)]
     groups: dict[str, list[int]] = {}
     for h, choice in enumerate(per_head):
@@ -245,9 +243,9 @@ def headwise_plan(
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
-        heads: one choice per query head (or fewer, repeated: head `h` takes `heads[h %
-            len(heads)]`): None (full causal attention) or `{"method": name, **params}`, a
-            method of `KNOBS` with its parameters, each knob one value.
+        heads: the query heads' choices, head `h` taking `heads[h % len(heads)]`: None (full
+            causal attention) or `{"method": name, **params}`, a method of `KNOBS` with its
+            parameters, each knob one value.
         scale: softmax scale of the estimates, `1/sqrt(D)` if None.
 
     Returns:
