@@ -278,6 +278,49 @@ def dense_heads_of(spec: LayerSpec, q_heads: int) -> list[int]:
     return [h for h, head in enumerate(spec) if head is None]
 
 
+def headwise_heads(config: CalibratedConfig, layer: int) -> list[dict[str, Any] | None]:
+    """One layer of any config as the `headwise` method's `heads` (one `{"method": ..., **params}`
+    or None per query head): what `sparseprefill bench headwise --params '{"heads": ...}'` runs,
+    so configs of every method run through one path beside each other.
+
+    A dict spec gives each head its element of every per-head knob (`Method.knobs`) and its
+    `dense_heads` None; a per-head list gives each head the config's method unless it names
+    its own; None (or a layer the file lacks) makes every head dense.
+
+    Raises:
+        ValueError: a config without `q_heads`, or whose method is not one a head can take.
+    """
+    from .methods import METHODS
+
+    hq = config.q_heads
+    if hq is None:
+        raise ValueError(f"the {config.method!r} config records no q_heads")
+    spec = config.layers.get(layer)
+    if spec is None:
+        return [None] * hq
+    if isinstance(spec, Mapping):
+        if config.method not in head_methods():
+            raise ValueError(f"{config.method!r} is not a method one head can take ({', '.join(head_methods())})")
+        params, dense = split_dense_heads(spec)
+        out: list[dict[str, Any] | None] = []
+        for h in range(hq):
+            if h in dense:
+                out.append(None)
+                continue
+            head = {key: (val[h] if key in METHODS[config.method].knobs and isinstance(val, (list, tuple)) else val)
+                    for key, val in params.items()}
+            out.append({METHOD: config.method, **head})
+        return out
+    heads: list[dict[str, Any] | None] = []
+    for head in spec:
+        if head is None:
+            heads.append(None)
+        else:
+            named = dict(head)
+            heads.append({METHOD: named.pop(METHOD, config.method), **named})
+    return heads
+
+
 def layer_specs(config: CalibratedConfig | Mapping[int, LayerSpec]) -> dict[int, LayerSpec]:
     """`{layer_idx: spec}` of a read config or of such a mapping already in memory."""
     if isinstance(config, CalibratedConfig):
@@ -295,6 +338,7 @@ __all__ = [
     "config_payload",
     "dense_heads_of",
     "head_methods",
+    "headwise_heads",
     "layer_specs",
     "parse_config",
     "read_config",

@@ -385,3 +385,23 @@ def test_calibrate_headwise_config_into_patch(tmp_path: Path) -> None:
             unpatch(model)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(full, dense, atol=1e-4, rtol=0)
+
+
+def test_headwise_heads_of_any_config() -> None:
+    """Any method's config as the headwise method's heads: the same plan per head."""
+    from sparseprefill.config import CalibratedConfig, headwise_heads
+
+    q, k = _qk(n=150, hq=4)
+    spec = {"stride": 4, "block": 32, "threshold": [0.9, 0.8, 0.95, 0.7], "dense_heads": [2]}
+    config = CalibratedConfig("xattention", {3: spec, 4: None}, {"q_heads": 4})
+    heads = headwise_heads(config, 3)
+    assert heads[2] is None and heads[1] == {"method": "xattention", "stride": 4, "block": 32, "threshold": 0.8}
+    want = reference.xattention_plan(q, k, stride=4, block=32, threshold=[0.9, 0.8, 0.95, 0.7]).with_dense_heads([2])
+    assert torch.equal(reference.headwise_plan(q, k, heads=heads).to_dense_mask(), want.to_dense_mask())
+    assert headwise_heads(config, 4) == [None] * 4 and headwise_heads(config, 7) == [None] * 4
+    listed = CalibratedConfig("streaming", {0: [{"sink": 8, "window": 16}, None, {"method": "dense"}, None]},
+                              {"q_heads": 4})
+    assert headwise_heads(listed, 0) == [{"method": "streaming", "sink": 8, "window": 16}, None, {"method": "dense"},
+                                         None]
+    with pytest.raises(ValueError, match="no q_heads"):
+        headwise_heads(CalibratedConfig("xattention", {0: spec}), 0)
