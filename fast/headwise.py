@@ -13,7 +13,7 @@ method descriptors' `sync`), and the rule's `[Hq]` flags once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ def fast_estimators() -> dict[str, Estimator]:
     from .vertical_slash import vertical_slash_plan
     from .xattention import xattention_plan
 
-    plans = {
+    plans: dict[str, Callable[..., BlockColumnPlan]] = {
         "xattention": xattention_plan, "dpxa": dpxa_plan, "vertical_slash": vertical_slash_plan,
         "flexprefill_vs": flexprefill_vs_plan, "sample_attention": sample_attention_plan,
         "anchor_attention": anchor_attention_plan, "block_sparse": block_sparse_plan, "a_shape": a_shape_plan,

@@ -857,7 +857,7 @@ class BlockColumnPlan:
                 horizon = torch.cat([last, last[-1:].expand(pad)]).view(1, 1, -1, group)
             valid = torch.arange(width, device=dev) < row_len.unsqueeze(-1)
             ordered = torch.where(valid, rows.to(torch.int64), torch.iinfo(torch.int64).max)
-            lead = torch.broadcast_shapes(ordered.shape[:2], horizon.shape[:2])
+            lead = (max(int(ordered.shape[0]), int(horizon.shape[0])), max(int(ordered.shape[1]), int(horizon.shape[1])))
             seen = torch.searchsorted(ordered.expand(*lead, *ordered.shape[2:]).contiguous(),
                                       horizon.expand(*lead, *horizon.shape[2:]).contiguous(), right=True)
             seen = seen.reshape(*lead, -1)[..., :qb]
@@ -1111,8 +1111,8 @@ def merge_heads(parts: Sequence[tuple[BlockColumnPlan, Sequence[int]]], *, num_h
                 dst[..., : src.shape[-1]] = src
             start = stop
     merged = BlockColumnPlan(
-        seqlen=n, block_m=bm, block_n=bn, **out,
-        columns_disjoint=all(p.columns_disjoint or p.column_index.shape[3] == 0 for p in plans),
+        seqlen=n, block_m=bm, block_n=bn, block_count=out["block_count"], block_index=out["block_index"],
+        column_count=out["column_count"], column_index=out["column_index"], columns_disjoint=all(p.columns_disjoint or p.column_index.shape[3] == 0 for p in plans),
         column_group=group, query_offset=first.query_offset, dense_heads=tuple(sorted(marks)),
     )
     return merged.mark_valid() if all(p._checked for p in plans) else merged

@@ -910,8 +910,10 @@ def choose_heads(options: Sequence[Sequence[HeadOption | None]], *, seqlen: int,
     dense = dense_ms(seqlen=seqlen, batch=batch, head_dim=head_dim, dtype=dtype, rates=rates)
     units = sorted({o.block_m for fam in options for o in fam if o is not None})
     if objective == "density":
-        least = [min((fam[h] for fam in options if fam[h] is not None),
-                     key=lambda o: o.block_pairs + o.column_pairs, default=None) for h in range(hq)]
+        least: list[HeadOption | None] = []
+        for h in range(hq):
+            served = [o for fam in options if (o := fam[h]) is not None]
+            least.append(min(served, key=lambda o: o.block_pairs + o.column_pairs) if served else None)
         chosen = [o.block_m for o in least if o is not None]
         units = [math.gcd(*chosen)] if chosen else []
     best: tuple[float, int, list[HeadOption | None], list[float], list[float]] | None = None

@@ -307,9 +307,9 @@ def headwise_heads(config: CalibratedConfig, layer: int) -> list[dict[str, Any] 
             if h in dense:
                 out.append(None)
                 continue
-            head = {key: (val[h] if key in METHODS[config.method].knobs and isinstance(val, (list, tuple)) else val)
-                    for key, val in params.items()}
-            out.append({METHOD: config.method, **head})
+            own = {key: (val[h] if key in METHODS[config.method].knobs and isinstance(val, (list, tuple)) else val)
+                   for key, val in params.items()}
+            out.append({METHOD: config.method, **own})
         return out
     heads: list[dict[str, Any] | None] = []
     for head in spec:

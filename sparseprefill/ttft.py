@@ -144,9 +144,9 @@ def method_config(method: str, seqlen: int, layers: Sequence[int] | None, path: 
     """(the `patch` config of a method, its label): the calibrated file, else the defaults on
     `layers` (None: every layer)."""
     if path is not None:
-        from .calibrate import load_config
+        from .config import read_config
 
-        return load_config(path, method=method), str(path)
+        return read_config(path, method=method), str(path)
     if layers is None:
         return None, "defaults"
     params = METHODS[method].demo_params(seqlen)
