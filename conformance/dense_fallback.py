@@ -84,7 +84,7 @@ CUTOFFS = ("at", "between", "above", "below")
 # The methods whose runs apply the break-even rule (streaming, a_shape, dense and
 # shareprefill plan from N alone or their own rule, and do not).
 RULE_METHODS = ("xattention", "dpxa", "flexprefill_vs", "anchor_attention", "vertical_slash", "minference",
-                "sample_attention", "block_sparse", "delta_kv", "delta_xattention")
+                "sample_attention", "block_sparse", "delta_kv", "delta_xattention", "headwise")
 SUMMARY = ("with one fixed rates table in both packages, the heads sent dense agree (a head may differ only "
            "in the band where the cutoff lies between the two packages' costs of tied lists), each package "
            "marks every head its rule marks and keeps the others' lists exact, and each output follows its "
