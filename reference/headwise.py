@@ -202,7 +202,8 @@ def headwise_plan_with(
     resolve_scale(scale, shape.head_dim)
     hq, hkv = shape.q_heads, shape.kv_heads
     choices = check_heads(heads, estimators)
-    per_head = [choices[h % len(choices)] for h in range(hq)]
+    # A head that takes `dense` is a dense head: marked, so it runs through dense attention.
+    per_head = [None if c is None or c[0] == "dense" else c for c in (choices[h % len(choices)] for h in range(hq))]
     groups: dict[str, list[int]] = {}
     for h, choice in enumerate(per_head):
         if choice is not None:
@@ -250,7 +251,7 @@ def headwise_plan(
 
     Returns:
         A `BlockColumnPlan` of every head at the finest block sizes its heads use; the None
-        heads (and those the break-even rule sends dense) in `dense_heads`.
+        and `dense` heads (and those the break-even rule sends dense) in `dense_heads`.
 
     Raises:
         TypeError, ValueError: bad inputs or choices (before any estimate); a bad knob value
