@@ -95,7 +95,7 @@ LAYERS = ("none", "at", "below", "above")
 # The methods whose runs apply the break-even rule (streaming, a_shape, dense and
 # shareprefill plan from N alone or their own rule, and do not).
 RULE_METHODS = ("xattention", "dpxa", "flexprefill_vs", "anchor_attention", "vertical_slash", "minference",
-                "sample_attention", "block_sparse", "delta_kv", "delta_xattention")
+                "sample_attention", "block_sparse", "delta_kv", "delta_xattention", "headwise")
 SUMMARY = ("with one fixed rates table in both packages (our kernel's dense and the layer's one SDPA call "
            "priced), the heads sent dense agree (a head, or the layer, may differ only in the band where the "
            "cutoff lies between the two packages' costs of tied lists), each package "

@@ -887,3 +887,27 @@ CHECKS["shareprefill"] = Checks(
     head_local=True,
     lines_check=shareprefill_lines_check,
 )
+
+
+def _headwise_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
+    """Per-head choices of the methods whose plans are exact in both packages (streaming, A-shape,
+    dense, each with its own drawn block sizes) and dense heads: what `headwise` adds to its methods
+    (grouping, the merge at the finest unit, dense marks) is checked exactly; the adaptive
+    methods' own agreement is their own properties'."""
+    from hypothesis import strategies as st
+
+    heads: list[dict[str, Any] | None] = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["streaming", "a_shape", "dense", "streaming", None]))
+        if kind is None:
+            heads.append(None)
+        elif kind == "dense":
+            heads.append({"method": kind, **_block_sizes(draw)})
+        else:
+            heads.append({"method": kind, **_streaming_params(draw, seqlen)})
+    return {"heads": heads}
+
+
+CHECKS["headwise"] = Checks(
+    params=_headwise_params,
+)

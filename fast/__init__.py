@@ -14,6 +14,7 @@ from ..reference.sample_attention import SampleAttentionSettings
 from ..reference.shareprefill import ClusterLayout, LayerDecision, Pivot, SharePattern, SharePrefillState
 from .a_shape import a_shape, a_shape_plan
 from .anchor_attention import anchor_attention, anchor_attention_plan
+from .headwise import headwise, headwise_plan
 from .attention import attention, sparse_attention
 from .block_sparse import block_sparse, block_sparse_plan
 from .chunked import chunk_plan
@@ -72,6 +73,8 @@ __all__ = [
     "a_shape_plan",
     "anchor_attention",
     "anchor_attention_plan",
+    "headwise",
+    "headwise_plan",
     "attention",
     "block_sparse",
     "block_sparse_plan",

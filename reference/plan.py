@@ -66,7 +66,7 @@ out-of-bounds memory access.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -83,6 +83,14 @@ def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints."""
     return -(-a // b)
 
+
+
+
+def _lead_base(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its batch and head axes cut to size 1 where they are expanded views (stride 0),
+    so work on it broadcasts instead of materialising the copies."""
+    index = tuple(slice(0, 1) if t.shape[d] > 1 and t.stride(d) == 0 else slice(None) for d in (0, 1))
+    return t[index]
 
 
 def _row_entries(rows: torch.Tensor, owner: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -777,6 +785,103 @@ class BlockColumnPlan:
                        column_count=column_count.contiguous(), dense_heads=(), _checked=False)
         return plan.mark_valid() if self._checked else plan
 
+    def refined(self, block_m: int, block_n: int) -> BlockColumnPlan:
+        """The same attention expressed at finer blocks: query blocks of `block_m` rows and key
+        blocks of `block_n` keys, each a divisor of the plan's own size.
+
+        Query block `i` becomes its `fm = self.block_m // block_m` sub-blocks `i * fm + t`, which
+        keep `i`'s lists; listed key block `j` becomes its `fn = self.block_n // block_n`
+        sub-blocks `j * fn + t`. A key sub-block that starts after a query sub-block's last row
+        is dropped from that sub-block's list (all of its keys are in that sub-block's future),
+        and each query sub-block reads the causal prefix of its parent's column list (the list
+        is sorted, so the prefix is a count). Column rows are shared, not copied: the result's
+        `column_group` is `fm * self.column_group` over the same `column_index`. So every query
+        row keeps exactly the keys it kept (`to_dense_mask` is equal, and so are `density` and
+        `recall`), and plans of different block sizes become one plan at their finest common
+        unit (`merge_heads`). `dense_heads`, `query_offset` and `columns_disjoint` are kept (a
+        column outside every listed block stays outside every sub-block).
+
+        The kernel runs a refined plan on `gcd(block_m, 128)`-row tiles: finer query blocks cost
+        more programs, finer key blocks skip the empty half of a diagonal tile.
+
+        Costs `[B, Hq, Qb', Wb * fn]` int32 for the block lists (`Qb' = ceil(N / block_m)`, `Wb`
+        the plan's block width); batch and head axes that were expanded views (stride 0) stay so.
+        No host synchronisation.
+
+        Args:
+            block_m: rows per query block of the result, dividing `self.block_m`.
+            block_n: keys per key block of the result, dividing `self.block_n`.
+
+        Returns:
+            self when both sizes are the plan's, else the refined plan (validated if self was).
+
+        Raises:
+            TypeError, ValueError: a size that is not an int in `[1, MAX_BLOCK_SIZE]`, or one that
+                does not divide the plan's (the message names it).
+        """
+        bm = check_block_size("block_m", block_m)
+        bn = check_block_size("block_n", block_n)
+        for name, new, old in (("block_m", bm, self.block_m), ("block_n", bn, self.block_n)):
+            if old % new:
+                raise ValueError(f"{name}={new} must divide the plan's {name}={old} (a plan is refined "
+                                 "to finer blocks only)")
+        if (bm, bn) == (self.block_m, self.block_n):
+            return self
+        self.check_fields()
+        fm, fn = self.block_m // bm, self.block_n // bn
+        dev = self.device
+        qb = cdiv(self.seqlen, bm)
+        parent = torch.arange(qb, device=dev) // fm
+        last = ((torch.arange(qb, device=dev, dtype=torch.int64) + 1) * bm - 1).clamp(max=self.seqlen - 1) \
+            + self.query_offset  # [Qb'] each sub-block's causal horizon
+        b, h = self.batch, self.num_heads
+
+        # Blocks: each entry j -> j * fn + t; the listed, causal entries form a prefix of the
+        # expanded (sorted) list, so a count says which are kept.
+        index = _lead_base(self.block_index).index_select(2, parent).to(torch.int64)
+        wb = int(index.shape[3]) * fn
+        index = (index.unsqueeze(-1) * fn + torch.arange(fn, device=dev)).reshape(*index.shape[:3], wb)
+        listed = torch.arange(wb, device=dev) < (_lead_base(self.block_count).index_select(2, parent)
+                                                 .to(torch.int64) * fn).unsqueeze(-1)
+        causal = index * bn <= last.view(1, 1, qb, 1)
+        block_count = (listed & causal).sum(dim=-1).to(torch.int32)
+        block_index = index.to(torch.int32)
+
+        # Columns: the same rows, each sub-block's count the causal prefix of its parent's.
+        counts = _lead_base(self.column_count).index_select(2, parent).to(torch.int64)
+        width = int(self.column_index.shape[3])
+        group = self.column_group * fm
+        if width:
+            rows = _lead_base(self.column_index)
+            shared = rows.shape[2] > 1 and rows.stride(2) == 0
+            base = self.column_count.to(torch.int64)
+            old_owner = torch.arange(self.num_query_blocks, device=dev) // self.column_group
+            row_len = torch.zeros(*base.shape[:2], self.num_column_rows, dtype=torch.int64, device=dev)
+            row_len.scatter_reduce_(2, old_owner.expand_as(base), base, reduce="amax")
+            if shared:
+                # One list read by every query block: its prefix is sorted up to the longest count.
+                rows = rows[:, :, :1]
+                row_len = row_len.amax(dim=2, keepdim=True)
+                horizon = last.view(1, 1, 1, qb)
+            else:
+                pad = self.num_column_rows * group - qb
+                horizon = torch.cat([last, last[-1:].expand(pad)]).view(1, 1, -1, group)
+            valid = torch.arange(width, device=dev) < row_len.unsqueeze(-1)
+            ordered = torch.where(valid, rows.to(torch.int64), torch.iinfo(torch.int64).max)
+            lead = (max(int(ordered.shape[0]), int(horizon.shape[0])), max(int(ordered.shape[1]), int(horizon.shape[1])))
+            seen = torch.searchsorted(ordered.expand(*lead, *ordered.shape[2:]).contiguous(),
+                                      horizon.expand(*lead, *horizon.shape[2:]).contiguous(), right=True)
+            seen = seen.reshape(*lead, -1)[..., :qb]
+            counts = torch.minimum(counts, seen)
+        plan = BlockColumnPlan(
+            seqlen=self.seqlen, block_m=bm, block_n=bn,
+            block_count=block_count.expand(b, h, qb), block_index=block_index.expand(b, h, qb, wb),
+            column_count=counts.to(torch.int32).expand(b, h, qb), column_index=self.column_index,
+            columns_disjoint=self.columns_disjoint, column_group=group, query_offset=self.query_offset,
+            dense_heads=self.dense_heads,
+        )
+        return plan.mark_valid() if self._checked else plan
+
     @staticmethod
     def from_masks(
         block_mask: torch.Tensor,
@@ -914,6 +1019,114 @@ def stack_plans(plans: Iterable[BlockColumnPlan]) -> BlockColumnPlan:
         dense_heads=dense_heads,
     )
     return plan.mark_valid() if all(p._checked for p in plans) else plan
+
+
+def merge_heads(parts: Sequence[tuple[BlockColumnPlan, Sequence[int]]], *, num_heads: int,
+                dense_heads: Iterable[int] = ()) -> BlockColumnPlan:
+    """One plan of `num_heads` query heads from plans of some of them, at their finest common unit.
+
+    Part `(plan, heads)` gives its plan's head `i` to query head `heads[i]`: a method's estimate
+    of a subset of a layer's heads (per-head method choice, `headwise`). The parts may differ in
+    block sizes and column groups: every part is re-expressed at `block_m = gcd` of their
+    `block_m`s and `block_n = gcd` of their `block_n`s (`BlockColumnPlan.refined`, exact), and
+    their column lists ungrouped where the groups differ. A part's `dense_heads` move with its
+    heads. Query heads that no part gives must be in `dense_heads`: they list nothing and are
+    marked dense (full causal attention). The lists are written by head slices on the plans'
+    device (no host read, no host-to-device copy); expanded views are materialised
+    (`[B, num_heads, Qb, width]` int32 per list).
+
+    Args:
+        parts: `(plan, heads)` pairs; `len(heads) == plan.num_heads`, every target a query
+            head in `[0, num_heads)`, no head given twice. The plans share `seqlen`,
+            `query_offset`, batch size and device.
+        num_heads: Hq of the result.
+        dense_heads: query heads that run full causal attention (every head no part gives).
+
+    Returns:
+        The merged plan, `columns_disjoint` when every part with columns is, validated when
+        every part was.
+
+    Raises:
+        TypeError: parts that are not `(BlockColumnPlan, heads)` pairs, heads that are not ints.
+        ValueError: no part, plans that disagree, a head out of range, given twice, or given by
+            no part and not dense.
+    """
+    hq = check_positive_int("num_heads", num_heads)
+    if isinstance(parts, BlockColumnPlan) or not isinstance(parts, Sequence) or not parts:
+        raise ValueError("parts must be a non-empty sequence of (plan, heads) pairs")
+    plans: list[BlockColumnPlan] = []
+    targets: list[list[int]] = []
+    for i, part in enumerate(parts):
+        if not isinstance(part, (tuple, list)) or len(part) != 2 or not isinstance(part[0], BlockColumnPlan):
+            raise TypeError(f"parts[{i}] must be a (BlockColumnPlan, heads) pair, got {type(part).__name__}")
+        plan, heads = part
+        plan.check_fields()
+        heads = list(heads)
+        if any(isinstance(h, bool) or not isinstance(h, int) for h in heads):
+            raise TypeError(f"parts[{i}] heads must be query-head indices (int), got {heads!r}")
+        if len(heads) != plan.num_heads:
+            raise ValueError(f"parts[{i}] names {len(heads)} heads for a plan of {plan.num_heads}")
+        plans.append(plan)
+        targets.append(heads)
+    first = plans[0]
+    for i, p in enumerate(plans):
+        if (p.seqlen, p.query_offset, p.batch, p.device) != (first.seqlen, first.query_offset, first.batch,
+                                                              first.device):
+            raise ValueError(f"parts[{i}] differs from parts[0] in seqlen, query_offset, batch or device: "
+                             f"{(p.seqlen, p.query_offset, p.batch, str(p.device))} against "
+                             f"{(first.seqlen, first.query_offset, first.batch, str(first.device))}")
+    dense = sorted(set(int(h) for h in dense_heads))
+    owner: dict[int, int] = {}
+    for i, heads in enumerate(targets):
+        for h in heads:
+            if not 0 <= h < hq:
+                raise ValueError(f"parts[{i}] gives query head {h}, outside [0, {hq})")
+            if h in owner:
+                raise ValueError(f"query head {h} is given by parts[{owner[h]}] and parts[{i}]")
+            owner[h] = i
+    if any(not 0 <= h < hq for h in dense):
+        raise ValueError(f"dense_heads {dense} must lie in [0, {hq})")
+    missing = [h for h in range(hq) if h not in owner and h not in set(dense)]
+    if missing:
+        raise ValueError(f"query heads {missing} are given by no part and not in dense_heads")
+    bm = math.gcd(*(p.block_m for p in plans))
+    bn = math.gcd(*(p.block_n for p in plans))
+    plans = [p.refined(bm, bn) for p in plans]
+    if len({p.column_group for p in plans}) > 1:
+        plans = [p.ungrouped() for p in plans]
+    group = plans[0].column_group
+    b, n, dev = first.batch, first.seqlen, first.device
+    qb = cdiv(n, bm)
+    rows = cdiv(qb, group)
+    bw = max(int(p.block_index.shape[3]) for p in plans)
+    cw = max(int(p.column_index.shape[3]) for p in plans)
+    out = {
+        "block_count": torch.zeros(b, hq, qb, dtype=torch.int32, device=dev),
+        "block_index": torch.zeros(b, hq, qb, bw, dtype=torch.int32, device=dev),
+        "column_count": torch.zeros(b, hq, qb, dtype=torch.int32, device=dev),
+        "column_index": torch.zeros(b, hq, rows, cw, dtype=torch.int32, device=dev),
+    }
+    marks = set(dense)
+    for plan, heads in zip(plans, targets):
+        marks |= {heads[h] for h in plan.dense_heads}
+        # Runs of consecutive targets are written as slices: no index tensor crosses to the device.
+        start = 0
+        while start < len(heads):
+            stop = start + 1
+            while stop < len(heads) and heads[stop] == heads[stop - 1] + 1:
+                stop += 1
+            h0, h1 = heads[start], heads[start] + stop - start
+            for name in _INDEX_FIELDS:
+                src = getattr(plan, name)[:, start:stop]
+                dst = out[name][:, h0:h1]
+                dst[..., : src.shape[-1]] = src
+            start = stop
+    merged = BlockColumnPlan(
+        seqlen=n, block_m=bm, block_n=bn, block_count=out["block_count"], block_index=out["block_index"],
+        column_count=out["column_count"], column_index=out["column_index"], columns_disjoint=all(p.columns_disjoint or p.column_index.shape[3] == 0 for p in plans),
+        column_group=group, query_offset=first.query_offset, dense_heads=tuple(sorted(marks)),
+    )
+    return merged.mark_valid() if all(p._checked for p in plans) else merged
 
 
 def columns_inside_blocks(

@@ -73,257 +73,14 @@ from typing import Any
 
 import torch
 
-from .config import CalibratedConfig, dense_heads_of, read_config, split_dense_heads, write_config
+from .config import CalibratedConfig, dense_heads_of, read_config, write_config
+from .layer_stats import (
+    DEFAULT_SHARES, HeadStats, LayerCapture, Target, Truth, combine, layer_spec, layer_truths, load_captures,
+    measure_spec, method_knobs, plan_stats)
 from .runlog import Progress, RowLog, rows_path
-
-DEFAULT_SHARES = (0.9, 0.95, 0.98)
-
-
-@dataclass
-class LayerCapture:
-    """One captured layer of one prompt: q `[B, Hq, N, D]`, k, v `[B, Hkv, N, D]`."""
-
-    source: str
-    layer: int
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor | None
-    scale: float | None
-
-    @property
-    def seqlen(self) -> int:
-        return int(self.q.shape[2])
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a head must reach; every bound that is not None must hold.
-
-    Attributes:
-        recall: least mean recall over the head's rows.
-        row_recall: least recall of its worst sampled row.
-        error: largest relative output error.
-    """
-
-    recall: float | None = 0.95
-    row_recall: float | None = None
-    error: float | None = None
-
-    def __post_init__(self) -> None:
-        from .reference._checks import check_fraction
-
-        for name in ("recall", "row_recall"):
-            value = getattr(self, name)
-            if value is not None:
-                check_fraction(f"target {name}", value)
-        if self.error is not None and (not isinstance(self.error, (int, float)) or not self.error >= 0):
-            raise ValueError(f"target error must be a number >= 0, got {self.error!r}")
-        if self.recall is None and self.row_recall is None and self.error is None:
-            raise ValueError("a target needs at least one of recall, row_recall, error")
-
-    def with_margin(self, margin: float) -> Target:
-        """The target a calibration prompt must meet so that other text still meets `self`.
-
-        A config chosen at the cheapest setting that reaches a bound on the calibration
-        prompt (bisection especially) keeps no slack; held-out text then lands just below
-        it. With a margin `m` each recall bound `R` becomes `R + m` and an error bound `E`
-        becomes `E - m`: the heads are calibrated to the safe side by `m`.
-
-        Raises:
-            ValueError: `margin` not in [0, 1), or a recall bound pushed above 1, or an
-                error bound pushed below 0.
-        """
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 1.0:
-            raise ValueError(f"margin must be a number in [0, 1), got {margin!r}")
-        if margin == 0:
-            return self
-        for name in ("recall", "row_recall"):
-            value = getattr(self, name)
-            if value is not None and value + margin > 1.0:
-                raise ValueError(f"margin {margin} lifts the target {name} {value} above 1; "
-                                 f"use a margin <= {1.0 - value:.6g}")
-        if self.error is not None and self.error - margin < 0:
-            raise ValueError(f"margin {margin} takes the target error {self.error} below 0; "
-                             f"use a margin <= {self.error:.6g}")
-        return Target(recall=None if self.recall is None else self.recall + margin,
-                      row_recall=None if self.row_recall is None else self.row_recall + margin,
-                      error=None if self.error is None else self.error - margin)
-
-    def serves(self, stats: HeadStats) -> torch.Tensor:
-        """bool `[Hq]`: the heads whose numbers meet every bound."""
-        ok = torch.ones_like(stats.density, dtype=torch.bool)
-        if self.recall is not None:
-            ok &= stats.recall_mean >= self.recall
-        if self.row_recall is not None:
-            ok &= stats.recall_min >= self.row_recall
-        if self.error is not None:
-            if stats.error is None:
-                raise ValueError("an output-error target needs captures with v")
-            ok &= stats.error <= self.error
-        return ok
-
-
-@dataclass
-class Truth:
-    """Full attention on the sampled rows of one layer.
-
-    Attributes:
-        rows: int64 `[R]`, sorted sampled positions.
-        probs: float32 `[B, Hq, R, N]`, their causal softmax.
-        out: float64 `[B, Hq, R, Dv]`, their exact output (None without v).
-        oracle: float64 `[B, Hq, S]`, the oracle's density at `shares` (estimated from
-            the rows: each stratum's row stands for its N / R rows).
-        shares: the oracle shares.
-    """
-
-    rows: torch.Tensor
-    probs: torch.Tensor
-    out: torch.Tensor | None
-    oracle: torch.Tensor
-    shares: tuple[float, ...]
-
-
-@dataclass
-class HeadStats:
-    """One plan's numbers per query head (batch rows averaged; worst over them for min/error).
-
-    `parts`: for stats combined over several prompts (`_combine`), each prompt's own, in
-    order (what a per-kind margin reads, `sparseprefill.margins`); None for one prompt.
-    """
-
-    density: torch.Tensor
-    recall_mean: torch.Tensor
-    recall_min: torch.Tensor
-    error: torch.Tensor | None
-    parts: list[HeadStats] | None = None
-
-
-def load_captures(paths: Sequence[Path | str], *, layers: Sequence[int] | None = None,
-                  max_seqlen: int | None = None) -> list[LayerCapture]:
-    """The layers of `eval capture` files (all, or those in `layers`), optionally cut to a prefix.
-
-    Raises:
-        ValueError: a file without the capture keys, or `layers` none of the files hold.
-    """
-    out: list[LayerCapture] = []
-    for path in paths:
-        data: dict[str, Any] = torch.load(path, map_location="cpu")
-        missing = [key for key in ("layers", "q", "k") if key not in data]
-        if missing:
-            raise ValueError(f"{path}: not an `eval capture` file (missing {missing})")
-        for i, layer in enumerate(data["layers"]):
-            if layers is not None and int(layer) not in layers:
-                continue
-            q, k = data["q"][i], data["k"][i]
-            v = data["v"][i] if "v" in data else None
-            if max_seqlen is not None:
-                q, k = q[:, :, :max_seqlen], k[:, :, :max_seqlen]
-                v = None if v is None else v[:, :, :max_seqlen]
-            scale = data["scale"][i] if "scale" in data else None
-            out.append(LayerCapture(str(path), int(layer), q, k, v, None if scale is None else float(scale)))
-    if layers is not None and not out:
-        raise ValueError(f"no capture holds layers {list(layers)}")
-    return out
-
-
-def sample_rows(seqlen: int, count: int, *, seed: int = 0) -> torch.Tensor:
-    """`count` query rows, one uniformly at random in each of `count` equal strata (all rows
-    when `count >= seqlen`); int64, sorted."""
-    if count >= seqlen:
-        return torch.arange(seqlen)
-    gen = torch.Generator().manual_seed(seed)
-    edges = torch.linspace(0, seqlen, count + 1).floor().to(torch.int64)
-    width = (edges[1:] - edges[:-1]).clamp(min=1)
-    rows = edges[:-1] + (torch.rand(count, generator=gen) * width).floor().to(torch.int64)
-    out: torch.Tensor = torch.unique(rows.clamp(max=seqlen - 1))
-    return out
-
-
-def row_truth(cap: LayerCapture, rows: torch.Tensor, *, shares: Sequence[float] = DEFAULT_SHARES,
-              device: torch.device | str = "cpu") -> Truth:
-    """Full causal attention of the sampled `rows` of one captured layer (float64 math)."""
-    from .reference._checks import resolve_scale
-
-    q, k = cap.q.to(device), cap.k.to(device)
-    b, hq, n, d = q.shape
-    hkv = int(k.shape[1])
-    g = hq // hkv
-    sm = resolve_scale(cap.scale, d)
-    rows = rows.to(device)
-    r = int(rows.numel())
-    probs = torch.empty(b, hq, r, n, dtype=torch.float32, device=device)
-    dv = None if cap.v is None else int(cap.v.shape[3])
-    out = None if dv is None else torch.empty(b, hq, r, dv, dtype=torch.float64, device=device)
-    want = torch.tensor(list(shares), dtype=torch.float64, device=device)
-    kept = torch.zeros(b, hq, len(shares), dtype=torch.float64, device=device)
-    kg = k.to(torch.float64).unsqueeze(2)
-    vg = None if cap.v is None else cap.v.to(device=device, dtype=torch.float64).unsqueeze(2)
-    step = max(1, 2**22 // max(1, b * hq * n))
-    for start in range(0, r, step):
-        pos = rows[start:start + step]
-        qs = q[:, :, pos].to(torch.float64).reshape(b, hkv, g, -1, d)
-        scores = torch.matmul(qs, kg.transpose(-1, -2)) * sm
-        causal = torch.arange(n, device=device)[None, :] <= pos[:, None]
-        p = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
-        probs[:, :, start:start + step] = p.reshape(b, hq, -1, n).to(torch.float32)
-        if vg is not None and out is not None:
-            out[:, :, start:start + step] = torch.matmul(p, vg).reshape(b, hq, p.shape[-2], -1)
-        cum = torch.sort(p, dim=-1, descending=True).values.cumsum(dim=-1)
-        below = (cum.unsqueeze(-1) < want - 1e-12).sum(dim=-2)  # [b, hkv, g, rows, S]
-        need = torch.minimum(below + 1, (pos + 1)[:, None]).to(torch.float64)
-        kept += need.sum(dim=-2).reshape(b, hq, len(shares))
-    # Each sampled row stands for N / R rows of the causal area N (N + 1) / 2.
-    oracle = kept * (n / r) / (n * (n + 1) / 2)
-    return Truth(rows=rows, probs=probs, out=out, oracle=oracle.clamp(max=1.0), shares=tuple(shares))
-
-
-def plan_stats(truth: Truth, plan: Any, v: torch.Tensor | None) -> HeadStats:
-    """Recall (mean and worst sampled row), output error and exact density of a plan, per head."""
-    probs = truth.probs
-    b, hq, r, n = probs.shape
-    rows = truth.rows.to(plan.device)
-    cols = plan.block_mask().repeat_interleave(plan.block_n, dim=3)[..., :n] | plan.column_mask()[..., :n]
-    keep = cols.index_select(2, rows // plan.block_m).to(probs.device)
-    kept = probs * keep
-    recall = kept.sum(dim=-1).double()  # [B, Hq, R]
-    error = None
-    if truth.out is not None and v is not None:
-        hkv = int(v.shape[1])
-        vg = v.to(device=probs.device, dtype=torch.float32).unsqueeze(2)
-        o = torch.matmul(kept.reshape(b, hkv, hq // hkv, r, n), vg).reshape(b, hq, r, -1).double()
-        o = o / recall.clamp(min=1e-30).unsqueeze(-1)
-        exact = truth.out
-        error = ((o - exact).pow(2).sum(dim=(-1, -2)) / exact.pow(2).sum(dim=(-1, -2)).clamp(min=1e-300)).sqrt()
-        error = error.amax(dim=0)
-    dens = plan_density(plan, cols).to(probs.device)
-    return HeadStats(density=dens.mean(dim=0), recall_mean=recall.mean(dim=-1).mean(dim=0),
-                     recall_min=recall.amin(dim=-1).amin(dim=0), error=error)
-
-
-def plan_density(plan: Any, cols: torch.Tensor | None = None) -> torch.Tensor:
-    """`reference.density(plan)` without the `[N, N]` mask: float64 `[B, Hq]`.
-
-    Args:
-        plan: a `BlockColumnPlan` (query offset 0).
-        cols: its kept keys per query block, bool `[B, Hq, Qb, N]` (built if None).
-    """
-    n, bm = plan.seqlen, plan.block_m
-    if cols is None:
-        cols = plan.block_mask().repeat_interleave(plan.block_n, dim=3)[..., :n] | plan.column_mask()[..., :n]
-    # Row r keeps the keys <= r of its query block's set: a prefix count of that set.
-    prefix = cols.to(torch.int32).cumsum(dim=-1)  # [B, Hq, Qb, N]
-    rows = torch.arange(n, device=cols.device)
-    kept: torch.Tensor = prefix[:, :, rows // bm, rows].to(torch.float64).sum(dim=-1)
-    share: torch.Tensor = kept / (n * (n + 1) / 2)
-    return share
 
 
 # -- configs ---------------------------------------------------------------------------------
-
-
-def method_knobs(method: Any) -> tuple[str, ...]:
-    """The parameters of a method that take per-head values (`Method.knobs`; () before it exists)."""
-    return tuple(getattr(method, "knobs", ()) or ())
 
 
 def calibratable(method: Any) -> bool:
@@ -377,81 +134,6 @@ def describe_grid(label: str, points: Sequence[Mapping[str, Any]], seqlen: int) 
             + (f" (fixed: {', '.join(f'{k}={v}' for k, v in fixed.items())})" if fixed else ""))
 
 
-def layer_spec(method: Any, grid: Sequence[Mapping[str, Any]], picks: Sequence[int | None]) -> Any:
-    """The config entry of one layer from each head's grid index (None: dense).
-
-    Returns:
-        None when every head is dense (the layer runs SDPA); a parameter dict (knobs as
-        per-head lists where heads differ, `dense_heads` when some are dense) when the
-        parameters that differ between heads are all knobs of the method; else the
-        integration's per-head list (one dict or None per head).
-    """
-    chosen = [i for i in picks if i is not None]
-    if not chosen:
-        return None
-    dense = [h for h, i in enumerate(picks) if i is None]
-    first = dict(grid[chosen[0]])
-    keys = list(dict.fromkeys(key for i in chosen for key in grid[i]))
-    varying = [key for key in keys if len({json.dumps(grid[i].get(key), sort_keys=True) for i in chosen}) > 1]
-    knobs = method_knobs(method)
-    if all(key in knobs for key in varying):
-        spec: dict[str, Any] = dict(first)
-        for key in varying:
-            fill = grid[chosen[0]][key]
-            spec[key] = [grid[i][key] if i is not None else fill for i in picks]
-        if dense:
-            spec["dense_heads"] = dense
-        return spec
-    return [dict(grid[i]) if i is not None else None for i in picks]
-
-
-def layer_plan(method: Any, spec: Any, q: torch.Tensor, k: torch.Tensor, *, impl: str = "reference") -> Any:
-    """The plan `patch` runs for one layer spec (see `layer_spec`): the method's estimator
-    once (per-head knobs included), then `with_dense_heads`; a per-head list plans each
-    head alone; None is the full causal plan."""
-    from .methods import DENSE, METHODS
-    from .reference.plan import stack_plans as stack_heads
-
-    dense = METHODS[DENSE]
-    if spec is None:
-        return dense.plan_fn(impl)(q, k, **dense.demo_params(int(q.shape[2])))
-    if isinstance(spec, Mapping):
-        params, heads = split_dense_heads(spec)
-        plan = method.plan_fn(impl)(q, k, **method.call_params(params, q))
-        return plan.with_dense_heads(heads)
-    group = int(q.shape[1]) // int(k.shape[1])
-    plans = []
-    sizes: dict[str, int] | None = None
-    for h, head in enumerate(spec):
-        if head is not None:
-            p = method.plan_fn(impl)(q[:, h:h + 1], k[:, h // group:h // group + 1], **dict(head))
-            sizes = sizes or {"block_m": p.block_m, "block_n": p.block_n}
-            plans.append(p)
-        else:
-            plans.append(None)
-    out = []
-    for h, p in enumerate(plans):
-        if p is None:
-            params = sizes if sizes is not None else dense.demo_params(int(q.shape[2]))
-            p = dense.plan_fn(impl)(q[:, h:h + 1], k[:, h // group:h // group + 1], **params)
-        out.append(p.ungrouped())
-    # Heads stack along dim 1: transpose the batch/head roles of stack_plans (batch rows).
-    return _stack_heads(out, stack_heads)
-
-
-def _stack_heads(plans: Sequence[Any], stack_rows: Any) -> Any:
-    from dataclasses import replace
-
-    flipped = [replace(p, block_count=p.block_count.transpose(0, 1), block_index=p.block_index.transpose(0, 1),
-                       column_count=p.column_count.transpose(0, 1), column_index=p.column_index.transpose(0, 1),
-                       _checked=False) for p in plans]
-    both = stack_rows(flipped)
-    return replace(both, block_count=both.block_count.transpose(0, 1).contiguous(),
-                   block_index=both.block_index.transpose(0, 1).contiguous(),
-                   column_count=both.column_count.transpose(0, 1).contiguous(),
-                   column_index=both.column_index.transpose(0, 1).contiguous(), _checked=False).validate()
-
-
 # -- calibration --------------------------------------------------------------------------------
 
 
@@ -480,6 +162,8 @@ class LayerResult:
     grid: str = ""
     head_margin: list[float | None] = field(default_factory=list)
     kind_recall: dict[str, list[float]] = field(default_factory=dict)
+    # `--method headwise`: the unit, each head's modelled costs and every option (`choose_heads`).
+    headwise: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         dens = sum(self.density) / len(self.density)
@@ -510,34 +194,9 @@ def _kind_summary(result: LayerResult) -> dict[str, Any]:
     return out
 
 
-def _truths(caps: Sequence[LayerCapture], rows: int, seed: int, shares: Sequence[float]) -> list[Truth]:
-    return [row_truth(c, sample_rows(c.seqlen, rows, seed=seed + c.layer), shares=shares) for c in caps]
-
-
-def _combine(stats: Sequence[HeadStats]) -> HeadStats:
-    """Several prompts of one layer: mean density and recall, worst row, worst error."""
-    err = [s.error for s in stats]
-    return HeadStats(
-        density=torch.stack([s.density for s in stats]).mean(0),
-        recall_mean=torch.stack([s.recall_mean for s in stats]).mean(0),
-        recall_min=torch.stack([s.recall_min for s in stats]).amin(0),
-        error=None if any(e is None for e in err) else torch.stack([e for e in err if e is not None]).amax(0),
-        parts=list(stats))
-
-
 def _head_lists(stats: HeadStats) -> tuple[list[float], list[float], list[float], list[float] | None]:
     return ([float(x) for x in stats.density], [float(x) for x in stats.recall_mean],
             [float(x) for x in stats.recall_min], None if stats.error is None else [float(x) for x in stats.error])
-
-
-def measure_spec(method: Any, spec: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth],
-                 *, impl: str = "reference") -> HeadStats:
-    """A layer config run as a whole (`layer_plan`) on each prompt of the layer, combined."""
-    out = []
-    for cap, truth in zip(caps, truths):
-        q, k = cap.q.float(), cap.k.float()
-        out.append(plan_stats(truth, layer_plan(method, spec, q, k, impl=impl), cap.v))
-    return _combine(out)
 
 
 def bisect_knob(grid: Sequence[Mapping[str, Any]]) -> str | None:
@@ -577,7 +236,7 @@ def refine_heads(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Tru
         for cap, truth in zip(caps, truths):
             q, k = cap.q.float(), cap.k.float()
             stats.append(plan_stats(truth, method.plan_fn(impl)(q, k, **method.call_params(params, q)), cap.v))
-        return _combine(stats)
+        return combine(stats)
 
     by_value = {float(p[knob]): g for g, p in enumerate(points)}
     lo: list[float] = []
@@ -650,7 +309,7 @@ def calibrate_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[
             q, k = cap.q.float(), cap.k.float()
             plan = method.plan_fn(impl)(q, k, **method.call_params(params, q))
             stats.append(plan_stats(truth, plan, cap.v))
-        per_point.append(_combine(stats))
+        per_point.append(combine(stats))
         if log is not None:
             print(f"    {method.name} layer {caps[0].layer}: grid point {i + 1}/{len(points)} "
                   f"({_short(params)}) at {time.perf_counter() - t0:.0f} s", file=log, flush=True)
@@ -737,7 +396,7 @@ def _default_and_oracle(method: Any, caps: Sequence[LayerCapture], truths: Seque
     """The method's default parameters at the captures' length, its per-head stats there,
     and the oracle's density at `share` per head (mean over the captures)."""
     default = method.demo_params(caps[0].seqlen)
-    dstats = _combine([plan_stats(t, method.plan_fn(impl)(c.q.float(), c.k.float(),
+    dstats = combine([plan_stats(t, method.plan_fn(impl)(c.q.float(), c.k.float(),
                                                           **method.call_params(default, c.q)), c.v)
                        for c, t in zip(caps, truths)])
     idx = list(truths[0].shares).index(share)
@@ -770,6 +429,307 @@ def _kinds_target(kinds: Sequence[str]) -> Target:
     from .margins import SpreadTarget
 
     return SpreadTarget(kinds=tuple(kinds))
+
+
+# -- per-head method choice (`--method headwise`) -----------------------------------------------
+
+
+@dataclass
+class HeadOption:
+    """One head's best point of one candidate family, as measured on the calibration prompts.
+
+    Attributes:
+        family: index into the families searched.
+        params: the head's choice, `{"method": name, **parameters}` (knobs as this head's value).
+        block_m: the plan's query block (the unit the merged plan may have to refine to).
+        density, recall_mean, recall_min: this head's numbers (mean over the prompts; worst row).
+        block_pairs, column_pairs: its kept causal pairs through blocks / columns (batch rows
+            summed, mean over the prompts): what the kernel reads.
+    """
+
+    family: int
+    params: dict[str, Any]
+    block_m: int
+    density: float
+    recall_mean: float
+    recall_min: float
+    block_pairs: float
+    column_pairs: float
+
+
+def headwise_families(method: Any, seqlen: int, given: Sequence[Mapping[str, Any]] | None = None
+                  ) -> list[dict[str, Any]]:
+    """The candidate families `--method headwise` searches: `given` (`--headwise-candidates`), else the
+    descriptor's `head_candidates(N)`; each `{"method": name, **fixed parameters}`.
+
+    Raises:
+        ValueError: a family whose method is not one a head can take, or fixed parameters its
+            method refuses.
+    """
+    from .config import METHOD, head_methods
+    from .methods import METHODS
+
+    families = [dict(f) for f in (given if given is not None else method.head_candidates(seqlen))]
+    for i, fam in enumerate(families):
+        name = fam.get(METHOD)
+        if name not in head_methods() or name not in METHODS:
+            raise ValueError(f"candidate {i}: method must be one of {', '.join(head_methods())}, got {name!r}")
+        try:
+            METHODS[name].check_params(family_grid(fam, seqlen)[0])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"candidate {i} ({name}): {exc}") from None
+    return families
+
+
+def family_grid(family: Mapping[str, Any], seqlen: int) -> list[dict[str, Any]]:
+    """A family's points: its method's calibration grid at `seqlen` with the family's fixed
+    parameters laid over every point (repeats dropped)."""
+    from .config import METHOD
+    from .methods import METHODS
+
+    fixed = {k: v for k, v in family.items() if k != METHOD}
+    _, points = calibration_grid(METHODS[family[METHOD]], seqlen)
+    seen: set[str] = set()
+    out = []
+    for p in points:
+        point = {**p, **fixed}
+        key = json.dumps(point, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            out.append(point)
+    return out
+
+
+def _plan_pairs(plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept causal pairs per head (batch rows summed), float64 `[Hq]` each, through blocks / columns."""
+    from .reference.dense_fallback import kept_pairs
+
+    block, column = kept_pairs(plan)
+    return block.sum(dim=0).to(torch.float64), column.sum(dim=0).to(torch.float64)
+
+
+def _run_point(method: Any, params: Mapping[str, Any], caps: Sequence[LayerCapture], truths: Sequence[Truth],
+               impl: str) -> tuple[HeadStats, torch.Tensor, torch.Tensor, int]:
+    """One parameter point on every prompt of a layer: stats, mean kept pairs, the plan's block_m."""
+    stats, blocks, columns = [], [], []
+    block_m = 0
+    for cap, truth in zip(caps, truths):
+        q, k = cap.q.float(), cap.k.float()
+        plan = method.plan_fn(impl)(q, k, **method.call_params(dict(params), q))
+        stats.append(plan_stats(truth, plan, cap.v))
+        b, c = _plan_pairs(plan)
+        blocks.append(b)
+        columns.append(c)
+        block_m = plan.block_m
+    return combine(stats), torch.stack(blocks).mean(0), torch.stack(columns).mean(0), block_m
+
+
+def family_options(index: int, family: Mapping[str, Any], caps: Sequence[LayerCapture], truths: Sequence[Truth],
+                   target: Target, *, impl: str = "reference", refine: int = 0, log: Any = None
+                   ) -> list[HeadOption | None]:
+    """Each head's cheapest point of one family that serves it (None: no point serves it).
+
+    The family's grid is measured point by point (`family_grid`); with `refine` and a grid
+    varying one float knob of its method, each head's knob is then bisected (`refine_heads`)
+    and one more run measures every head at its own value. Cheapest: fewest kept pairs
+    (the kernel work of the family's unit).
+    """
+    from .config import METHOD
+    from .methods import METHODS
+
+    method = METHODS[family[METHOD]]
+    grid = family_grid(family, caps[0].seqlen)
+    t0 = time.perf_counter()
+    runs = []
+    for i, params in enumerate(grid):
+        runs.append(_run_point(method, params, caps, truths, impl))
+        if log is not None:
+            print(f"    headwise layer {caps[0].layer}: {_short(family)} point {i + 1}/{len(grid)} ({_short(params)}) "
+                  f"at {time.perf_counter() - t0:.0f} s", file=log, flush=True)
+    hq = int(caps[0].q.shape[1])
+    serve = torch.stack([target.serves(r[0]) for r in runs])  # [G, Hq]
+
+    def option(params: Mapping[str, Any], run: Any, h: int) -> HeadOption:
+        stats, blocks, columns, block_m = run
+        return HeadOption(index, {METHOD: method.name, **params}, block_m, float(stats.density[h]),
+                          float(stats.recall_mean[h]), float(stats.recall_min[h]), float(blocks[h]),
+                          float(columns[h]))
+
+    out: list[HeadOption | None] = []
+    for h in range(hq):
+        ok = [g for g in range(len(grid)) if bool(serve[g, h])]
+        g = min(ok, key=lambda g: float(runs[g][1][h] + runs[g][2][h])) if ok else None
+        out.append(None if g is None else option(grid[g], runs[g], h))
+    knob = bisect_knob(grid)
+    if refine > 0 and knob in method_knobs(method) and any(o is not None for o in out):
+        values, _ = refine_heads(method, caps, truths, target, grid, serve, steps=refine, impl=impl)
+        top = max(float(p[knob]) for p in grid)
+        per_head = [top if v is None else v for v in values]
+        run = _run_point(method, {**grid[0], knob: per_head}, caps, truths, impl)
+        served = target.serves(run[0])
+        for h, value in enumerate(values):
+            if value is not None and bool(served[h]):
+                out[h] = option({**grid[0], knob: value}, run, h)
+    return out
+
+
+HEADWISE_OBJECTIVES = ("time", "density")
+
+
+def choose_heads(options: Sequence[Sequence[HeadOption | None]], *, seqlen: int, batch: int, head_dim: int,
+                 dtype: torch.dtype | str, rates: Any, objective: str = "time"
+                 ) -> tuple[list[HeadOption | None], dict[str, Any]]:
+    """Per head, the option of least modelled time, or dense when none beats dense.
+
+    With `objective="density"` instead: per head the option of fewest kept pairs (the least
+    kernel work, whatever the unit and the estimate cost), dense only where no option serves
+    the head; the unit is then the finest query block chosen. The record prices either
+    choice with the same model.
+
+    A head's time is its kernel work at the rates of the merged plan's tile
+    (`reference.headwise.head_kernel_ms`) plus its share of its method's estimate
+    (`reference.headwise.estimate_ms`; a method without a measured estimate cost is no
+    option); dense is the rule's dense time. The merged plan runs at the finest query
+    block of its heads, so every query block size in use is tried as the layer's unit
+    (options of coarser blocks priced at its tile): the unit of least total time wins.
+
+    Args:
+        options: `[family][head]` from `family_options`.
+        seqlen, batch, head_dim, dtype, rates: the deployment the cost model prices.
+
+    Returns:
+        (each head's option, None for dense; a record of the costs per head and the unit).
+    """
+    from .reference.headwise import dense_ms, estimate_ms, head_kernel_ms
+
+    if objective not in HEADWISE_OBJECTIVES:
+        raise ValueError(f"objective must be one of {HEADWISE_OBJECTIVES}, got {objective!r}")
+    hq = len(options[0]) if options else 0
+    dense = dense_ms(seqlen=seqlen, batch=batch, head_dim=head_dim, dtype=dtype, rates=rates)
+    units = sorted({o.block_m for fam in options for o in fam if o is not None})
+    if objective == "density":
+        least: list[HeadOption | None] = []
+        for h in range(hq):
+            served = [o for fam in options if (o := fam[h]) is not None]
+            least.append(min(served, key=lambda o: o.block_pairs + o.column_pairs) if served else None)
+        chosen = [o.block_m for o in least if o is not None]
+        units = [math.gcd(*chosen)] if chosen else []
+    best: tuple[float, int, list[HeadOption | None], list[float], list[float]] | None = None
+    for unit in units or [0]:
+        picks: list[HeadOption | None] = []
+        kernel: list[float] = []
+        estimate: list[float] = []
+        total = 0.0
+        for h in range(hq):
+            pick, cost, k_ms, e_ms = None, dense, dense, 0.0
+            if objective == "density":
+                cost = math.inf
+            for fam in options:
+                o = fam[h]
+                if o is None or unit == 0 or o.block_m % unit:
+                    continue
+                if objective == "density" and o is not least[h]:
+                    continue
+                e = estimate_ms(o.params["method"], o.params, seqlen=seqlen, batch=batch, head_dim=head_dim,
+                                dtype=dtype, rates=rates)
+                if e is None:
+                    continue
+                k = float(head_kernel_ms(torch.tensor([[o.block_pairs]]), torch.tensor([[o.column_pairs]]),
+                                         seqlen=seqlen, tile=unit, head_dim=head_dim, dtype=dtype, rates=rates)[0])
+                if k + e < cost:
+                    pick, cost, k_ms, e_ms = o, k + e, k, e
+            if pick is None:
+                cost, k_ms, e_ms = dense, dense, 0.0
+            picks.append(pick)
+            kernel.append(k_ms)
+            estimate.append(e_ms)
+            total += cost
+        if best is None or total < best[0]:
+            best = (total, unit, picks, kernel, estimate)
+    assert best is not None
+    total, unit, picks, kernel, estimate = best
+    record = {"objective": objective, "unit": unit, "dense_ms": dense, "kernel_ms": kernel, "estimate_ms": estimate, "total_ms": total,
+              "dense_total_ms": dense * hq, "rates": getattr(rates, "device", ""), "dtype": str(dtype),
+              "head_dim": head_dim, "methods": [None if p is None else p.params["method"] for p in picks]}
+    return picks, record
+
+
+def reuse_options(path: Path | str, layer: int, families: Sequence[Mapping[str, Any]]
+                  ) -> list[list[HeadOption | None]]:
+    """The options an earlier `--method headwise` run measured on one layer (its `--table` JSON),
+    for `calibrate_headwise_layer(options=...)`.
+
+    Raises:
+        ValueError: the file has no headwise result for the layer, or searched other families.
+    """
+    data = json.loads(Path(path).read_text())
+    for row in data.get("layers", []):
+        record = row.get("headwise") or {}
+        if int(row.get("layer", -1)) == layer and "options" in record:
+            if json.dumps(record.get("families"), sort_keys=True) != json.dumps(list(families), sort_keys=True):
+                raise ValueError(f"{path}: layer {layer} searched other families than this run")
+            return [[None if o is None else HeadOption(**o) for o in fam] for fam in record["options"]]
+    raise ValueError(f"{path}: no `--method headwise` result for layer {layer}")
+
+
+def calibrate_headwise_layer(method: Any, caps: Sequence[LayerCapture], truths: Sequence[Truth], target: Target, *,
+                         impl: str = "reference", share: float = 0.95, refine: int = 0,
+                         families: Sequence[Mapping[str, Any]] | None = None, rates: Any = None,
+                         dtype: torch.dtype | str = torch.bfloat16, objective: str = "time",
+                         options: Sequence[Sequence[HeadOption | None]] | None = None,
+                         log: Any = None) -> LayerResult:
+    """`--method headwise` on one layer: every head the method, setting and unit of least modelled
+    time that serves it (`family_options`, `choose_heads`), the layer's config a per-head list
+    naming each head's method, measured as a whole (`headwise_plan`: one merged plan).
+
+    Args:
+        method: the `headwise` descriptor (its `head_candidates`).
+        caps, truths, target, impl, share, refine, log: as `calibrate_layer`.
+        families: the candidate families (default `headwise_families`).
+        rates: the rates table of the cost model (default `reference.dense_fallback.DEFAULT_TABLE`).
+        dtype: the deployment's dtype the rates are read at.
+        objective: "time" (least modelled time) or "density" (fewest kept pairs): `choose_heads`.
+        options: the families' options measured before on these prompts (`reuse_options`):
+            the choice is made again (another objective or rates table) without measuring.
+
+    Returns:
+        The `LayerResult`; `chosen_params` names each head's method, `headwise` holds the costs.
+    """
+    from .reference.dense_fallback import DEFAULT_TABLE
+
+    t0 = time.perf_counter()
+    n = caps[0].seqlen
+    fams = headwise_families(method, n, families)
+    table = DEFAULT_TABLE if rates is None else rates
+    if options is None:
+        options = [family_options(i, fam, caps, truths, target, impl=impl, refine=refine, log=log)
+                   for i, fam in enumerate(fams)]
+    elif len(options) != len(fams):
+        raise ValueError(f"{len(options)} families of options reused for {len(fams)} families")
+    picks, record = choose_heads(options, seqlen=n, batch=int(caps[0].q.shape[0]), head_dim=int(caps[0].q.shape[3]),
+                                 dtype=dtype, rates=table, objective=objective)
+    spec = None if all(p is None for p in picks) else [None if p is None else dict(p.params) for p in picks]
+    whole = measure_spec(method, spec, caps, truths, impl=impl)
+    default, dstats, oracle = _default_and_oracle(method, caps, truths, impl=impl, share=share)
+    d, rm, rn, err = _head_lists(whole)
+    record["families"] = fams
+    record["options"] = [[None if o is None else asdict(o) for o in fam] for fam in options]
+    result = LayerResult(
+        method=method.name, layer=caps[0].layer, sources=[Path(c.source).name for c in caps], seqlen=n,
+        spec=spec, picks=[None if p is None else p.family for p in picks],
+        chosen_params=[None if p is None else dict(p.params) for p in picks],
+        density=d, recall_mean=rm, recall_min=rn, error=err, oracle=[float(x) for x in oracle],
+        oracle_share=share, default_density=[float(x) for x in dstats.density],
+        default_recall_mean=[float(x) for x in dstats.recall_mean], default_params=dict(default),
+        seconds=time.perf_counter() - t0, grid="head_candidates", headwise=record)
+    if log is not None:
+        s = result.summary()
+        took = ", ".join(f"{h}:{'dense' if p is None else _short(p.params)}" for h, p in enumerate(picks))
+        print(f"  headwise layer {result.layer}: density {s['density']:.4f} (oracle {s['oracle']:.4f}, x{s['ratio']:.2f}), "
+              f"recall {s['recall_mean']:.4f} / worst head {s['recall_min_head']:.4f}; modelled "
+              f"{record['total_ms']:.4g} ms vs dense {record['dense_total_ms']:.4g} ms at unit {record['unit']}; "
+              f"heads {took}", file=log, flush=True)
+    return result
 
 
 def format_table(results: Sequence[LayerResult], target: Target | None = None) -> str:
@@ -879,6 +839,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the layers already in the .jsonl (a stopped run, same settings) and measure "
                              "only the others")
     parser.add_argument("--plot", type=Path, default=None, help="density per head before/after (PNG)")
+    _add_headwise_arguments(parser)
+
+
+def _add_headwise_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `--method headwise` (per-head method choice by modelled time)."""
+    parser.add_argument("--headwise-candidates", type=json.loads, default=None, metavar="JSON",
+                        help='with --method headwise: the families searched per head instead of the descriptor\'s, '
+                             'a JSON list of {"method": name, fixed parameters...}, e.g. '
+                             '\'[{"method": "xattention", "block": 64}]\'')
+    parser.add_argument("--rates", type=Path, default=None,
+                        help="with --method headwise: a rates table (`sparseprefill rates` JSON) for the cost model "
+                             "(default: the break-even rule's default table, one H200)")
+    parser.add_argument("--headwise-dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                        help="with --method headwise: the deployment dtype the rates are read at (default bfloat16)")
+    parser.add_argument("--headwise-objective", choices=HEADWISE_OBJECTIVES, default="time",
+                        help="with --method headwise: per head the least modelled time (default; dense where nothing "
+                             "beats dense) or the fewest kept pairs (density; dense only where nothing serves)")
+    parser.add_argument("--headwise-reuse", type=Path, default=None, metavar="TABLE_JSON",
+                        help="with --method headwise: take each layer's measured options from an earlier headwise run's "
+                             "--table JSON (same families and prompts) and only choose again (another objective, "
+                             "--rates or --headwise-dtype), then measure the chosen config")
+
+
+def _headwise_rates(args: argparse.Namespace) -> Any:
+    """The rates table of the headwise cost model: `--rates`, else the default table."""
+    from .reference.dense_fallback import DEFAULT_TABLE, RateTable
+
+    if getattr(args, "rates", None) is None:
+        return DEFAULT_TABLE
+    return RateTable.from_json(json.loads(Path(args.rates).read_text()))
+
+
+def _headwise_header(args: argparse.Namespace) -> dict[str, Any]:
+    """The headwise settings that decide a layer's result (only when given, so other runs' headers
+    stay as they were)."""
+    out: dict[str, Any] = {}
+    for key in ("headwise_candidates", "rates", "headwise_dtype", "headwise_objective", "headwise_reuse"):
+        value = getattr(args, key, None)
+        if value is not None and not (key, value) in (("headwise_dtype", "bfloat16"), ("headwise_objective", "time")):
+            out[key] = str(value) if isinstance(value, Path) else value
+    return out
+
+
+def _describe_headwise(method: Any, seqlen: int, args: argparse.Namespace, *, log: bool) -> tuple[str, list[Any]]:
+    """(grid label, the families) of a headwise run, printed with each family's grid size."""
+    families = headwise_families(method, seqlen, args.headwise_candidates)
+    if log:
+        sizes = ", ".join(f"{_short(f)} ({len(family_grid(f, seqlen))})" for f in families)
+        print(f"{method.name}: per head, the least modelled time over {len(families)} families (grid points): "
+              f"{sizes}", file=sys.stderr, flush=True)
+    return "head_candidates", families
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
@@ -990,7 +1001,7 @@ def _header(args: argparse.Namespace, target: Target, impl: str) -> dict[str, An
             "refine_top": args.refine_top, "rows": args.rows, "seed": args.seed, "share": args.share,
             "backend": impl, "captures": [str(p) for p in args.qkv], "layers": args.layers,
             "max_seqlen": args.max_seqlen, "prompts": args.prompt_list,
-            "margin_spread": args.margin_spread if args.prompt_list else None}
+            "margin_spread": args.margin_spread if args.prompt_list else None, **_headwise_header(args)}
 
 
 def _layer_result(row: Mapping[str, Any]) -> LayerResult:
@@ -1020,10 +1031,13 @@ def run(args: argparse.Namespace) -> int:
             for name in names:
                 if name not in METHODS:
                     raise ValueError(f"unknown method {name!r}; registered: {', '.join(METHODS)}")
-                if not calibratable(METHODS[name]):
+                if not calibratable(METHODS[name]) and METHODS[name].head_candidates is None:
                     raise ValueError(f"method {name!r} has no plan or no grid to calibrate"
                                      " (MInference: use `sparseprefill search`)")
             jobs = [(METHODS[name], None) for name in names]
+            for name in names:
+                if METHODS[name].head_candidates is not None:
+                    headwise_families(METHODS[name], 4096, args.headwise_candidates)
             if args.grid is not None:
                 if len(names) != 1:
                     raise ValueError("--grid needs exactly one --method")
@@ -1060,7 +1074,9 @@ def run(args: argparse.Namespace) -> int:
     for method, config in jobs:
         layers: dict[int, Any] = {}
         grid_label, grid_points = calibration_grid(method, seqlen, args.grid)
-        if config is None:
+        if method.head_candidates is not None:
+            grid_label, grid_points = _describe_headwise(method, seqlen, args, log=config is None)
+        elif config is None:
             print(f"{method.name}: {describe_grid(grid_label, grid_points, seqlen)}", file=sys.stderr, flush=True)
         meta = {"target": asdict(target), "margin": args.margin,
                 "calibrated_to": asdict(target.with_margin(args.margin)),
@@ -1076,10 +1092,17 @@ def run(args: argparse.Namespace) -> int:
             res = done.get((method.name, layer))
             if res is None:
                 if layer not in truths:
-                    truths[layer] = _truths(group, args.rows, args.seed, shares)
+                    truths[layer] = layer_truths(group, args.rows, args.seed, shares)
                 if config is not None:
                     res = evaluate_layer(method, config.layers[layer], group, truths[layer], impl=impl,
                                          share=args.share, kinds=[kinds.get(c.source, "") for c in group])
+                elif method.head_candidates is not None:
+                    fams = headwise_families(method, seqlen, args.headwise_candidates)
+                    reused = None if args.headwise_reuse is None else reuse_options(args.headwise_reuse, layer, fams)
+                    res = calibrate_headwise_layer(
+                        method, group, truths[layer], _layer_target(calib_target, group, kinds), impl=impl,
+                        share=args.share, refine=args.refine, families=fams, rates=_headwise_rates(args),
+                        dtype=args.headwise_dtype, objective=args.headwise_objective, options=reused, log=sys.stderr)
                 else:
                     res = calibrate_layer(method, group, truths[layer], _layer_target(calib_target, group, kinds),
                                           granularity=args.granularity,

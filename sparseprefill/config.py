@@ -20,6 +20,10 @@ where a layer SPEC is one of
   lists query heads that run full causal attention instead (the dense fallback);
 * a list with one entry per query head, each a parameter dict or `null` (that head runs
   full causal attention): for a method whose varying parameters are not per-head knobs.
+  An entry may name its own method, `{"method": "vertical_slash", ...}` (one of
+  `head_methods()`: the heads' plans merge into one plan of the layer at their finest
+  block sizes, one launch), its parameters then checked by that method; the heads of an
+  `headwise` config (`sparseprefill calibrate --method headwise`) all name theirs.
 
 Everything is checked when the file is read, before any model is touched: the format tag,
 the method, layer indices, each spec's form, `dense_heads`, list lengths against
@@ -41,6 +45,8 @@ from typing import Any
 
 FORMAT = "sparseprefill.calibrate/1"
 DENSE_HEADS = "dense_heads"
+# A head's own method in a per-head list (the heads of one layer taking different methods).
+METHOD = "method"
 
 LayerSpec = None | dict[str, Any] | list[dict[str, Any] | None]
 
@@ -133,9 +139,34 @@ def check_layer_spec(method: str, spec: object, *, q_heads: int | None = None, w
             if DENSE_HEADS in head:
                 raise ValueError(f"{where}[{h}]: {DENSE_HEADS} belongs to a whole layer's dict; in a per-head "
                                  "list a dense head is null")
-            _check_params(spec_, dict(head), f"{where}[{h}]")
+            params = dict(head)
+            named = params.pop(METHOD, None)
+            if named is None:
+                if spec_.head_candidates is not None:
+                    raise ValueError(f"{where}[{h}].{METHOD}: every head of a {method!r} config names its "
+                                     f"method (one of {', '.join(head_methods())})")
+                _check_params(spec_, params, f"{where}[{h}]")
+            else:
+                _check_params(METHODS[_head_method(named, f"{where}[{h}].{METHOD}")], params, f"{where}[{h}]")
         return
     raise ValueError(f"{where}: expected null, a parameter dict or a per-head list, got {type(spec).__name__}")
+
+
+def head_methods() -> tuple[str, ...]:
+    """The methods a head of a per-head list may name (`"method"`): those whose heads' plans
+    merge into one plan of the layer (`reference.headwise`)."""
+    from .reference.headwise import KNOBS
+
+    return tuple(KNOBS)
+
+
+def _head_method(name: object, where: str) -> str:
+    from .methods import METHODS
+
+    if not isinstance(name, str) or name not in METHODS or name not in head_methods():
+        raise ValueError(f"{where}: expected a method one head can take ({', '.join(head_methods())}), "
+                         f"got {name!r}")
+    return name
 
 
 def _check_params(method: Any, params: dict[str, Any], where: str) -> None:
@@ -309,6 +340,49 @@ def dense_heads_of(spec: LayerSpec, q_heads: int) -> list[int]:
     return [h for h, head in enumerate(spec) if head is None]
 
 
+def headwise_heads(config: CalibratedConfig, layer: int) -> list[dict[str, Any] | None]:
+    """One layer of any config as the `headwise` method's `heads` (one `{"method": ..., **params}`
+    or None per query head): what `sparseprefill bench headwise --params '{"heads": ...}'` runs,
+    so configs of every method run through one path beside each other.
+
+    A dict spec gives each head its element of every per-head knob (`Method.knobs`) and its
+    `dense_heads` None; a per-head list gives each head the config's method unless it names
+    its own; None (or a layer the file lacks) makes every head dense.
+
+    Raises:
+        ValueError: a config without `q_heads`, or whose method is not one a head can take.
+    """
+    from .methods import METHODS
+
+    hq = config.q_heads
+    if hq is None:
+        raise ValueError(f"the {config.method!r} config records no q_heads")
+    spec = config.layers.get(layer)
+    if spec is None:
+        return [None] * hq
+    if isinstance(spec, Mapping):
+        if config.method not in head_methods():
+            raise ValueError(f"{config.method!r} is not a method one head can take ({', '.join(head_methods())})")
+        params, dense = split_dense_heads(spec)
+        out: list[dict[str, Any] | None] = []
+        for h in range(hq):
+            if h in dense:
+                out.append(None)
+                continue
+            own = {key: (val[h] if key in METHODS[config.method].knobs and isinstance(val, (list, tuple)) else val)
+                   for key, val in params.items()}
+            out.append({METHOD: config.method, **own})
+        return out
+    heads: list[dict[str, Any] | None] = []
+    for head in spec:
+        if head is None:
+            heads.append(None)
+        else:
+            named = dict(head)
+            heads.append({METHOD: named.pop(METHOD, config.method), **named})
+    return heads
+
+
 def layer_specs(config: CalibratedConfig | Mapping[int, LayerSpec]) -> dict[int, LayerSpec]:
     """`{layer_idx: spec}` of a read config or of such a mapping already in memory."""
     if isinstance(config, CalibratedConfig):
@@ -319,12 +393,15 @@ def layer_specs(config: CalibratedConfig | Mapping[int, LayerSpec]) -> dict[int,
 __all__ = [
     "DENSE_HEADS",
     "FORMAT",
+    "METHOD",
     "CalibratedConfig",
     "LayerSpec",
     "check_layer_spec",
     "check_margin_fields",
     "config_payload",
     "dense_heads_of",
+    "head_methods",
+    "headwise_heads",
     "layer_specs",
     "parse_config",
     "read_config",

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .calibrate import HeadStats, Target, layer_spec, measure_spec
+from .layer_stats import HeadStats, Target, layer_spec, measure_spec
 
 COUPLED_ROUNDS = 3
 BOUNDS = ("recall", "row_recall", "error")

@@ -17,7 +17,10 @@ reaching a share of the mass under each unit:
   SampleAttention's unit), greedy by mass per causal area, mean recall `share`;
 * `lines`: whole columns and diagonals (a vertical-slash method with single lines): the
   least area over every pair (top `v` columns, top `s` diagonals by mass) reaching mean
-  recall `share`.
+  recall `share`;
+* `vslines<B>` (`--vs-blocks B`): the same ideal lines indexed as vertical-slash indexes
+  them (each kept diagonal keeps the `B x B` key blocks it touches), over a `(v, s)` grid:
+  vertical-slash's own unit with a perfect estimate.
 
 Writes one JSON (per layer and head, the densities; rewritten after each layer) and
 prints the layer means. `sparseprefill eval heldout` reads it for the bound of each
@@ -145,8 +148,66 @@ def lines_bound(p: torch.Tensor, share: float) -> dict[str, float]:
     return {"density": float(area.flatten()[best]) / _causal(n), "vertical": v, "slash": s}
 
 
+# The line budgets `vs_lines_bound` tries: 0 and a geometric grid (x 1.25) up to N.
+def _line_budgets(n: int) -> list[int]:
+    out, x = [0], 1.0
+    while x < n:
+        out.append(int(round(x)))
+        x *= 1.25
+    return sorted(set(out + [n]))
+
+
+def vs_lines_bound(p: torch.Tensor, share: float, block: int) -> dict[str, float]:
+    """`vslines<B>`: vertical-slash's unit with an ideal estimate. The top `v` columns and top `s`
+    diagonals by their true mass over every row (where the estimator sees only the last
+    queries), indexed as the method's Alg. 4 does (a kept diagonal keeps every `B x B` key
+    block it touches in a query block; a kept column outside those blocks is a column of the
+    query block), the least density over a `(v, s)` grid (`_line_budgets`) reaching mean
+    recall `share`. Against `lines` (the same lines, diagonals at token level) it measures
+    what the block cover of the diagonals costs; against a calibrated vertical-slash, what
+    its estimate costs."""
+    n = p.shape[0]
+    nb = -(-n // block)
+    c = torch.arange(n)
+    col_mass = p.sum(dim=0)
+    diag = (c[:, None] - c[None, :]).clamp(min=0)  # offset row - col (non-causal entries are 0 in p)
+    diag_mass = torch.zeros(n, dtype=torch.float64).index_add_(0, diag.flatten(), p.flatten())
+    cols = torch.argsort(col_mass, descending=True)
+    diags = torch.argsort(diag_mass, descending=True)
+    mass, area = _tiles(p, block)  # [Qb, Kb] tile mass and causal area
+    pad = torch.zeros(nb * block, n, dtype=p.dtype)
+    pad[:n] = p
+    col_q = pad.view(nb, block, n).sum(dim=1)  # [Qb, N] each column's mass per query block
+    end = torch.clamp(torch.arange(1, nb + 1) * block, max=n)
+    col_area = (end[:, None] - torch.maximum(torch.arange(nb)[:, None] * block, c[None, :])).clamp(min=0).double()
+    r0 = torch.arange(nb)[:, None] * block
+    lo = (r0 - c[None, :]).clamp(0, n)
+    hi = (torch.clamp(r0 + block, max=n) - c[None, :]).clamp(0, n)
+    key_block = c // block
+    best = {"density": 1.0, "vertical": n, "slash": n}
+    for s in _line_budgets(n):
+        kept = torch.zeros(n + 1, dtype=torch.int64)
+        kept[diags[:s]] = 1
+        below = torch.cat([torch.zeros(1, dtype=torch.int64), kept[:n].cumsum(0)])
+        reached = (below[hi] - below[lo]) > 0  # [Qb, N] keys a kept diagonal reaches per query block
+        blocks = torch.zeros(nb, nb * block, dtype=torch.bool)
+        blocks[:, :n] = reached
+        blocks = blocks.view(nb, nb, block).any(dim=-1)
+        block_mass, block_area = float((mass * blocks).sum()), float((area * blocks).sum())
+        outside = ~blocks[:, key_block]  # [Qb, N] columns not inside a kept block
+        gain_mass = (col_q * outside)[:, cols].sum(dim=0).cumsum(0)
+        gain_area = (col_area * outside)[:, cols].sum(dim=0).cumsum(0)
+        total = torch.cat([torch.zeros(1, dtype=torch.float64), gain_mass]) + block_mass
+        room = torch.cat([torch.zeros(1, dtype=torch.float64), gain_area]) + block_area
+        # The fewest columns reaching the share (more columns only add area).
+        v = next((v for v in _line_budgets(n) if float(total[v]) >= share * n - 1e-9), None)
+        if v is not None and float(room[v]) / _causal(n) < best["density"]:
+            best = {"density": float(room[v]) / _causal(n), "vertical": v, "slash": s}
+    return best
+
+
 def head_bounds(p: torch.Tensor, share: float, *, blocks: list[int], stripes: list[int], lines: bool,
-                oracles: bool = True) -> dict[str, Any]:
+                oracles: bool = True, vs_blocks: list[int] | None = None) -> dict[str, Any]:
     """Every bound of one head's causal softmax `p` (see the module doc)."""
     out: dict[str, Any] = {}
     if oracles:
@@ -157,6 +218,8 @@ def head_bounds(p: torch.Tensor, share: float, *, blocks: list[int], stripes: li
         out[f"stripes{b}"] = stripes_bound(p, b, share)
     if lines:
         out["lines"] = lines_bound(p, share)
+    for b in vs_blocks or []:
+        out[f"vslines{b}"] = vs_lines_bound(p, share, b)
     return out
 
 
@@ -177,13 +240,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stripes", type=int, nargs="*", default=[128],
                         help="query-block heights of the stripes bound (none: skip)")
     parser.add_argument("--no-lines", action="store_true", help="skip the lines bound (N^2 memory per head)")
+    parser.add_argument("--vs-blocks", type=int, nargs="*", default=[],
+                        help="block sizes of the vertical-slash unit bound (vslines<B>: ideal lines, diagonals "
+                             "covered by B x B blocks as the method's index does; default none)")
     parser.add_argument("--no-oracles", action="store_true", help="skip the row and mean oracles")
     parser.add_argument("--json", type=Path, required=True, help="per layer and head (rewritten after each layer)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `sparseprefill eval granularity`."""
-    from .calibrate import load_captures
+    from .layer_stats import load_captures
     from .reference._checks import check_fraction, resolve_scale
     from .runlog import Progress
 
@@ -199,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(sum(int(c.q.shape[1]) for c in caps), what="head")
     lines = ["| layer | " + " | ".join(["row", "mean"] * (not args.no_oracles)
                                        + [x for b in args.blocks for x in (f"block{b}", f"block{b}_rows")]
-                                       + [f"stripes{b}" for b in args.stripes] + ["lines"] * (not args.no_lines))
+                                       + [f"stripes{b}" for b in args.stripes] + ["lines"] * (not args.no_lines)
+                                       + [f"vslines{b}" for b in args.vs_blocks])
              + " |"]
     lines.append("| --- " * (lines[0].count("|") - 1) + "|")
     for cap in caps:
@@ -211,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
         for h in range(hq):
             p = head_probs(q[h], k[h // (hq // hkv)], scale)
             heads.append(head_bounds(p, args.share, blocks=args.blocks, stripes=args.stripes,
-                                     lines=not args.no_lines, oracles=not args.no_oracles))
+                                     lines=not args.no_lines, oracles=not args.no_oracles,
+                                     vs_blocks=args.vs_blocks))
             progress.step(f"layer {cap.layer} head {h}")
         out["layers"][str(cap.layer)] = heads
         means = layer_means(heads)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparseprefill import calibrate as cal
+from sparseprefill import layer_stats as ls
 from sparseprefill import reference
 from sparseprefill.config import read_config
 from sparseprefill.methods import METHODS
@@ -67,11 +68,11 @@ def test_with_dense_heads_makes_heads_full_causal() -> None:
 
 
 def test_calibrate_layer_picks_per_head_and_falls_back_to_dense(tmp_path: Path) -> None:
-    caps = cal.load_captures([toy_capture(tmp_path)])
-    truths = [cal.row_truth(c, cal.sample_rows(N, 64, seed=1)) for c in caps]
+    caps = ls.load_captures([toy_capture(tmp_path)])
+    truths = [ls.row_truth(c, ls.sample_rows(N, 64, seed=1)) for c in caps]
     method = METHODS["streaming"]
     grid = [{"sink": 16, "window": w, "block_m": 16, "block_n": 16} for w in (16, 32, 48)]
-    target = cal.Target(recall=0.97)
+    target = ls.Target(recall=0.97)
     res = cal.calibrate_layer(method, caps, truths, target, grid=grid)
     # The local heads take the smallest window; the spread heads are served by none: dense.
     assert res.picks[:2] == [0, 0] and res.picks[2:] == [None, None]
@@ -79,25 +80,25 @@ def test_calibrate_layer_picks_per_head_and_falls_back_to_dense(tmp_path: Path) 
     assert res.recall_mean[2] == pytest.approx(1.0, abs=1e-5) and res.density[2] == pytest.approx(1.0)
     # The whole config's numbers equal a per-head measurement of the grid point it chose.
     plan = method.plan_fn("reference")(caps[0].q, caps[0].k, **grid[0])
-    alone = cal.plan_stats(truths[0], plan, caps[0].v)
+    alone = ls.plan_stats(truths[0], plan, caps[0].v)
     assert res.density[0] == pytest.approx(float(alone.density[0]))
     assert float(alone.density[0]) == pytest.approx(float(reference.density(plan)[0, 0]))
     # Per layer: one point for all heads, the unserved heads dense.
     one = cal.calibrate_layer(method, caps, truths, target, grid=grid, granularity="layer")
     assert one.picks == [0, 0, None, None]
     # An output-error target works from v; an impossible one makes every head dense (layer -> SDPA).
-    err = cal.calibrate_layer(method, caps, truths, cal.Target(recall=None, error=0.0), grid=grid)
+    err = cal.calibrate_layer(method, caps, truths, ls.Target(recall=None, error=0.0), grid=grid)
     assert err.picks == [None] * HQ and err.spec is None
 
 
 def test_layer_spec_forms() -> None:
     method = METHODS["streaming"]
     grid = [{"sink": 16, "window": w} for w in (32, 64)]
-    assert cal.layer_spec(method, grid, [None, None]) is None
-    same = cal.layer_spec(method, grid, [1, None, 1])
+    assert ls.layer_spec(method, grid, [None, None]) is None
+    same = ls.layer_spec(method, grid, [1, None, 1])
     assert same == {"sink": 16, "window": 64, "dense_heads": [1]}
-    mixed = cal.layer_spec(method, grid, [0, 1, None])
-    if "window" in cal.method_knobs(method):
+    mixed = ls.layer_spec(method, grid, [0, 1, None])
+    if "window" in ls.method_knobs(method):
         assert mixed == {"sink": 16, "window": [32, 64, 32], "dense_heads": [2]}
     else:
         assert mixed == [grid[0], grid[1], None]
@@ -190,23 +191,23 @@ def test_dense_heads_in_patch(method: str, params: dict[str, Any] | None) -> Non
 
 def test_target_and_bad_input() -> None:
     with pytest.raises(ValueError, match="at least one"):
-        cal.Target(recall=None)
+        ls.Target(recall=None)
     with pytest.raises(ValueError, match="recall"):
-        cal.Target(recall=1.5)
-    rows = cal.sample_rows(1000, 100, seed=3)
+        ls.Target(recall=1.5)
+    rows = ls.sample_rows(1000, 100, seed=3)
     assert rows.numel() == 100 and bool((rows[1:] > rows[:-1]).all()) and int(rows.max()) < 1000
-    assert torch.equal(cal.sample_rows(10, 50), torch.arange(10))
+    assert torch.equal(ls.sample_rows(10, 50), torch.arange(10))
     assert not math.isnan(float(rows.float().mean()))
 
 
 def test_refine_bisects_each_heads_knob_to_a_cheaper_value(tmp_path: Path) -> None:
     """`refine`: per-head bisection between grid points keeps the target and never costs
     more than the grid's pick; `refine_top` serves heads no grid point serves."""
-    caps = cal.load_captures([toy_capture(tmp_path)])
-    truths = [cal.row_truth(c, cal.sample_rows(N, 64, seed=1)) for c in caps]
+    caps = ls.load_captures([toy_capture(tmp_path)])
+    truths = [ls.row_truth(c, ls.sample_rows(N, 64, seed=1)) for c in caps]
     method = METHODS["xattention"]
     grid = [{"stride": 4, "block": 16, "threshold": t} for t in (0.3, 0.6)]
-    target = cal.Target(recall=0.9)
+    target = ls.Target(recall=0.9)
     assert cal.bisect_knob(grid) == "threshold" and cal.bisect_knob([{"window": 16}, {"window": 32}]) is None
     coarse = cal.calibrate_layer(method, caps, truths, target, grid=grid)
     fine = cal.calibrate_layer(method, caps, truths, target, grid=grid, refine=3, refine_top=1.0)
@@ -224,7 +225,7 @@ def test_refine_bisects_each_heads_knob_to_a_cheaper_value(tmp_path: Path) -> No
 def test_margin_calibrates_to_the_safe_side(tmp_path: Path) -> None:
     """`--margin`: the bounds tighten on the calibration prompt (recall + m, error - m), the
     config records the user's target and the margin, bad margins are refused."""
-    target = cal.Target(recall=0.9, row_recall=0.5, error=0.1)
+    target = ls.Target(recall=0.9, row_recall=0.5, error=0.1)
     safe = target.with_margin(0.05)
     assert safe.recall == pytest.approx(0.95) and safe.row_recall == pytest.approx(0.55)
     assert safe.error == pytest.approx(0.05) and target.with_margin(0) is target
@@ -232,9 +233,9 @@ def test_margin_calibrates_to_the_safe_side(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="margin"):
             target.with_margin(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="above 1"):
-        cal.Target(recall=0.97).with_margin(0.05)
+        ls.Target(recall=0.97).with_margin(0.05)
     with pytest.raises(ValueError, match="below 0"):
-        cal.Target(recall=None, error=0.01).with_margin(0.02)
+        ls.Target(recall=None, error=0.01).with_margin(0.02)
     from sparseprefill.calibrate import main
 
     qkv = toy_capture(tmp_path)

@@ -126,7 +126,7 @@ def test_toy_passes_every_conformance_property(cpu_caps: Caps, toy: methods.Meth
     spec = CONFORMANCE[TOY]
     assert spec.exact_plans and spec.method is toy
     cases = [p for p in props.PROPERTIES if p.per_method and TOY in [s.name for s in p.cases(CONFORMANCE)]]
-    assert {p.name for p in cases} == {"plan", "end_to_end", "recall_density"}, cases
+    assert {p.name for p in cases} == {"plan", "end_to_end", "recall_density", "sequence"}, cases
     for prop in cases:
         prop.run(data.draw, cpu_caps, spec)
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from sparseprefill import calibrate as cal
+from sparseprefill import layer_stats as ls
 from sparseprefill import prompts as pr
 from sparseprefill.config import parse_config, read_config
 from sparseprefill.margins import SpreadTarget, settle_coupled, tail_below_min_minus_range
@@ -45,14 +46,14 @@ def save_capture(path: Path, seed: int, *, diffuse: tuple[int, ...] = (2, 3)) ->
     return path
 
 
-def stats(recall: list[float], *, error: list[float] | None = None) -> cal.HeadStats:
+def stats(recall: list[float], *, error: list[float] | None = None) -> ls.HeadStats:
     r = torch.tensor(recall, dtype=torch.float64)
-    return cal.HeadStats(density=torch.full_like(r, 0.5), recall_mean=r, recall_min=r - 0.1,
+    return ls.HeadStats(density=torch.full_like(r, 0.5), recall_mean=r, recall_min=r - 0.1,
                          error=None if error is None else torch.tensor(error, dtype=torch.float64))
 
 
-def combined(*parts: cal.HeadStats) -> cal.HeadStats:
-    return cal._combine(list(parts))
+def combined(*parts: ls.HeadStats) -> ls.HeadStats:
+    return ls.combine(list(parts))
 
 
 # -- --prompts and the text sources --------------------------------------------------------------
@@ -187,8 +188,8 @@ def test_spread_margin_per_head() -> None:
     # Two prompts of one kind are averaged before the spread: one kind, no spread.
     same = SpreadTarget(recall=0.9, margin=0.02, kinds=("code", "code"))
     assert same.margins(both)["recall"].tolist() == pytest.approx([0.02] * 4)
-    plain = cal.Target(recall=0.9).with_margin(0.02)
-    assert same.serves(both).tolist() == plain.serves(cal._combine([code, prose])).tolist()
+    plain = ls.Target(recall=0.9).with_margin(0.02)
+    assert same.serves(both).tolist() == plain.serves(ls.combine([code, prose])).tolist()
     # The worst row and the error take their own spreads; an error bound shrinks by the margin.
     err = combined(stats([0.99] * 4, error=[0.01, 0.01, 0.01, 0.05]), stats([0.99] * 4, error=[0.01, 0.04, 0.08, 0.05]))
     on_error = SpreadTarget(recall=None, error=0.1, margin=0.0, kinds=("a", "b"))
@@ -259,12 +260,12 @@ def test_calibrate_with_prompts_of_two_kinds(tmp_path: Path, capsys: pytest.Capt
 def test_coupled_heads_settle_on_whole_runs(tmp_path: Path) -> None:
     """SharePrefill: every head the chosen config keeps sparse meets target + its margin on
     every kind when the config runs as a whole (or has moved denser until it does)."""
-    caps = cal.load_captures([save_capture(tmp_path / "a.pt", 0), save_capture(tmp_path / "b.pt", 1, diffuse=(1, 2))])
-    truths = [cal.row_truth(c, cal.sample_rows(N, 48, seed=1)) for c in caps]
+    caps = ls.load_captures([save_capture(tmp_path / "a.pt", 0), save_capture(tmp_path / "b.pt", 1, diffuse=(1, 2))])
+    truths = [ls.row_truth(c, ls.sample_rows(N, 48, seed=1)) for c in caps]
     method = METHODS["shareprefill"]
     target = SpreadTarget(recall=0.9, margin=0.01, kinds=("code", "prose"))
     res = cal.calibrate_layer(method, caps, truths, target)
-    whole = cal.measure_spec(method, res.spec, caps, truths)
+    whole = ls.measure_spec(method, res.spec, caps, truths)
     served = target.serves(whole)
     assert all(bool(served[h]) for h, p in enumerate(res.picks) if p is not None)
     assert len(res.head_margin) == HQ and all((m is None) == (p is None) for m, p in zip(res.head_margin, res.picks))

@@ -404,8 +404,8 @@ BUGS: tuple[Bug, ...] = (
         'kwargs["scale"] = None',
         "vertical-slash heads estimate with the default scale, not the layer's"),
     Bug("minference-kernel-scale-dropped", "minference", "fast/minference.py",
-        "out, _ = block_column_attention(q, k, v, plan, scale=scale, validate_plan=False)",
-        "out, _ = block_column_attention(q, k, v, plan, validate_plan=False)",
+        "return run_plan(q, k, v, plan, scale=scale)",
+        "return run_plan(q, k, v, plan)",
         "fast MInference runs the kernel at the default scale"),
     # -- AnchorAttention ----------------------------------------------------------------
     Bug("anchor-window-from-block-0", "anchor_attention", "fast/anchor_attention.py",

@@ -842,14 +842,41 @@ def _head_params(method: str, params: dict[str, Any], head: int, heads: int) -> 
     return out
 
 
+def _headwise_heads(choices: Sequence[Choice], q: torch.Tensor) -> list[dict[str, Any] | None] | None:
+    """The per-head choices as `headwise_plan` takes them (`{"method": ..., **params}`, None for a
+    dense head; a layer-wide per-head knob cut to each head's value), or None when a head's
+    method is not one `headwise` composes (then each head is planned alone)."""
+    from ..config import METHOD, head_methods
+
+    hq = int(q.shape[1])
+    out: list[dict[str, Any] | None] = []
+    for h, choice in enumerate(choices):
+        if choice.method == DENSE or h in choice.dense_heads:
+            out.append(None)
+            continue
+        if choice.method not in head_methods():
+            return None
+        params = _resolve_params(choice, q)
+        for knob in METHODS[choice.method].knobs:
+            value = params.get(knob)
+            if isinstance(value, (list, tuple, torch.Tensor)) and len(value) == hq:
+                item = value[h]
+                params[knob] = item.item() if isinstance(item, torch.Tensor) else item
+        out.append({METHOD: choice.method, **params})
+    return out
+
+
 def build_plan(
     q: torch.Tensor, k: torch.Tensor, choices: Sequence[Choice], *, fast_plans: bool
 ) -> BlockColumnPlan:
-    """One plan for all heads: one estimator call if every head shares a method, else per head.
+    """One plan for all heads: one estimator call if every head shares a method, else one per
+    group of heads sharing a method and its non-knob parameters, merged (`headwise_plan`).
 
-    Heads whose choice is full attention (`Choice(DENSE, None)`) take the block
-    sizes of the layer's other heads. A head planned alone takes its own element of a
-    per-head knob given for the whole layer (`Method.knobs`).
+    Heads whose choice is full attention (`Choice(DENSE, None)`) are marked dense. Heads
+    may differ in block sizes: the plan takes the finest (`BlockColumnPlan.refined`). A
+    per-head knob given for the whole layer (`Method.knobs`) gives each head its element.
+    A layer mixing in a method that `headwise` does not compose plans each head alone and
+    needs equal block sizes.
 
     Args:
         q: `[B, Hq, N, D]`; k: `[B, Hkv, N, D]`.
@@ -878,6 +905,11 @@ def build_plan(
     if all(c == first for c in choices):
         plan = plan_fn(first)(q, k, **_resolve_params(first, q))
         return plan.with_dense_heads(first.dense_heads)
+    heads = _headwise_heads(choices, q)
+    if heads is not None:
+        # One estimate per group of heads sharing a method, the plans merged at their finest unit.
+        plan_heads = fast.headwise_plan if fast_plans else reference.headwise_plan
+        return plan_heads(q, k, heads=heads)
     plans: list[BlockColumnPlan | None] = [None] * hq
     sizes: dict[str, int] | None = None
     for h, choice in enumerate(choices):

@@ -26,6 +26,7 @@ from ._core import (
 from . import dense, streaming, vertical_slash, block_sparse, a_shape, anchor_attention  # noqa: E402,F401
 from . import delta_kv, xattention, dpxa, delta_xattention, sample_attention  # noqa: E402,F401
 from . import minference, flexprefill_vs, shareprefill  # noqa: E402,F401
+from . import headwise  # noqa: E402,F401
 
 # The method a head with full causal attention runs (`patch`'s `None` heads, the bench's baseline).
 DENSE: str = dense.METHOD.name

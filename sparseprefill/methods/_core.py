@@ -184,6 +184,11 @@ class Method:
             threshold): a per-head value still has one element per query head, but the
             query heads of a KV group must share it (`reference._checks.per_kv_head`);
             the conformance strategies draw them per KV head.
+        head_candidates: for a method whose heads each take another method (`headwise`):
+            `N -> [{"method": name, **fixed parameters}, ...]`, the families `sparseprefill
+            calibrate` searches per head (each family the named method's calibration grid
+            with the fixed parameters, a unit say, laid over every point); its configs'
+            layers are per-head lists that name each head's method. None: a method of its own.
     """
 
     name: str
@@ -210,6 +215,7 @@ class Method:
     coupled_heads: str = ""
     knobs: tuple[str, ...] = ()
     kv_knobs: tuple[str, ...] = ()
+    head_candidates: Callable[[int], list[Params]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
