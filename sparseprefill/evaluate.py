@@ -60,6 +60,8 @@ EXTRA_TASKS = {
                                     "captured head: the bound of a method's unit"),
     "heldout": (".heldout", "calibrated configs on held-out text: density against the oracle and the unit's "
                             "bound, recall, the target met or not, another run beside it"),
+    "modelled-time": (".modelled_time", "calibrated configs priced on captured layers by the headwise cost model "
+                                        "(per head: kernel work at the rates + estimate share; dense ms beside)"),
     "layers": (".prefill_layers", "every captured layer of one prefill in model order (state carried across "
                                   "layers), the report layers measured, other methods at the same density"),
 }

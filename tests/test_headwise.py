@@ -405,3 +405,40 @@ def test_headwise_heads_of_any_config() -> None:
                                          None]
     with pytest.raises(ValueError, match="no q_heads"):
         headwise_heads(CalibratedConfig("xattention", {0: spec}), 0)
+
+
+def test_eval_modelled_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`sparseprefill eval modelled-time`: a config whose heads all run dense costs the dense
+    time; a mixed one is priced head by head; its heads' methods and the unit are recorded;
+    bad --config and --batch refused."""
+    from sparseprefill.cli import main
+    from sparseprefill.config import CalibratedConfig, write_config
+
+    capture = _capture(tmp_path)
+    dense_cfg = write_config(tmp_path / "dense.json", CalibratedConfig(
+        "streaming", {0: {"sink": 16, "window": 32, "block_m": 16, "block_n": 16, "dense_heads": [0, 1, 2, 3]}},
+        {"q_heads": HQ}))
+    sparse_cfg = write_config(tmp_path / "sparse.json", CalibratedConfig(
+        "headwise", {0: [{"method": "streaming", "sink": 16, "window": 16, "block_m": 16, "block_n": 16}, None,
+                         {"method": "xattention", "stride": 4, "threshold": 0.5, "block": 32}, None]},
+        {"q_heads": HQ}))
+    out = tmp_path / "time.json"
+    assert main(["eval", "modelled-time", "--qkv", str(capture), "--config", f"all dense={dense_cfg}",
+                 "--config", f"mixed={sparse_cfg}", "--batch", "2", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| all dense | 0 |" in table and "| mixed | 0 |" in table
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    dense, mixed = rows["all dense"], rows["mixed"]
+    assert dense["dense_heads"] == [0, 1, 2, 3] and dense["ms"] == pytest.approx(dense["dense_ms"])
+    assert mixed["methods"] == ["streaming", None, "xattention", None] and {1, 3} <= set(mixed["dense_heads"])
+    # Heads the config runs dense cost the dense time; a sparse head its kernel time (or dense, when the
+    # rule sends it dense) plus its method's estimate, paid either way.
+    per_head = dense["dense_ms"] / HQ
+    assert mixed["head_ms"][1] == pytest.approx(per_head) and mixed["head_ms"][3] == pytest.approx(per_head)
+    assert mixed["head_ms"][0] <= per_head and mixed["head_ms"][2] >= min(mixed["head_ms"][0], per_head)
+    assert mixed["ms"] == pytest.approx(sum(mixed["head_ms"])) and mixed["dense_ms"] == pytest.approx(dense["dense_ms"])
+    assert 0 < mixed["density"] < 1 and mixed["block_m"] == 16
+    with pytest.raises(ValueError, match="LABEL=PATH"):
+        main(["eval", "modelled-time", "--qkv", str(capture), "--config", str(dense_cfg)])
+    with pytest.raises(ValueError, match="batch"):
+        main(["eval", "modelled-time", "--qkv", str(capture), "--config", f"a={dense_cfg}", "--batch", "0"])

@@ -1,4 +1,6 @@
-"""Modelled GPU time of calibrated configs on captured layers (CPU: no GPU needed).
+"""`sparseprefill eval modelled-time`: modelled GPU time of calibrated configs on captured layers.
+
+Runs on a CPU (no GPU needed).
 
 For every config (any method's, through `sparseprefill.config.headwise_heads`) and captured
 layer, the layer's plan is built with the reference estimators on the capture and priced
@@ -8,7 +10,7 @@ its method's estimate share, a head whose sparse time is not below dense (the br
 rule) or that the config runs dense at the dense time. Prints one row per config and
 layer (density, heads dense, modelled ms against the layer's dense ms) and writes JSON.
 
-    python benches/modelled_time.py --qkv qkv_prose.pt --max-seqlen 4096 --layers 0 9 20 27 \\
+    sparseprefill eval modelled-time --qkv qkv_prose.pt --max-seqlen 4096 --layers 0 9 20 27 \\
         --config headwise=cfg/headwise.json --config xattention=cfg/xattention.json --json time.json
 
 The rates: `--rates` (a `sparseprefill rates` JSON), else the break-even rule's default
@@ -27,11 +29,11 @@ from typing import Any
 
 import torch
 
-from sparseprefill.layer_stats import load_captures, plan_density
-from sparseprefill.config import headwise_heads, read_config
-from sparseprefill.reference import headwise_plan
-from sparseprefill.reference.dense_fallback import DEFAULT_TABLE, RateTable, kept_pairs, kernel_tile
-from sparseprefill.reference.headwise import dense_ms, estimate_ms, head_kernel_ms
+from .config import headwise_heads, read_config
+from .layer_stats import load_captures, plan_density
+from .reference import headwise_plan
+from .reference.dense_fallback import DEFAULT_TABLE, RateTable, kept_pairs, kernel_tile
+from .reference.headwise import dense_ms, estimate_ms, head_kernel_ms
 
 
 def layer_time(heads: list[dict[str, Any] | None], q: torch.Tensor, k: torch.Tensor, *, batch: int, dtype: str,
@@ -65,9 +67,8 @@ def layer_time(heads: list[dict[str, Any] | None], q: torch.Tensor, k: torch.Ten
             "methods": [None if c is None else c["method"] for c in (heads[h % len(heads)] for h in range(hq))]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python benches/modelled_time.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `sparseprefill eval modelled-time`."""
     parser.add_argument("--qkv", type=Path, required=True, help="a capture (sparseprefill eval capture)")
     parser.add_argument("--config", action="append", required=True, metavar="LABEL=PATH",
                         help="a calibrated config (repeatable)")
@@ -75,16 +76,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seqlen", type=int, default=None, help="use only the first tokens of the capture")
     parser.add_argument("--batch", type=int, default=1, help="the deployment's batch (default 1)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--rates", type=Path, default=None, help="a rates JSON (default: the default table)")
+    parser.add_argument("--rates", type=Path, default=None,
+                        help="a `sparseprefill rates` JSON (default: the break-even rule's default table)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
-    args = parser.parse_args(argv)
-    rates = DEFAULT_TABLE if args.rates is None else RateTable.from_json(json.loads(args.rates.read_text()))
+
+
+def _configs(items: list[str]) -> list[tuple[str, Any]]:
+    """`LABEL=PATH` items read through `sparseprefill.config.read_config`."""
     configs = []
-    for item in args.config:
+    for item in items:
         label, sep, path = item.partition("=")
-        if not sep:
-            parser.error(f"--config takes LABEL=PATH, got {item!r}")
+        if not sep or not label or not path:
+            raise ValueError(f"--config takes LABEL=PATH, got {item!r}")
         configs.append((label, read_config(path)))
+    labels = [label for label, _ in configs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--config labels must differ, got {labels}")
+    return configs
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `sparseprefill eval modelled-time`: one table row per config and layer."""
+    if isinstance(args.batch, bool) or args.batch < 1:
+        raise ValueError(f"--batch must be an integer >= 1, got {args.batch}")
+    rates = DEFAULT_TABLE if args.rates is None else RateTable.from_json(json.loads(args.rates.read_text()))
+    configs = _configs(args.config)
     caps = load_captures([args.qkv], layers=args.layers, max_seqlen=args.max_seqlen)
     rows = []
     print("| config | layer | density | heads dense | modelled ms | dense ms | vs dense | unit |")
@@ -103,10 +119,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['block_m']} |", flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "rates": rates.device,
+        args.json.write_text(json.dumps({"command": "sparseprefill " + " ".join(sys.argv[1:]), "rates": rates.device,
                                          "dtype": args.dtype, "batch": args.batch, "rows": rows}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
