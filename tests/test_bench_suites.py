@@ -136,6 +136,23 @@ def test_variants_report_an_unknown_switch() -> None:
     assert "no switch _NO_SUCH" in rows[1].extra["error"]
 
 
+def test_variants_set_and_restore_the_hopper_switches() -> None:
+    """`HOPPER*` keys go to the Hopper path's switches for their rows and are restored (on a CPU
+    both variants run the portable kernel: the rows agree); an unknown one is reported."""
+    from sparseprefill.fast.kernels import block_column_hopper as hop
+
+    before = {attr: getattr(hop, attr) for attr in hop.SWITCHES.values()}
+    rows = run("variants", plans="dense", variants="hopper:;portable:HOPPER=0,HOPPER_STAGES=2", block=16)
+    assert {attr: getattr(hop, attr) for attr in hop.SWITCHES.values()} == before
+    portable = next(r for r in rows if r.extra.get("variant") == "portable")
+    assert portable.extra["sets"] == {"HOPPER": "0", "HOPPER_STAGES": "2"}
+    assert portable.extra["rel_diff_vs_first"] == 0 and portable.extra["nonfinite"] == 0
+    rows = bench.run_suite(bench.load_suite("variants"), context(), [N],
+                           {"plans": "dense", "variants": "x:HOPPER_NO_SUCH=1", "block": 16})
+    assert "no switch HOPPER_NO_SUCH" in rows[1].extra["error"]
+    assert {attr: getattr(hop, attr) for attr in hop.SWITCHES.values()} == before
+
+
 def test_serving_mixed_batch() -> None:
     rows = run("serving", seqlens=(64,), lengths="40,72", parts="mixed", block=16)
     mixed = named(rows, "mixed batch ")

@@ -107,8 +107,14 @@ MAX_PARTS = 1024
 _NONFINITE_BLOCK = 4096
 
 
+# `apply_switches` keys -> the module attribute each sets.
+SWITCHES = {"HOPPER": "ENABLED", "HOPPER_STAGES": "STAGES", "HOPPER_NONFINITE": "NONFINITE",
+            "HOPPER_COLUMNS": "COLUMNS"}
+
+
 def apply_switches(sets: dict[str, str]) -> None:
-    """Set this path's switches from a kernel-variant spec (`benches/kernel_variants.py` style).
+    """Set this path's switches from a kernel-variant spec (`sparseprefill bench variants
+    --variants "name:HOPPER=0"`; `benches/sanitize_kernels.py`).
 
     Keys (absent: the default): `HOPPER` 1 / 0 (the path on or off: the same call timed on
     the portable kernel), `HOPPER_STAGES` (slots per ring, 0: by shared memory),

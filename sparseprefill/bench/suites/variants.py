@@ -5,7 +5,11 @@ A variant (`--variants "name:KEY=VAL,KEY=VAL;name2:..."`) sets switches of
 switch without its underscore (`GUARD`, `NONFINITE`, `COL_SPLIT` (1, 0 or auto),
 `COL_TILE`, `COL_PREFETCH`, `PREFETCH`, `TILE_MAJOR`, `FLAT_TMA`, `WARP_SPEC`, ...: each
 launch reads them), `TILE` a tile configuration `BM.BN.warps.stages` (the kernel's
-`SPARSEPREFILL_TILE`), `BUDGET_GIB` the front door's budget for per-block column lists.
+`SPARSEPREFILL_TILE`), `BUDGET_GIB` the front door's budget for per-block column lists,
+and the Hopper path's switches (`fast.kernels.block_column_hopper.apply_switches`):
+`HOPPER` 1 / 0 (the sm90 path, or the portable kernel on the same call), `HOPPER_STAGES`,
+`HOPPER_NONFINITE`, `HOPPER_COLUMNS`; so `"hopper:;portable:HOPPER=0"` times both paths
+in one process.
 `--tiles "BM,BN,warps,stages;..."` adds one `TILE` variant per configuration. A key this
 version does not have is reported in the row (`error`), not guessed.
 
@@ -77,12 +81,22 @@ def applied(sets: dict[str, str]) -> Iterator[None]:
     Raises:
         KeyError: a switch this version of the kernel does not have.
     """
-    from ...fast.kernels import block_column, own_columns
+    from ...fast.kernels import block_column, block_column_hopper, own_columns
 
     saved: list[tuple[Any, str, Any]] = []
     env = os.environ.get("SPARSEPREFILL_TILE")
+    hopper = {key: text for key, text in sets.items() if key.startswith("HOPPER")}
     try:
+        if hopper:
+            unknown = sorted(set(hopper) - set(block_column_hopper.SWITCHES))
+            if unknown:
+                raise KeyError(f"fast.kernels.block_column_hopper has no switch {', '.join(unknown)}")
+            saved += [(block_column_hopper, attr, getattr(block_column_hopper, attr))
+                      for attr in block_column_hopper.SWITCHES.values()]
+            block_column_hopper.apply_switches(hopper)
         for key, text in sets.items():
+            if key in hopper:
+                continue
             if key == "TILE":
                 os.environ["SPARSEPREFILL_TILE"] = text.replace(".", ",")
             elif key == "BUDGET_GIB":
