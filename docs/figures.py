@@ -211,6 +211,36 @@ def anchor_attention_masks(out: Path) -> Path:
                                   "(blocks), stripes shared by each group of step query blocks (columns)")
 
 
+def headwise_masks(out: Path) -> Path:
+    n = 2048
+    q, k, _ = _demo_qkv(n, heads=4)
+    # Each head the choice that fits its pattern: slashes and columns, blocks, diffuse, local.
+    heads: list[dict[str, Any] | None] = [
+        {"method": "vertical_slash", "vertical_size": 32, "slash_size": 64, "block_m": 64, "block_n": 64,
+         "init_columns": 4, "local_diagonals": 8},
+        {"method": "xattention", "stride": 8, "threshold": 0.9, "block": 128},
+        None,
+        {"method": "streaming", "sink": 64, "window": 256, "block_m": 128, "block_n": 64},
+    ]
+    # On a CPU the break-even rule is off: the merged plan as the estimators made it.
+    plan = reference.headwise_plan(q, k, heads=heads)
+    density = reference.density(plan)[0]
+    recall = reference.recall(q, k, plan)[0].mean(dim=-1)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    panels = [(f"attention, head {h} (log scale)", attention_image(q[0, h], k[0, 0], size=256)) for h in range(4)]
+    for h, choice in enumerate(heads):
+        if choice is None:
+            label, image = "None: full causal", mask_image(causal, size=256)  # a marked head lists no blocks
+        else:
+            unit = (f"{choice['block']} x {choice['block']}" if "block" in choice
+                    else f"{choice['block_m']} x {choice['block_n']}")
+            label, image = f"{choice['method']} (its unit {unit})", plan_image(plan, head=h, size=256)
+        panels.append((f"head {h}: {label}\ndensity {float(density[h]):.1%}, recall {float(recall[h]):.3f}", image))
+    return save_mask_figure(panels, out / "headwise.png", columns=4, seqlen=n,
+                            title=f"headwise_plan, N = {n}: one plan of the four heads at {plan.block_m} x "
+                                  f"{plan.block_n} blocks, head {', '.join(map(str, plan.dense_heads))} marked dense")
+
+
 def delta_kv_masks(out: Path) -> Path:
     from sparseprefill.reference.delta_kv import safe_blocks
 
@@ -765,6 +795,7 @@ PAGES: dict[str, list[Figure]] = {
     "xattention": [xattention_masks, xattention_figure],
     "anchor_attention": [anchor_attention_masks, anchor_attention_figure],
     "delta_kv": [delta_kv_masks],
+    "headwise": [headwise_masks],
     "delta_xattention": [delta_xattention_masks, delta_xattention_figure],
     "shareprefill": [shareprefill_figures],
     "compare": [compare_figure],
