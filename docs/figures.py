@@ -226,15 +226,15 @@ def headwise_masks(out: Path) -> Path:
     plan = reference.headwise_plan(q, k, heads=heads)
     density = reference.density(plan)[0]
     recall = reference.recall(q, k, plan)[0].mean(dim=-1)
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
     panels = [(f"attention, head {h} (log scale)", attention_image(q[0, h], k[0, 0], size=256)) for h in range(4)]
     for h, choice in enumerate(heads):
         if choice is None:
-            label, image = "None: full causal", mask_image(causal, size=256)  # a marked head lists no blocks
+            label = "None: full causal"  # marked dense: plan_image draws it full causal
         else:
             unit = (f"{choice['block']} x {choice['block']}" if "block" in choice
                     else f"{choice['block_m']} x {choice['block_n']}")
-            label, image = f"{choice['method']} (its unit {unit})", plan_image(plan, head=h, size=256)
+            label = f"{choice['method']} (its unit {unit})"
+        image = plan_image(plan, head=h, size=256)
         panels.append((f"head {h}: {label}\ndensity {float(density[h]):.1%}, recall {float(recall[h]):.3f}", image))
     return save_mask_figure(panels, out / "headwise.png", columns=4, seqlen=n,
                             title=f"headwise_plan, N = {n}: one plan of the four heads at {plan.block_m} x "

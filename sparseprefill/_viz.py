@@ -42,7 +42,8 @@ def _pool(keys: torch.Tensor, edges: torch.Tensor) -> np.ndarray:
 
 
 def plan_image(plan: BlockColumnPlan, *, batch: int = 0, head: int = 0, size: int = 512) -> np.ndarray:
-    """Kept-share image of one (batch row, query head) of a plan.
+    """Kept-share image of one (batch row, query head) of a plan (a head the plan marks
+    dense drawn as full causal attention, whatever its lists say).
 
     Args:
         plan: any valid `BlockColumnPlan`.
@@ -67,6 +68,7 @@ def plan_image(plan: BlockColumnPlan, *, batch: int = 0, head: int = 0, size: in
         column_count=plan.column_count[batch : batch + 1, head : head + 1],
         column_index=plan.column_index[batch : batch + 1, head : head + 1],
         column_group=plan.column_group,
+        dense_heads=(0,) if head in plan.dense_heads else (),
     ).to("cpu")
     n = plan.seqlen
     per_block = one.block_mask()[0, 0].repeat_interleave(plan.block_n, dim=1)[:, :n]
