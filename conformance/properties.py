@@ -608,8 +608,17 @@ def _method_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any], str, Any]:
     """Inputs and parameters of one method example, with the `draw_limits` context to run in."""
     n = draw_seqlen(draw, caps)
+    # A third of the examples of a method with per-head knobs (the first among them): N
+    # short enough that several query heads (GQA, batch rows) of several blocks each fit
+    # the interpreter's work cap, so the knobs' per-head values, head groups and the
+    # (batch, head) maps of the estimators all meet a plan with choices to make. Drawn
+    # freely, long N leaves room for one head and many heads come with N under a block.
+    several_heads = bool(spec.method.knobs) and caps.max_tile_steps is not None \
+        and int(draw(st.integers(0, 2))) == 0
+    if several_heads:
+        n = int(draw(st.integers(min(49, caps.max_seqlen), min(96, caps.max_seqlen))))
     params = draw_method_params(draw, spec, n)
-    if not draw(st.booleans()):
+    if several_heads or not draw(st.booleans()):
         finer = _finer_until(params, n, 3)
         try:
             spec.method.check_params(finer)

@@ -376,7 +376,8 @@ def _vertical_slash_lines(draw: Callable[[Any], Any], seqlen: int) -> dict[str, 
 
 def _vertical_slash_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
                              params: dict[str, Any]) -> dict[str, Estimate]:
-    """Vertical and slash scores (Alg. 2 lines 2-6): sums of at most `last_q` probabilities."""
+    """Vertical and slash scores (Alg. 2 lines 2-6): sums of at most `last_q` probabilities
+    (each of fp32 logits: `_probability_bound`)."""
     from ..fast.vertical_slash import vertical_slash_scores as fast_scores
     from ..reference.vertical_slash import vertical_slash_scores as reference_scores
 
@@ -384,8 +385,9 @@ def _vertical_slash_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
     last_q = int(params.get("last_q", 64))
     vertical, slash = scores(q, k, last_q=last_q, scale=params.get("scale"))
     rows = min(last_q, q.shape[2])
-    return {"vertical": Estimate(vertical, terms=rows, bound=1.0),
-            "slash": Estimate(slash, terms=rows, bound=1.0)}
+    bound = _probability_bound(q, k, params.get("scale"))
+    return {"vertical": Estimate(vertical, terms=rows, bound=bound),
+            "slash": Estimate(slash, terms=rows, bound=bound)}
 
 
 def _block_sparse_params(draw: Callable[[Any], Any], seqlen: int) -> dict[str, Any]:
@@ -697,8 +699,9 @@ def _sample_attention_estimate(impl_name: str, q: torch.Tensor, k: torch.Tensor,
     scores = fast_scores if impl_name == "fast" else reference_scores
     column, slash = scores(q, k, chunk_n=chunk_n, block_size=bs, scale=params.get("scale"))
     rows = sum(stop - start for start, stop in sampled_rows(n, chunk_n, bs))
-    return {"column": Estimate(column, terms=rows, bound=1.0),
-            "slash": Estimate(slash, terms=rows, bound=1.0)}
+    bound = _probability_bound(q, k, params.get("scale"))
+    return {"column": Estimate(column, terms=rows, bound=bound),
+            "slash": Estimate(slash, terms=rows, bound=bound)}
 
 
 CHECKS["sample_attention"] = Checks(

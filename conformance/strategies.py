@@ -597,6 +597,33 @@ def draw_method_params(draw: Draw, spec: MethodSpec, seqlen: int) -> dict[str, A
     return dict(spec.params(draw, seqlen))
 
 
+def _knob_key(value: Any) -> Any:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+
+
+def _grid_values(spec: MethodSpec, params: dict[str, Any], name: str, seqlen: int) -> list[Any]:
+    """The values of one knob in the method's calibration grid (else its compare sweep) at
+    `seqlen` that the method accepts beside `params`, in the type of the drawn value."""
+    method = spec.method
+    try:
+        points = (method.calibration_params(seqlen) if method.calibration is not None
+                  else method.sweep_params(seqlen) if method.sweep is not None else [])
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for point in points:
+        value = point.get(name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        value = type(params[name])(value)
+        try:
+            method.check_params({**params, name: value})
+        except (TypeError, ValueError):
+            continue
+        out.append(value)
+    return out
+
+
 def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], seqlen: int,
                         heads: int, kv_heads: int | None = None, *,
                         often: bool = False) -> tuple[dict[str, Any], str]:
@@ -606,7 +633,9 @@ def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], se
     repeated over the KV head's query heads.
 
     The values come from the method's own strategy (`spec.params`, redrawn), the drawn
-    scalar among them, in one of three spreads: each head its own redraw; the two
+    scalar among them (and, where the redraws all agree, the knob's values in the method's
+    calibration grid or compare sweep: small examples' redraws often agree), in one of
+    three spreads: each head its own redraw; the two
     extremes of the redraws alternating head by head (neighbours differ); or the
     extremes alternating by KV group (the query heads of one KV head agree, the groups
     differ). So code that reads one head's value for another (the first head's, the KV
@@ -644,6 +673,9 @@ def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], se
                 continue
             candidates.append(value)
         candidates.append(params[name])
+        if len(set(map(_knob_key, candidates))) < 2:
+            # Redraws of small examples often agree: the method's own grid spreads the values.
+            candidates += _grid_values(spec, params, name, seqlen)
         if spread == "each":
             values = [candidates[h % len(candidates)] for h in range(units)]
             values[draw(st.integers(0, units - 1))] = params[name]
@@ -730,6 +762,14 @@ _LIMITS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("sparseprefill.fast.delta_xattention", "_MASK_ELEMENTS", (1,)),
     # DPXA's scoring halves its query tiles a program while the launch has fewer programs.
     ("sparseprefill.fast.kernels.delta_score", "MIN_PROGRAMS", (1 << 20,)),
+    # DPXA's anchor-pair scoring in small chunks (TQ, BLOCK_M, BLOCK_K, key tiles, FLAT,
+    # warps, stages), on the GPU and under the interpreter: at N <= 200 the real chunks
+    # hold every anchor of a program at once, so the running maximum never rises between
+    # chunks (its rescaling never runs) and no program splits a row's key range.
+    ("sparseprefill.fast.kernels.delta_score", "SCORE_CONFIG",
+     ((2, 16, 16, 2, False, 4, 1), (4, 16, 16, 1, True, 4, 1))),
+    ("sparseprefill.fast.kernels.delta_score", "INTERPRETER_SCORE_CONFIG",
+     ((2, 16, 16, 2, False, 4, 1), (4, 16, 16, 1, True, 4, 1))),
     # SampleAttention's row-tile table built on the device each call (the capture path).
     ("sparseprefill.fast.kernels.sampled_scores", "TILE_TABLE", ("device",)),
     # Delta-KV's packing chunk when the caller's chunks are not known.

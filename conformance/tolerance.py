@@ -61,7 +61,12 @@ block/column plans with N in 1..200, D in 16..128, |q| scaled 0.5-4, fp16 and bf
   allowance; fp32 `exp2` of logits up to ~50 in log2 units), the pooled means by less
   than 1e-9 relative (fp32 sums of 16-bit values are nearly exact). The allowance
   equals the tie check's margin (`ties.line_tolerance`, 1e-5 per row): an estimate
-  that erred more could flip a top-k decision the tie check would forgive. The same
+  that erred more could flip a top-k decision the tie check would forgive. Sums of
+  probabilities take `bound = max(1, 2**-8 * scale * max|q| * max|k| * D)`
+  (`registry._probability_bound`): a probability of fp32 logits errs by about
+  `2**-24 |s - m|` relative, so past logits of 2**8 the allowance grows with the
+  largest possible one (a vertical-slash slash sum of six rows at D 192, |q| x 2,
+  scale 0.4 and a planted late peak erred by 1.2e-4: 1.27x the flat allowance). The same
   rule covers the other estimators (30 examples each, same inputs, explicit scales
   0.05 and 0.4 among them): AnchorAttention's anchors `x_a` (row maxima of D-term fp32
   dot products, `bound = scale max|q| max|k|`), their block means and the pooled

@@ -279,6 +279,9 @@ def delta_anchor_packed(
 # MIN_PROGRAMS programs: off (0) since the key split fills the GPU.
 SCORE_CONFIG: tuple[int, int, int, int, bool, int, int] = (32, 32, 64, 32, False, 4, 2)
 MIN_PROGRAMS = 0
+# Under the CPU interpreter: few, wide steps (it pays per operation, not per element);
+# TQ is at most the next power of two of the tiles.
+INTERPRETER_SCORE_CONFIG: tuple[int, int, int, int, bool, int, int] = (64, 128, 128, 0, False, 4, 1)
 # Rows of W per program of the normalisation.
 NORM_ROWS = 16
 _MAX_GRID_Y = 65535
@@ -288,8 +291,8 @@ def _score_config(rows: int, tiles: int) -> tuple[int, int, int, int, bool, int,
     """`(TQ, BLOCK_M, BLOCK_K, key tiles, flat, warps, stages)` for `rows` (batch x query
     heads) rows of tiles."""
     if interpreter_active():
-        # Few, wide steps: the interpreter pays per operation, not per element.
-        return min(64, triton.next_power_of_2(tiles)), 128, 128, 0, False, 4, 1
+        tq, block_m, block_k, key_tiles, flat, warps, stages = INTERPRETER_SCORE_CONFIG
+        return min(tq, triton.next_power_of_2(tiles)), block_m, block_k, key_tiles, flat, warps, stages
     tq, block_m, block_k, key_tiles, flat, warps, stages = SCORE_CONFIG
     while tq > 16 and rows * cdiv(tiles, tq) < MIN_PROGRAMS:
         tq //= 2
