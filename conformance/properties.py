@@ -630,7 +630,7 @@ def _method_inputs(
     shape = draw_shape(draw, caps, seqlen=n, blocks=blocks, min_heads=spec.min_heads)
     q, k, v, what = draw_inputs(draw, shape, draw_dtype(draw), caps.device, kinds=spec.input_kinds,
                                 blocks=blocks)
-    params, per_head_what = draw_per_head_knobs(draw, spec, params, n, q.shape[1], k.shape[1])
+    params, per_head_what = draw_per_head_knobs(draw, spec, params, n, q.shape[1], k.shape[1], often=several_heads)
     limits, limits_what = draw_limits(draw, caps, head_groups=bool(per_head_what) and q.shape[1] > 1)
     return (q, k, v, spec.call_params(params, q),
             f"{spec.name} {what} params={params}{per_head_what} {limits_what}", limits)

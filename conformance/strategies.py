@@ -646,7 +646,7 @@ def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], se
 
     Three draws in four are per head (the newest code and the head-group paths read
     per-head values; a scalar is filled per head by the same code in most methods); with
-    several knobs, each is made per head half the time, every one with `often`.
+    several knobs, each is made per head half the time (at least one), every one with `often`.
 
     Returns:
         (the parameters, a note for the failure message: the knobs made per head).
@@ -658,8 +658,11 @@ def draw_per_head_knobs(draw: Draw, spec: MethodSpec, params: dict[str, Any], se
     redraws = [spec.params(draw, seqlen) for _ in range(max(heads, 3))]
     spread = str(draw(st.sampled_from(["extremes", "groups", "each"])))
     group = max(1, heads // max(1, kv_heads or heads))
+    chosen = [name for name in knobs if often or len(knobs) == 1 or draw(st.booleans())]
+    if not chosen:  # at least one knob per head
+        chosen = [knobs[int(draw(st.integers(0, len(knobs) - 1)))]]
     for name in knobs:
-        if not often and not draw(st.booleans()) and len(knobs) > 1:
+        if name not in chosen:
             continue
         units = kv_heads if kv_heads is not None and name in spec.method.kv_knobs else heads
         candidates = []
