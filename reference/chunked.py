@@ -44,6 +44,8 @@ WHOLE_PROMPT = {
                          "its layer state",
     "shareprefill_layer_plan": "SharePrefill decides each head's pattern from the whole prompt's last block "
                                "and its layer state",
+    "headwise_plan": "headwise's heads may take methods that read the whole prompt (SampleAttention among its "
+                     "defaults); chunk a layer whose heads all chunk by each head's own method",
 }
 
 

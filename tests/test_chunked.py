@@ -171,6 +171,8 @@ def test_chunk_plan_checks() -> None:
         reference.chunk_plan(reference.sample_attention_plan, q[:, :, 64:], k)
     with pytest.raises(ValueError, match="needs the whole prompt"):
         fast.chunk_plan(fast.shareprefill_plan, q[:, :, 64:].half(), k.half())
+    with pytest.raises(ValueError, match="headwise_plan needs the whole prompt"):
+        reference.chunk_plan(reference.headwise_plan, q[:, :, 64:], k)
     with pytest.raises(ValueError, match=r"multiple of the plan's block_m \* column_group = 32 \* 1"):
         reference.chunk_plan(reference.dense_plan, q[:, :, 40:], k, block_m=32)
     with pytest.raises(ValueError, match="k must hold the prefix and the chunk"):
