@@ -890,13 +890,14 @@ def draw_column_path(draw: Draw, caps: Caps) -> tuple[Any, str]:
     """A context manager that picks how the block/column kernel reads a plan's columns, and
     a description.
 
-    Three choices, each off in most examples: covered columns (columns inside a listed
-    block) left to the kernel's own column-in-block test instead of resolved at plan
+    Three choices: covered columns (columns inside a listed block), half the time,
+    left to the kernel's own column-in-block test instead of resolved at plan
     time (`own_columns.RESOLVE_COVERED`; in production only large shared lists take that
-    path, so at N <= 200 it would run on few plans); else, a third of the time, the
+    path, so at N <= 200 it would run on few plans); else, half the time, the
     kernel's copy that runs whole column tiles before a query tile without masks
     (`block_column._COL_SPLIT`; its rule picks it only where query blocks list many
-    columns, which N <= 200 rarely reaches); and column tiles of 16 keys
+    columns, which N <= 200 rarely reaches); and column tiles of 16 keys (two times in
+    three with the split, a third of the time otherwise)
     (`block_column._COL_TILE`, a tuning switch), so that the short column lists of small
     N still span several column tiles and the kernel's per-tile bookkeeping (the block
     list window, the covered test across a tile edge, the masked tail, the split between
@@ -908,8 +909,10 @@ def draw_column_path(draw: Draw, caps: Caps) -> tuple[Any, str]:
     if not caps.scaled_limits:
         return _patched([]), ""
     in_kernel = bool(draw(st.booleans()))
-    split = not in_kernel and bool(draw(st.sampled_from([True, False, False])))
-    col_tile = int(draw(st.sampled_from([0, 16, 0])))
+    split = not in_kernel and bool(draw(st.booleans()))
+    # The split copy's own edge (whole unmasked column tiles, then the masked tail) needs
+    # column lists of several tiles: with the split, 16-key column tiles most of the time.
+    col_tile = int(draw(st.sampled_from([16, 16, 0] if split else [0, 16, 0])))
     changes: list[tuple[Any, str, Any]] = []
     block_column = importlib.import_module("sparseprefill.fast.kernels.block_column")
     if in_kernel:
