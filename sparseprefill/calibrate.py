@@ -648,8 +648,8 @@ def choose_heads(options: Sequence[Sequence[HeadOption | None]], *, seqlen: int,
             best = (total, unit, picks, kernel, estimate)
     assert best is not None
     total, unit, picks, kernel, estimate = best
-    record = {"objective": objective, "unit": unit, "dense_ms": dense, "kernel_ms": kernel, "estimate_ms": estimate, "total_ms": total,
-              "dense_total_ms": dense * hq, "rates": getattr(rates, "device", ""), "dtype": str(dtype),
+    record = {"objective": objective, "unit": unit, "dense_ms": dense, "kernel_ms": kernel, "estimate_ms": estimate,
+              "total_ms": total, "dense_total_ms": dense * hq, "rates": getattr(rates, "device", ""), "dtype": str(dtype),
               "head_dim": head_dim, "methods": [None if p is None else p.params["method"] for p in picks]}
     return picks, record
 
@@ -979,7 +979,8 @@ def _check_held_out(config: CalibratedConfig, args: argparse.Namespace) -> None:
     mine = {(p["kind"], p["source"]) for p in args.prompt_list}
     seen = {str(p.get("kind")) for p in used if isinstance(p, dict)}
     same = sorted({kind for kind, _ in mine if kind in seen}
-                  | {source for _, source in mine if source in {str(p.get("source")) for p in used if isinstance(p, dict)}})
+                  | {source for _, source in mine
+                     if source in {str(p.get("source")) for p in used if isinstance(p, dict)}})
     if same:
         print(f"note: {config.method}: the --eval prompts share {', '.join(same)} with the config's calibration "
               "prompts: not a held-out kind", file=sys.stderr)
