@@ -606,8 +606,7 @@ def _grid_values(spec: MethodSpec, params: dict[str, Any], name: str, seqlen: in
     `seqlen` that the method accepts beside `params`, in the type of the drawn value."""
     method = spec.method
     try:
-        points = (method.calibration_params(seqlen) if method.calibration is not None
-                  else method.sweep_params(seqlen) if method.sweep is not None else [])
+        points = method.calibration_params(seqlen)
     except (TypeError, ValueError):
         return []
     out = []
