@@ -107,9 +107,16 @@ MAX_PARTS = 1024
 _NONFINITE_BLOCK = 4096
 
 
+def _flag(text: str) -> bool:
+    return text == "1"
+
+
+# `apply_switches` keys -> (the module attribute each sets, its default, how its text reads).
+_SWITCH_SPECS: dict[str, tuple[str, str, Any]] = {
+    "HOPPER": ("ENABLED", "1", _flag), "HOPPER_STAGES": ("STAGES", "0", int),
+    "HOPPER_NONFINITE": ("NONFINITE", "1", _flag), "HOPPER_COLUMNS": ("COLUMNS", "0", _flag)}
 # `apply_switches` keys -> the module attribute each sets.
-SWITCHES = {"HOPPER": "ENABLED", "HOPPER_STAGES": "STAGES", "HOPPER_NONFINITE": "NONFINITE",
-            "HOPPER_COLUMNS": "COLUMNS"}
+SWITCHES = {key: attr for key, (attr, _, _) in _SWITCH_SPECS.items()}
 
 
 def apply_switches(sets: dict[str, str]) -> None:
@@ -122,11 +129,8 @@ def apply_switches(sets: dict[str, str]) -> None:
     1 / 0 (column plans on this path, or the portable kernel: the default). Each setting
     is a constexpr of the kernel or a host decision, so variants compile their own kernels.
     """
-    global ENABLED, STAGES, NONFINITE, COLUMNS
-    ENABLED = sets.get("HOPPER", "1") == "1"
-    COLUMNS = sets.get("HOPPER_COLUMNS", "0") == "1"
-    STAGES = int(sets.get("HOPPER_STAGES", "0"))
-    NONFINITE = sets.get("HOPPER_NONFINITE", "1") == "1"
+    for key, (attr, default, read) in _SWITCH_SPECS.items():
+        globals()[attr] = read(sets.get(key, default))
 
 
 @triton.jit(do_not_specialize=["numel"])
